@@ -1,0 +1,42 @@
+# ftengine developer entry points. Everything installs into .venv from scratch.
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
+# Editable install in strict mode (so mypy can follow ftengine.policies /
+# ftengine.backends); it must be redone when package files are added.
+PKG_FILES := $(shell find ftengine policies backends -name '*.py' 2>/dev/null | sort)
+
+.PHONY: install lint test demo unit property integration bench clean
+
+$(VENV)/.base:
+	$(PYTHON) -m venv $(VENV)
+	$(PIP) install --quiet --upgrade pip
+	$(PIP) install --quiet torch==2.13.0
+	touch $@
+
+$(VENV)/.deps: $(VENV)/.base pyproject.toml
+	$(PIP) install --quiet -e '.[dev]' --config-settings editable_mode=strict
+	touch $@
+
+$(VENV)/.installed: $(VENV)/.deps $(PKG_FILES)
+	$(PIP) install --quiet --no-deps -e . --config-settings editable_mode=strict
+	touch $@
+
+install: $(VENV)/.installed
+
+lint: install
+	$(VENV)/bin/ruff check ftengine policies backends tests bench
+	$(VENV)/bin/ruff format --check ftengine policies backends tests bench
+	$(VENV)/bin/mypy --strict -p ftengine
+	$(VENV)/bin/mypy --strict tests bench
+
+test: lint
+	$(VENV)/bin/pytest -q -p no:cacheprovider --hypothesis-profile=ci
+
+demo: install
+	$(VENV)/bin/ftengine demo
+
+clean:
+	rm -rf $(VENV) build *.egg-info .mypy_cache .ruff_cache .pytest_cache .hypothesis

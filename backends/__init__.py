@@ -1,0 +1,1 @@
+"""Device backends: act on the device and the process groups; never decide."""

@@ -1,0 +1,68 @@
+"""Shared vocabulary: health values (vLLM's), recovery phases, fault kinds and the Fault record."""
+
+from __future__ import annotations
+
+import enum
+
+import attrs
+
+
+class HealthStatus(enum.IntEnum):
+    """Engine health as vLLM reports it (same integer values)."""
+
+    HEALTHY = 0
+    DEAD = 1
+    UNHEALTHY = 2
+
+
+class Phase(str, enum.Enum):
+    """The recovery FSM's states."""
+
+    RUNNING = "running"
+    QUARANTINED = "quarantined"
+    RETRYING = "retrying"
+    SCALING_DOWN = "scaling_down"
+    HEALTHY = "healthy"
+    DEAD = "dead"
+
+    @property
+    def health(self) -> HealthStatus:
+        """The vLLM health value an engine in this phase reports."""
+        return _PHASE_HEALTH[self]
+
+
+_PHASE_HEALTH = {
+    Phase.RUNNING: HealthStatus.HEALTHY,
+    Phase.HEALTHY: HealthStatus.HEALTHY,
+    Phase.QUARANTINED: HealthStatus.UNHEALTHY,
+    Phase.RETRYING: HealthStatus.UNHEALTHY,
+    Phase.SCALING_DOWN: HealthStatus.UNHEALTHY,
+    Phase.DEAD: HealthStatus.DEAD,
+}
+
+
+class FaultKind(str, enum.Enum):
+    """What kind of fault was detected; policies decide on this."""
+
+    TRANSIENT = "transient"  # an error that a retry may clear (injected raise, flaky link)
+    DEAD_PEER = "dead_peer"  # a peer's socket closed / its process exited
+    HUNG_PEER = "hung_peer"  # a collective timed out: a peer stopped answering
+    DEVICE_ERROR = "device_error"  # the local device reported an error (poisoned stream)
+    SELF_DEAD = "self_dead"  # this worker's own process is gone (reported by a supervisor)
+    RECOVERY_ERROR = "recovery_error"  # an action failed while recovering
+
+
+@attrs.frozen
+class Fault:
+    """One detected fault.
+
+    ``rank`` is the (original) DP rank the fault points at, when known; ``step`` the
+    model step it happened in; ``info`` the exception type name or a short text
+    (vLLM's ``fault_info``); ``at`` the monotonic time of detection in seconds.
+    """
+
+    kind: FaultKind
+    rank: int | None = None
+    step: int | None = None
+    info: str = ""
+    at: float = 0.0

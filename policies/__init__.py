@@ -1,0 +1,1 @@
+"""Recovery policies: decide what to do about a fault; never act."""
