@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 # Editable install in strict mode (so mypy can follow ftengine.policies /
 # ftengine.backends); it must be redone when package files are added.
-PKG_FILES := $(shell find ftengine policies backends -name '*.py' 2>/dev/null | sort)
+PKG_FILES := $(shell find ftengine/ policies/ backends/ -name "*.py" 2>/dev/null | sort)
 
 .PHONY: install lint test demo unit property integration bench clean
 

@@ -1,0 +1,1 @@
+"""The CPU reference cluster: real DP+EP MoE worker processes over gloo."""

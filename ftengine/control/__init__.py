@@ -1,0 +1,1 @@
+"""Operator surface: vLLM-compatible control API, health and metrics."""

@@ -1,0 +1,1 @@
+"""ftengine inside a vLLM worker: plugin and worker-sentinel adapter."""

@@ -1,0 +1,1 @@
+"""Expert weights: checkpoint index, selective safetensors reload, device-layout transforms."""
