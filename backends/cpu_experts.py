@@ -1,0 +1,161 @@
+"""One CPU worker's experts: EPLB placement, slot storage, elastic_info and in-place repair.
+
+The worker holds the slots ``[rank * L, (rank + 1) * L)`` of the physical expert space
+(``L`` local slots). Scale-down masks dead EP ranks in elastic_info, lets the placement
+planner (deterministic, so every survivor computes the same plan alone) re-host the
+experts left without a replica, and reloads only the re-hosted (layer, expert) tensors
+from disk into this worker's slots, in place.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable
+
+import attrs
+import torch
+
+from ftengine.backends.base import RepairReport
+from ftengine.errors import WeightLoadError
+from ftengine.placement.elastic import ElasticInfo, densify_routing_ids
+from ftengine.placement.maps import ExpertPlacement
+from ftengine.placement.planner import apply_plan, plan_redistribution
+from ftengine.placement.ranks import dp_to_ep_ranks
+from ftengine.weights.index import CheckpointIndex
+from ftengine.weights.reload import load_experts_into_slots
+from ftengine.weights.slots import ExpertSlots
+
+logger = logging.getLogger(__name__)
+
+Tensor = torch.Tensor
+
+
+@attrs.frozen(eq=False)
+class ExpertLayer:
+    """A view of one MoE layer's expert state on this worker (what ``expert_layers`` shows)."""
+
+    layer: int
+    physical_to_logical: Tensor  # [num_physical], a view into the placement (in place)
+    local_logical: tuple[int, ...]  # logical expert in each local slot at creation time
+
+
+class CpuExperts:
+    """Placement + slots + elastic_info of one worker (``rank`` of ``world`` EP ranks)."""
+
+    def __init__(
+        self,
+        index: CheckpointIndex,
+        placement: ExpertPlacement,
+        slots: ExpertSlots,
+        rank: int,
+    ) -> None:
+        self.index = index
+        self.placement = placement
+        self.slots = slots
+        self.rank = rank
+        self.local_slots = placement.local_slots
+        self.elastic = ElasticInfo(placement.ep_size, placement.local_slots)
+        self._float: dict[tuple[int, int], tuple[Tensor, Tensor]] = {}
+
+    @classmethod
+    def load(
+        cls, index: CheckpointIndex, *, rank: int, world: int, num_redundant: int
+    ) -> CpuExperts:
+        """Build the default EPLB placement and load this rank's slots from ``index``."""
+        num_layers, num_logical = index.num_layers, index.num_experts
+        placement = ExpertPlacement.default(num_layers, num_logical, num_redundant, world)
+        slots = ExpertSlots.allocate(index, num_layers, placement.local_slots)
+        experts = cls(index, placement, slots, rank)
+        experts._reload(experts.own_assignments())
+        return experts
+
+    def own_assignments(self) -> list[tuple[int, int, int]]:
+        """``(layer, local slot, logical expert)`` for every live slot this rank holds."""
+        start = self.rank * self.local_slots
+        p2l = self.placement.physical_to_logical_map
+        out = []
+        for layer in range(self.placement.num_layers):
+            for slot in range(self.local_slots):
+                logical = int(p2l[layer, start + slot])
+                if logical >= 0:
+                    out.append((layer, slot, logical))
+        return out
+
+    def w13(self, layer: int, slot: int) -> Tensor:
+        """Float32 ``[H, 2I]`` of local ``slot`` (cached until the slot is reloaded)."""
+        return self._floats(layer, slot)[0]
+
+    def w2(self, layer: int, slot: int) -> Tensor:
+        """Float32 ``[I, H]`` of local ``slot``."""
+        return self._floats(layer, slot)[1]
+
+    def _floats(self, layer: int, slot: int) -> tuple[Tensor, Tensor]:
+        key = (layer, slot)
+        if key not in self._float:
+            self._float[key] = (self.slots.w13_float(layer, slot), self.slots.w2_float(layer, slot))
+        return self._float[key]
+
+    def routing(self, layer: int) -> tuple[Tensor, Tensor]:
+        """``(logical_to_physical [E, R], replica_count [E])`` of ``layer`` (live views)."""
+        p = self.placement
+        return p.logical_to_physical_map[layer], p.logical_replica_count[layer]
+
+    def densify(self, physical: Tensor) -> Tensor:
+        """Physical ids -> dense ids through elastic_info table1 (identity while unmasked)."""
+        return densify_routing_ids(physical, self.elastic.table1(), self.local_slots)
+
+    def mask(self, dead_dp_ranks: frozenset[int]) -> None:
+        """Rewrite elastic_info in place for the cumulative dead set (TP = 1: EP = DP)."""
+        dead_ep = dp_to_ep_ranks(dead_dp_ranks, 1)
+        self.elastic.update(dead_ep)
+
+    def repair(self, dead_dp_ranks: frozenset[int], *, fail: bool = False) -> RepairReport:
+        """Re-host the experts of ``dead_dp_ranks`` and reload this rank's new slots.
+
+        ``fail`` makes the reload raise WeightLoadError (fault injection).
+        """
+        dead_ep = dp_to_ep_ranks(dead_dp_ranks, 1)
+        plan = plan_redistribution(self.placement, dead_ep)
+        apply_plan(self.placement, plan)
+        start = self.rank * self.local_slots
+        mine = [
+            (move.layer, move.slot - start, move.logical_expert)
+            for move in plan.moves
+            if start <= move.slot < start + self.local_slots
+        ]
+        if fail:
+            raise WeightLoadError(
+                f"injected reload_error on rank {self.rank}: refusing to reload "
+                f"{len(mine)} experts from {self.index.path}"
+            )
+        bytes_read = self._reload(mine)
+        return RepairReport(
+            reloads=len(mine),
+            reload_lower_bound=int(plan.lower_bound),
+            bytes_reloaded=bytes_read,
+            reloaded=tuple((layer, expert) for layer, _, expert in mine),
+        )
+
+    def _reload(self, assignments: Iterable[tuple[int, int, int]]) -> int:
+        todo = list(assignments)
+        if not todo:
+            return 0
+        stats = load_experts_into_slots(self.index, self.slots, todo)
+        for layer, slot, _ in todo:
+            self._float.pop((layer, slot), None)
+        return int(stats.bytes_read)
+
+    def layers(self) -> tuple[ExpertLayer, ...]:
+        """One :class:`ExpertLayer` per MoE layer."""
+        p2l = self.placement.physical_to_logical_map
+        start = self.rank * self.local_slots
+        return tuple(
+            ExpertLayer(
+                layer=layer,
+                physical_to_logical=p2l[layer],
+                local_logical=tuple(
+                    int(x) for x in p2l[layer, start : start + self.local_slots].tolist()
+                ),
+            )
+            for layer in range(self.placement.num_layers)
+        )

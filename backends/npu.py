@@ -1,0 +1,272 @@
+"""The Ascend NPU backend: op timeouts, poisoned-stream quarantine, device reset, MC2 masking.
+
+It acts through torch_npu (imported when the backend is built, never at ftengine import
+time) and reaches the model only through :class:`~ftengine.backends.npu_host.NpuHost`.
+The engine drives it in the order documented in ``ftengine.backends.base``.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Callable, Mapping, MutableMapping
+from typing import ParamSpec, TypeVar
+
+import attrs
+import torch
+
+from ftengine.backends.base import RepairReport
+from ftengine.backends.npu_config import NpuFtConfig
+from ftengine.backends.npu_groups import GroupFactory, OwnedGroups, TorchGroupFactory
+from ftengine.backends.npu_host import NpuHost, NpuTopology
+from ftengine.backends.npu_mc2 import Mc2Communicator, Mc2Params
+from ftengine.backends.npu_preconditions import (
+    NpuDeployment,
+    check_scale_down,
+    scale_down_problems,
+)
+from ftengine.backends.npu_reload import NpuExpertReloader, NpuReloadStats
+from ftengine.backends.npu_reset import DeviceResetter, FaultBarrier
+from ftengine.backends.npu_runtime import NpuRuntime
+from ftengine.backends.npu_timeouts import OpTimeoutController
+from ftengine.errors import BackendError, PlacementError, PreconditionFailed
+from ftengine.faults import Fault
+from ftengine.placement.elastic import ElasticInfo
+from ftengine.placement.planner import apply_plan, plan_redistribution
+from ftengine.placement.ranks import check_ep_ranks, dp_to_ep_ranks, neutralize_dead_columns
+
+logger = logging.getLogger(__name__)
+
+P = ParamSpec("P")
+T = TypeVar("T")
+
+NO_RELOAD = NpuReloadStats(experts=0, bytes_read=0, format_casts=0, seconds=0.0)
+
+
+class NpuBackend:
+    """Backend for one vLLM-Ascend worker (one NPU, one original DP rank).
+
+    ``runtime`` defaults to the real torch_npu (``TorchNpuUnavailable`` if it is missing);
+    ``group_factory`` to ``torch.distributed``; ``environ`` to ``os.environ``; ``device`` to
+    ``npu:<device_index>``. With ``config.scale_down`` every unmet scale-down precondition
+    is reported at once (``PreconditionFailed``) here, at start-up.
+    """
+
+    name = "npu"
+
+    def __init__(
+        self,
+        host: NpuHost,
+        topology: NpuTopology,
+        *,
+        config: NpuFtConfig | None = None,
+        deployment: NpuDeployment | None = None,
+        runtime: NpuRuntime | None = None,
+        group_factory: GroupFactory | None = None,
+        environ: MutableMapping[str, str] | None = None,
+        device: torch.device | None = None,
+    ) -> None:
+        self.runtime = runtime if runtime is not None else NpuRuntime.load()
+        self.host = host
+        self.topology = topology
+        self.config = config if config is not None else NpuFtConfig()
+        placement = host.placement()
+        if placement.ep_size != topology.ep_size:
+            raise PlacementError(
+                f"the placement is for EP size {placement.ep_size}, but DP {topology.dp_size} x "
+                f"TP {topology.tp_size} = {topology.ep_size}; build it for the whole EP group"
+            )
+        # Facts this process can see for itself override what the host declared.
+        self.deployment = attrs.evolve(
+            deployment if deployment is not None else NpuDeployment(),
+            tp_size=topology.tp_size,
+            num_redundant_experts=placement.num_redundant,
+            has_dispatch_v2=self.runtime.has_mc2_v2,
+        )
+        if self.config.scale_down:
+            check_scale_down(self.deployment)
+        self.device = device if device is not None else self.runtime.device(topology.device_index)
+        self.timeouts = OpTimeoutController(
+            self.runtime, os.environ if environ is None else environ
+        )
+        self.timeouts.apply(self.config.communication_abort_timeout_s)
+        everyone = frozenset(range(topology.dp_size))
+        self.groups = OwnedGroups(
+            group_factory if group_factory is not None else TorchGroupFactory(),
+            topology.global_ranks(everyone),
+            cpu_timeout_s=self.config.cpu_distributed_timeout_s,
+        )
+        self._resetter = DeviceResetter(self.runtime, topology.device_index, self.groups)
+        self.barrier = FaultBarrier(lambda: self._resetter.reset(recreate_groups=False))
+        # One elastic_info per worker, shared by every MoE layer and every MC2 call.
+        self.elastic = ElasticInfo(
+            placement.ep_size,
+            placement.local_slots,
+            device=self.device,
+            moe_expert_num=placement.num_physical,
+        )
+        self._reloader = NpuExpertReloader(self.runtime, self.device)
+        self._dead_dp: frozenset[int] = frozenset()
+        self._epoch = 0
+
+    @classmethod
+    def from_additional_config(
+        cls,
+        additional_config: Mapping[str, object] | None,
+        host: NpuHost,
+        topology: NpuTopology,
+        **kwargs: object,
+    ) -> NpuBackend:
+        """Build from vLLM's ``additional_config`` (see ``npu_config``); kwargs as ``__init__``."""
+        config = NpuFtConfig.from_additional_config(additional_config)
+        return cls(host, topology, config=config, **kwargs)  # type: ignore[arg-type]
+
+    # What the host uses ----------------------------------------------------------------------
+
+    @property
+    def dead_dp_ranks(self) -> frozenset[int]:
+        """Original DP ranks masked so far (cumulative)."""
+        return self._dead_dp
+
+    @property
+    def epoch(self) -> int:
+        return self._epoch
+
+    def guard(self, fn: Callable[P, T], empty: Callable[[], T]) -> Callable[P, T]:
+        """Wrap the host's model call with the fault barrier (see ``FaultBarrier.guard``)."""
+        return self.barrier.guard(fn, empty)
+
+    def make_mc2(
+        self,
+        group_ep: str,
+        *,
+        global_bs: int = 0,
+        quant_mode: int = 0,
+        expert_token_nums_type: int = 1,
+        group_tp: str = "",
+    ) -> Mc2Communicator:
+        """An MC2 dispatch/combine caller sharing this worker's single ``elastic_info``.
+
+        ``group_ep`` is the HCCL name of the EP group; the other arguments are the
+        :class:`Mc2Params` fields of the same name.
+        """
+        placement = self.host.placement()
+        mc2 = Mc2Params(
+            group_ep=group_ep,
+            ep_world_size=self.topology.ep_size,
+            ep_rank_id=self.topology.ep_rank,
+            moe_expert_num=placement.num_physical,
+            global_bs=global_bs,
+            quant_mode=quant_mode,
+            expert_token_nums_type=expert_token_nums_type,
+            group_tp=group_tp,
+        )
+        return Mc2Communicator(self.runtime, mc2, self.elastic)
+
+    def neutralize_dp_columns(self, tensor: torch.Tensor, neutral: float | int | bool) -> None:
+        """Overwrite the dead DP ranks' columns of a DP-sync tensor ``[..., dp]`` in place."""
+        neutralize_dead_columns(tensor, self._dead_dp, neutral)
+
+    # Backend protocol ------------------------------------------------------------------------
+
+    def set_op_timeout(self, seconds: float) -> None:
+        """T seconds (0 = off, else a whole number >= 2): HCCL env + ``set_op_timeout_ms``."""
+        self.timeouts.apply(seconds)
+
+    def quarantine(self, fault: Fault) -> None:
+        """Mark the worker faulted and reset the device now, once per fault (no peer waits).
+
+        The local reset does not re-create groups (that is a rendezvous with peers that may
+        be dead); it marks them stale until ``rebuild_groups``.
+        """
+        self.barrier.trip(f"{fault.kind.value}: {fault.info}" if fault.info else fault.kind.value)
+
+    def reset_device(self) -> None:
+        """Full reset: set/stop/restart device, reinit HCCL, synchronize, re-create groups."""
+        self._resetter.reset(recreate_groups=True)
+
+    def rebuild_groups(self, alive_ranks: frozenset[int], epoch: int) -> None:
+        """Re-create every owned group among ``alive_ranks``; model calls reach the device again."""
+        self._check_alive(frozenset(alive_ranks))
+        self.groups.rebuild(self.topology.global_ranks(alive_ranks), epoch)
+        self._epoch = epoch
+        self.barrier.release()
+
+    def mask_ranks(self, dead_ranks: frozenset[int]) -> None:
+        """Rebuild ``elastic_info`` in place for the cumulative dead DP ranks."""
+        self._require_scale_down()
+        dead = frozenset(dead_ranks)
+        if self.topology.dp_rank in dead:
+            raise PreconditionFailed(
+                f"rank {self.topology.dp_rank} was asked to mask itself; only survivors mask"
+            )
+        if not self._dead_dp <= dead:
+            raise PreconditionFailed(
+                f"dead ranks are cumulative: {sorted(dead)} drops earlier dead ranks "
+                f"{sorted(self._dead_dp - dead)}"
+            )
+        dead_ep = check_ep_ranks(dp_to_ep_ranks(dead, self.topology.tp_size), self.topology.ep_size)
+        if self.elastic.dead_ep_ranks:
+            # The previous non-blocking copy may still read the pinned host buffer.
+            self.runtime.synchronize()
+        self.elastic.update(dead_ep)
+        self._dead_dp = dead
+        logger.info("npu ranks masked", extra={"dead_dp_ranks": sorted(dead)})
+
+    def repair_experts(self, dead_ranks: frozenset[int]) -> RepairReport:
+        """Plan the redistribution (same plan on every survivor), reload this rank's moves."""
+        self._require_scale_down()
+        dead_ep = dp_to_ep_ranks(dead_ranks, self.topology.tp_size)
+        placement = self.host.placement()
+        plan = plan_redistribution(placement, dead_ep)
+        mine = plan.local_assignments(self.topology.ep_rank)
+        # Weights first, maps second: the router never points at a slot still being written.
+        stats = (
+            self._reloader.reload(self.host.checkpoint(), self.host.slot_storage(), mine)
+            if mine
+            else NO_RELOAD
+        )
+        apply_plan(placement, plan)
+        return RepairReport(
+            reloads=stats.experts,
+            reload_lower_bound=plan.lower_bound,
+            bytes_reloaded=stats.bytes_read,
+            reloaded=tuple((layer, expert) for layer, _, expert in mine),
+        )
+
+    def run_dummy_batch(self) -> None:
+        """The host's dummy step (through MC2 with the current elastic_info)."""
+        try:
+            self.host.run_dummy_batch()
+        except Exception as exc:
+            raise BackendError(
+                f"the dummy batch failed on NPU rank {self.topology.dp_rank}: {exc}"
+            ) from exc
+
+    def synchronize(self) -> None:
+        """Wait for queued device work, unless the stream is poisoned and not yet reset."""
+        if self.barrier.tripped and not self.barrier.reset_done:
+            logger.warning("synchronize skipped: the device stream is poisoned and not reset")
+            return
+        self.runtime.synchronize()
+
+    def _check_alive(self, alive: frozenset[int]) -> None:
+        size = self.topology.dp_size
+        problems = []
+        if self.topology.dp_rank not in alive:
+            problems.append(f"alive ranks {sorted(alive)} must include this rank")
+        outside = sorted(r for r in alive if not 0 <= r < size)
+        if outside:
+            problems.append(f"alive ranks {outside} are not DP ranks of [0, {size})")
+        if problems:
+            message = "cannot rebuild groups: " + "; ".join(problems)
+            raise PreconditionFailed(message, tuple(problems))
+
+    def _require_scale_down(self) -> None:
+        if not self.config.scale_down:
+            problems = scale_down_problems(self.deployment)
+            raise PreconditionFailed(
+                "scale-down is disabled for this NPU worker (ftengine.scale_down = false)"
+                + (f"; it would also need: {'; '.join(problems)}" if problems else ""),
+                reasons=("scale-down is disabled (ftengine.scale_down = false)", *problems),
+            )

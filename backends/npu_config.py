@@ -1,0 +1,93 @@
+"""The vLLM-Ascend-style configuration surface of the NPU backend (``additional_config``).
+
+``--additional-config '{"ft_communication_abort_timeout": 30, "ftengine": {"policy": "auto"}}'``:
+the top-level key is the one vLLM-Ascend defines; ftengine's own options live in the
+``ftengine`` sub-dict. Other top-level keys belong to vLLM-Ascend and are left alone.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import attrs
+
+from ftengine.backends.npu_timeouts import ABORT_TIMEOUT_KEY, validate_abort_timeout
+from ftengine.errors import ConfigError
+
+FTENGINE_KEY = "ftengine"
+POLICIES = ("orchestrator", "auto")
+
+
+def _positive_seconds(value: object, key: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float) or value <= 0:
+        raise ConfigError(f"{key} must be a positive number of seconds, found {value!r}")
+    return float(value)
+
+
+def _optional_seconds(value: object, key: str) -> float | None:
+    return None if value is None else _positive_seconds(value, key)
+
+
+def _policy(value: object, key: str) -> str:
+    if value not in POLICIES:
+        raise ConfigError(f"{key} must be one of {', '.join(POLICIES)}, found {value!r}")
+    return str(value)
+
+
+def _flag(value: object, key: str) -> bool:
+    if not isinstance(value, bool):
+        raise ConfigError(f"{key} must be true or false, found {value!r}")
+    return value
+
+
+@attrs.frozen
+class NpuFtConfig:
+    """Fault-tolerance options of one NPU worker.
+
+    ``communication_abort_timeout_s``: T (0 = off), see ``npu_timeouts``.
+    ``policy``: "orchestrator" (wait for a command, vLLM's behaviour) or "auto".
+    ``scale_down``: whether scale-down must be possible (its preconditions are then
+    checked at start-up). ``recovery_timeout_s``: how long to wait for a command before
+    DEAD. ``cpu_distributed_timeout_s``: timeout of the gloo groups ftengine owns
+    (None = torch's default).
+    """
+
+    communication_abort_timeout_s: int = 0
+    policy: str = "orchestrator"
+    scale_down: bool = True
+    recovery_timeout_s: float = 120.0
+    cpu_distributed_timeout_s: float | None = None
+
+    @classmethod
+    def from_additional_config(cls, additional_config: Mapping[str, object] | None) -> NpuFtConfig:
+        """Read the config from vLLM's ``additional_config`` dict; bad values → ``ConfigError``."""
+        config = dict(additional_config or {})
+        timeout = validate_abort_timeout(config.get(ABORT_TIMEOUT_KEY, 0), key=ABORT_TIMEOUT_KEY)
+        sub = config.get(FTENGINE_KEY, {})
+        if not isinstance(sub, Mapping):
+            raise ConfigError(
+                f'{FTENGINE_KEY} must be a JSON object such as {{"policy": "auto"}}, found {sub!r}'
+            )
+        return cls.from_options(sub, communication_abort_timeout_s=timeout)
+
+    @classmethod
+    def from_options(
+        cls, options: Mapping[str, object], *, communication_abort_timeout_s: int = 0
+    ) -> NpuFtConfig:
+        """Read the ``ftengine`` sub-dict; an unknown key is an error (it is usually a typo)."""
+        parsers = {
+            "policy": ("policy", _policy),
+            "scale_down": ("scale_down", _flag),
+            "recovery_timeout_sec": ("recovery_timeout_s", _positive_seconds),
+            "cpu_distributed_timeout_sec": ("cpu_distributed_timeout_s", _optional_seconds),
+        }
+        values: dict[str, object] = {}
+        for key, value in options.items():
+            if key not in parsers:
+                raise ConfigError(
+                    f"unknown option {FTENGINE_KEY}.{key}; expected one of "
+                    f"{', '.join(sorted(parsers))}"
+                )
+            field, parse = parsers[key]
+            values[field] = parse(value, f"{FTENGINE_KEY}.{key}")
+        return cls(communication_abort_timeout_s=communication_abort_timeout_s, **values)  # type: ignore[arg-type]

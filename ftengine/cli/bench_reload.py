@@ -1,0 +1,93 @@
+"""Benchmark selective expert reload against the naive load-everything baseline and a raw read."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any, get_args
+
+from rich.console import Console
+from rich.table import Table
+
+from ftengine.cli.checkpoint import phase_progress
+from ftengine.errors import FTEngineError
+from ftengine.weights.checkpoint_gen import remove_checkpoint
+from ftengine.weights.index import Quant
+from ftengine.weights.reload_bench import BenchSetup, run_bench
+
+BENCH = "reload"
+
+
+def default_checkpoint(size_mb: float, quant: str) -> Path:
+    """Where the benchmark keeps (and reuses) its checkpoint: under the temp dir, never the repo."""
+    return Path(tempfile.gettempdir()) / "ftengine-bench-reload" / f"{size_mb:g}mb-{quant}"
+
+
+def register(parser: argparse.ArgumentParser) -> None:
+    """Add the bench-reload arguments."""
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    parser.add_argument("--size-mb", type=float, default=1024.0, help="expert bytes, about")
+    parser.add_argument("--quant", choices=get_args(Quant), default="none")
+    parser.add_argument("--checkpoint", type=Path, default=None, help="build or reuse here")
+    parser.add_argument("--remove", action="store_true", help="delete the checkpoint after")
+    parser.add_argument("--dp", type=int, default=4, help="DP = EP ranks")
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--experts", type=int, default=64, help="logical experts per layer")
+    parser.add_argument("--redundant", type=int, default=32, help="redundant expert slots")
+    parser.add_argument("--dead-rank", type=int, default=1)
+    parser.add_argument("--worker-rank", type=int, default=0, help="the survivor measured")
+    parser.add_argument("--workers", type=int, default=1, help="reload thread pool size")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads per child")
+    parser.add_argument("--shards", type=int, default=4)
+    parser.add_argument("--repeat", type=int, default=3, help="timed runs; the best counts")
+    parser.add_argument("--timeout", type=float, default=900.0, help="seconds per child")
+    parser.set_defaults(func=run)
+
+
+def _table(result: dict[str, Any]) -> Table:
+    table = Table(title="selective expert reload")
+    table.add_column("metric")
+    table.add_column("value", justify="right")
+    for key, value in result.items():
+        if isinstance(value, dict):
+            for sub, item in value.items():
+                table.add_row(f"{key}.{sub}", str(item))
+        else:
+            table.add_row(key, str(value))
+    return table
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run the benchmark; print JSON (``--json``) or a table. Exit 0 even if a target is missed."""
+    setup = BenchSetup(
+        size_mb=args.size_mb,
+        quant=args.quant,
+        dp=args.dp,
+        layers=args.layers,
+        experts=args.experts,
+        redundant=args.redundant,
+        dead_rank=args.dead_rank,
+        worker_rank=args.worker_rank,
+        workers=args.workers,
+        threads=args.threads,
+        repeat=max(1, args.repeat),
+        shards=args.shards,
+    )
+    root = args.checkpoint or default_checkpoint(args.size_mb, args.quant)
+    try:
+        with phase_progress(sys.stderr.isatty()) as progress:
+            result = run_bench(setup, root, timeout_s=args.timeout, progress=progress)
+    except FTEngineError as exc:
+        print(f"ftengine bench reload: {exc}", file=sys.stderr)
+        return 1
+    finally:
+        if args.remove and root.exists():
+            remove_checkpoint(root)
+    if args.json:
+        print(json.dumps(result, indent=2))
+    else:
+        Console().print(_table(result))
+    return 0

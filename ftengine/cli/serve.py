@@ -1,0 +1,102 @@
+"""Serve the fault-tolerance control API (vLLM-compatible) over a CPU reference cluster."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import socket
+import sys
+from pathlib import Path
+from types import FrameType
+
+from ftengine.control.auth import API_KEY_ENV, check_bind
+from ftengine.control.launch import (
+    CheckpointSize,
+    add_checkpoint_args,
+    add_cluster_args,
+    checkpoint_dir,
+    cluster_config,
+    size_from_args,
+)
+from ftengine.errors import ConfigError
+
+COMMAND = "serve"
+logger = logging.getLogger(__name__)
+
+
+def register(parser: argparse.ArgumentParser) -> None:
+    """Add ``serve``'s flags."""
+    parser.add_argument("--host", default="127.0.0.1", help="bind address (default loopback)")
+    parser.add_argument("--port", type=int, default=8000, help="port; 0 picks a free one")
+    parser.add_argument(
+        "--api-key",
+        default=None,
+        help=f"require 'Authorization: Bearer KEY' on POSTs (default: ${API_KEY_ENV})",
+    )
+    parser.add_argument(
+        "--port-file", type=Path, default=None, help="write the bound port here once serving"
+    )
+    parser.add_argument("--log-level", default="warning", help="uvicorn/ftengine log level")
+    add_checkpoint_args(parser, CheckpointSize())
+    add_cluster_args(parser)
+    parser.set_defaults(func=run)
+
+
+def _terminate(signum: int, _frame: FrameType | None) -> None:
+    # SystemExit unwinds through the finally blocks that shut the cluster down.
+    raise SystemExit(128 + signum)
+
+
+def _bind(host: str, port: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host.strip("[]"), port))
+    except OSError as exc:
+        sock.close()
+        raise ConfigError(f"cannot bind {host}:{port} ({exc}); pick another --port") from exc
+    sock.listen(128)
+    return sock
+
+
+def run(args: argparse.Namespace) -> int:
+    """Bind, launch the cluster, serve until SIGINT/SIGTERM, then shut everything down."""
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(message)s")
+    api_key = args.api_key if args.api_key is not None else os.environ.get(API_KEY_ENV) or None
+    try:
+        check_bind(args.host, api_key)
+        sock = _bind(args.host, args.port)
+    except ConfigError as exc:
+        print(f"ftengine serve: {exc}", file=sys.stderr)
+        return 2
+    signal.signal(signal.SIGTERM, _terminate)
+    try:
+        with checkpoint_dir(args.checkpoint, size_from_args(args)) as checkpoint:
+            return _serve(args, sock, checkpoint, api_key)
+    finally:
+        sock.close()
+
+
+def _serve(args: argparse.Namespace, sock: socket.socket, checkpoint: Path, key: str | None) -> int:
+    import uvicorn
+
+    from ftengine.cluster import Cluster
+    from ftengine.control.app import create_app
+
+    cluster = Cluster.launch(cluster_config(args, checkpoint))
+    try:
+        app = create_app(cluster, api_key=key)
+        server = uvicorn.Server(
+            uvicorn.Config(app, log_level=args.log_level.lower(), lifespan="off")
+        )
+        port = sock.getsockname()[1]
+        if args.port_file is not None:
+            args.port_file.write_text(f"{port}\n")
+        print(f"ftengine serve: http://{args.host}:{port} (pid {os.getpid()})", flush=True)
+        server.run(sockets=[sock])
+    finally:
+        cluster.shutdown()
+    return 0

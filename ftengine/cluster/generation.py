@@ -1,0 +1,191 @@
+"""Lockstep generation on the cluster: every live DP rank runs every step (ranks without a
+request run an empty one, like vLLM's DP busy loop), requests stay on the rank that
+holds their KV cache, and a failed step aborts every in-flight request.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+import attrs
+
+from ftengine.cluster.handles import WorkerHandle
+from ftengine.cluster.protocol import PeerFault, StepItem, StepReply, StepRequest
+from ftengine.errors import ConfigError, FTEngineError
+from ftengine.faults import FaultKind, Phase
+
+if TYPE_CHECKING:
+    from ftengine.cluster.supervisor import Cluster
+
+SERVING = (Phase.RUNNING, Phase.HEALTHY)
+HUNG_GRACE_S = 2.0  # after a peer's op timeout, how much longer a silent rank may take
+
+
+class RequestAborted(FTEngineError, RuntimeError):
+    """The cluster is not serving, or a fault hit the step: the request was aborted."""
+
+
+@attrs.frozen
+class Generation:
+    """One request's output: greedy ``token_ids`` and the ``final_logits`` [vocab] behind
+    the last of them (float32 values)."""
+
+    token_ids: tuple[int, ...]
+    final_logits: tuple[float, ...]
+
+
+@attrs.define
+class _Request:
+    request_id: str
+    prompt: tuple[int, ...]
+    max_tokens: int
+    rank: int
+    generated: list[int] = attrs.field(factory=list)
+    logits: tuple[float, ...] = ()
+
+    @property
+    def done(self) -> bool:
+        return len(self.generated) >= self.max_tokens
+
+    def item(self) -> StepItem:
+        tokens = self.prompt if not self.generated else (self.generated[-1],)
+        return StepItem(self.request_id, tokens, len(self.generated) + 1 == self.max_tokens)
+
+
+class StepRunner:
+    """Runs batches of requests as lockstep steps on a Cluster's live workers."""
+
+    def __init__(self, cluster: Cluster) -> None:
+        self._cluster = cluster
+        self._replies: dict[int, dict[int, StepReply]] = {}
+        self._next_step = 0
+        self._next_request = 0
+        self._release: dict[int, list[str]] = {}
+
+    @property
+    def steps_run(self) -> int:
+        """Model steps started so far (the step number fault injection counts)."""
+        return self._next_step
+
+    def file_reply(self, reply: StepReply) -> None:
+        """Called by a reader thread (cluster lock held) for each StepReply."""
+        waiting = self._replies.get(reply.step)
+        if waiting is not None:
+            waiting[reply.rank] = reply
+
+    def run(self, prompts: Sequence[Sequence[int]], max_tokens: int) -> list[Generation]:
+        """Generate ``max_tokens`` tokens for each prompt; raises RequestAborted on a fault."""
+        if max_tokens < 1 or not prompts or any(len(p) == 0 for p in prompts):
+            raise ConfigError(
+                f"generation needs max_tokens >= 1 and non-empty prompts, found "
+                f"max_tokens={max_tokens}, prompt lengths {[len(p) for p in prompts]}"
+            )
+        workers = self._serving_workers()
+        requests = []
+        for i, prompt in enumerate(prompts):
+            self._next_request += 1
+            rank = workers[i % len(workers)].rank
+            requests.append(_Request(f"req-{self._next_request}", tuple(prompt), max_tokens, rank))
+        while not all(r.done for r in requests):
+            self._step(workers, requests)
+        for r in requests:
+            self._release.setdefault(r.rank, []).append(r.request_id)
+        return [Generation(tuple(r.generated), r.logits) for r in requests]
+
+    def _serving_workers(self) -> list[WorkerHandle]:
+        with self._cluster.lock:
+            workers = self._cluster.workers()
+            down = [w.rank for w in workers if not w.alive and not w.removed]
+            if down:
+                raise RequestAborted(
+                    f"cluster is not serving: engine {down[0]} status is DEAD; "
+                    "scale it down (or wait for auto-recovery) first"
+                )
+            live = [w for w in workers if w.live]
+            unhealthy = [w for w in live if w.engine_phase() not in SERVING]
+            if unhealthy or not live:
+                phases = {w.rank: str(w.status and w.status["phase"]) for w in unhealthy}
+                raise RequestAborted(
+                    f"cluster is not serving: engines {phases} are not healthy; "
+                    "recover them (retry / scale_down) first"
+                )
+            return live
+
+    def _step(self, workers: list[WorkerHandle], requests: list[_Request]) -> None:
+        step = self._next_step
+        self._next_step += 1
+        with self._cluster.lock:
+            self._replies[step] = {}
+        for worker in workers:
+            items = tuple(r.item() for r in requests if r.rank == worker.rank and not r.done)
+            release = tuple(self._release.pop(worker.rank, []))
+            worker.send(StepRequest(step, items, release))
+        replies = self._collect(step, workers)
+        outcomes = {w.rank: _failure(w, replies.get(w.rank)) for w in workers}
+        failed = {rank: why for rank, why in outcomes.items() if why is not None}
+        if failed:
+            self._abort(step, workers, failed, requests)
+        by_id = {r.request_id: r for r in requests}
+        for reply in replies.values():
+            for out in reply.outputs:
+                request = by_id[out.request_id]
+                request.generated.append(out.next_token)
+                if out.logits is not None:
+                    request.logits = out.logits
+
+    def _collect(self, step: int, workers: list[WorkerHandle]) -> dict[int, StepReply]:
+        """Wait for every live worker's reply; fence a worker that stays silent once its
+        peers have failed (a hung main thread) or past a generous step budget."""
+        cfg = self._cluster.config
+        budget = 60.0 + 10 * cfg.op_timeout_s
+        start = time.monotonic()
+        trouble_at: float | None = None
+        with self._cluster.lock:
+            while True:
+                got = self._replies[step]
+                pending = [w for w in workers if w.rank not in got and w.alive]
+                if not pending:
+                    break
+                now = time.monotonic()
+                if trouble_at is None and (
+                    any(r.error for r in got.values()) or any(not w.alive for w in workers)
+                ):
+                    trouble_at = now
+                late = trouble_at is not None and now > trouble_at + cfg.op_timeout_s + HUNG_GRACE_S
+                if late or now > start + budget:
+                    for w in pending:
+                        self._cluster.fence(w.rank, f"hung: no reply to step {step}")
+                self._cluster.lock.wait(0.05)
+            return self._replies.pop(step)
+
+    def _abort(
+        self,
+        step: int,
+        workers: list[WorkerHandle],
+        failed: dict[int, str],
+        requests: list[_Request],
+    ) -> None:
+        detail = "; ".join(f"rank {rank}: {why}" for rank, why in sorted(failed.items()))
+        self._cluster.record("step_failed", min(failed), f"step {step}: {detail}")
+        # A rank that finished the step while a live peer failed must stop serving too: the
+        # survivors recover together, so every one of them has to be UNHEALTHY. (A peer
+        # whose process died is announced by the supervisor's exit watch instead.)
+        live_culprits = [w.rank for w in workers if w.rank in failed and w.alive]
+        if live_culprits:
+            fault = PeerFault(FaultKind.TRANSIENT, live_culprits[0], f"peer failed step {step}")
+            for worker in workers:
+                if worker.rank not in failed and worker.alive:
+                    worker.send(fault)
+        for r in requests:
+            self._release.setdefault(r.rank, []).append(r.request_id)
+        raise RequestAborted(f"step {step} failed ({detail}); all in-flight requests were aborted")
+
+
+def _failure(worker: WorkerHandle, reply: StepReply | None) -> str | None:
+    if reply is None:
+        return f"process {worker.exit_info or 'gone'}"
+    if reply.error is not None:
+        return f"{reply.error_type}: {reply.error}"
+    return None

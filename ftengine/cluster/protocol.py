@@ -1,0 +1,133 @@
+"""Messages between the supervisor and its workers (pickled over a multiprocessing Pipe).
+
+Supervisor -> worker: :class:`StepRequest`, :class:`FtCommand`, :class:`PeerFault`,
+:class:`Shutdown`. Worker -> supervisor: :class:`Ready`, :class:`Heartbeat`,
+:class:`StatusUpdate`, :class:`PhaseEvent`, :class:`StepReply`, :class:`FtReply`,
+:class:`WorkerFailed`. All are frozen attrs values; tensors travel as lists of floats.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import attrs
+
+from ftengine.faults import FaultKind
+
+
+@attrs.frozen
+class StepItem:
+    """One request's input for a step on its DP rank.
+
+    ``token_ids`` are the new tokens (the whole prompt on the first step, then the
+    previous output); ``want_logits`` asks for this step's last-token logits back.
+    """
+
+    request_id: str
+    token_ids: tuple[int, ...]
+    want_logits: bool = False
+
+
+@attrs.frozen
+class StepRequest:
+    """Run model step ``step`` (the same on every rank) for ``items`` (may be empty)."""
+
+    step: int
+    items: tuple[StepItem, ...] = ()
+    release: tuple[str, ...] = ()  # finished or aborted request ids whose caches to drop
+
+
+@attrs.frozen
+class StepOutput:
+    """One request's greedy next token and, if asked, the logits it came from."""
+
+    request_id: str
+    next_token: int
+    logits: tuple[float, ...] | None = None
+
+
+@attrs.frozen
+class StepReply:
+    """A worker's answer to a step: outputs, or the error that stopped it."""
+
+    rank: int
+    step: int
+    outputs: tuple[StepOutput, ...] = ()
+    error: str | None = None
+    error_type: str | None = None
+
+
+@attrs.frozen
+class FtCommand:
+    """An orchestrator command relayed to a worker's sentinel."""
+
+    instruction: str
+    params: dict[str, Any]
+    request_id: str
+
+
+@attrs.frozen
+class FtReply:
+    """A worker's CommandResult for one :class:`FtCommand`."""
+
+    rank: int
+    request_id: str
+    success: bool
+    reason: str | None
+
+
+@attrs.frozen
+class PeerFault:
+    """The supervisor saw peer ``rank`` fail (its process exited, it stopped beating)."""
+
+    kind: FaultKind
+    rank: int
+    info: str
+
+
+@attrs.frozen
+class Shutdown:
+    """Leave the main loop and exit."""
+
+
+@attrs.frozen
+class Ready:
+    """The worker loaded its weights and joined the epoch-0 group."""
+
+    rank: int
+    pid: int
+
+
+@attrs.frozen
+class Heartbeat:
+    """Sent every ``heartbeat_s`` by a worker thread; ``at`` is the worker's monotonic time."""
+
+    rank: int
+    at: float
+
+
+@attrs.frozen
+class StatusUpdate:
+    """The worker engine's ``EngineStatus.to_dict()``, sent whenever it changes."""
+
+    rank: int
+    status: dict[str, Any]
+
+
+@attrs.frozen
+class PhaseEvent:
+    """One phase change of the worker's engine (monotonic ``at``, comparable across processes)."""
+
+    rank: int
+    source: str
+    dest: str
+    at: float
+    reason: str
+
+
+@attrs.frozen
+class WorkerFailed:
+    """The worker could not start or its main loop crashed; ``error`` says why."""
+
+    rank: int
+    error: str

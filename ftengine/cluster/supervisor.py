@@ -1,0 +1,464 @@
+"""The Cluster supervisor: hosts the rendezvous store, spawns the workers, watches their exits
+and heartbeats, relays orchestrator commands and routes generation to live DP ranks.
+
+It runs in the caller's process (never in a worker, so any rank may die). One reader
+thread per worker files its messages; one monitor thread turns a process exit or a
+heartbeat silence into a peer fault for the survivors (so an idle cluster goes
+UNHEALTHY without sacrificing a request) and fences hung workers with SIGKILL, only
+ever signalling its own workers' pids.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import multiprocessing
+import os
+import signal
+import threading
+import time
+import weakref
+from collections.abc import Callable, Mapping, Sequence
+from multiprocessing.connection import wait as wait_for_objects
+from typing import Any
+
+import attrs
+from torch._C._distributed_c10d import TCPStore
+
+from ftengine.cluster.config import ClusterConfig
+from ftengine.cluster.faults_inject import FaultSpec
+from ftengine.cluster.generation import Generation, StepRunner
+from ftengine.cluster.handles import WorkerHandle, describe_exit
+from ftengine.cluster.protocol import (
+    FtCommand,
+    FtReply,
+    Heartbeat,
+    PeerFault,
+    PhaseEvent,
+    Ready,
+    Shutdown,
+    StatusUpdate,
+    StepReply,
+    WorkerFailed,
+)
+from ftengine.cluster.worker import WorkerSpec, worker_main
+from ftengine.commands import CommandResult
+from ftengine.errors import FTEngineError
+from ftengine.faults import FaultKind
+from ftengine.weights.index import CheckpointIndex
+
+logger = logging.getLogger(__name__)
+
+MONITOR_TICK_S = 0.05
+
+
+class ClusterError(FTEngineError, RuntimeError):
+    """The cluster could not start, or was used after shutdown."""
+
+
+@attrs.frozen
+class ClusterEvent:
+    """Something the supervisor saw or did, at monotonic time ``at`` (seconds)."""
+
+    at: float
+    kind: str  # "exit", "fence", "peer_fault", "command", "command_done", "step_failed"
+    rank: int | None
+    detail: str
+
+
+class Cluster:
+    """A running CPU cluster of ``config.dp_size`` workers. Build it with :meth:`launch`."""
+
+    def __init__(self, config: ClusterConfig) -> None:
+        self.config = config
+        self.started_at = time.monotonic()
+        self._lock = threading.RLock()
+        self._changed = threading.Condition(self._lock)
+        self._workers: list[WorkerHandle] = []
+        self._events: list[ClusterEvent] = []
+        self._ft_replies: dict[str, dict[int, FtReply]] = {}
+        self._stopping = threading.Event()
+        self._closed = False
+        self._serial = threading.Lock()  # one step or one command at a time
+        self._store = TCPStore(config.host, 0, None, True, wait_for_workers=False)
+        self._runner = StepRunner(self)
+        self._threads: list[threading.Thread] = []
+
+    # -- launch -------------------------------------------------------------------------
+    @classmethod
+    def launch(cls, config: ClusterConfig) -> Cluster:
+        """Spawn the workers and wait until every one is loaded and joined (or raise)."""
+        cluster = cls(config)
+        weakref.finalize(cluster, _kill_all, cluster._workers)
+        try:
+            cluster._spawn()
+            cluster._wait_ready()
+        except BaseException:
+            cluster.shutdown()
+            raise
+        return cluster
+
+    def _spawn(self) -> None:
+        cfg = self.config
+        index = CheckpointIndex.open(cfg.checkpoint)
+        redundant = cfg.num_redundant_experts
+        if redundant is None:
+            redundant = index.num_experts
+        fault = cfg.inject_fault if cfg.inject_fault is not None else FaultSpec.from_env()
+        ctx = multiprocessing.get_context("spawn")
+        for rank in range(cfg.dp_size):
+            spec = WorkerSpec(
+                rank=rank,
+                world_size=cfg.dp_size,
+                store_host=cfg.host,
+                store_port=self._store.port,
+                checkpoint=cfg.checkpoint,
+                num_redundant=redundant,
+                policy=cfg.policy,
+                recovery_timeout_s=cfg.recovery_timeout_s,
+                op_timeout_s=cfg.op_timeout_s,
+                rendezvous_timeout_s=cfg.rendezvous_timeout_s,
+                heartbeat_s=cfg.heartbeat_s,
+                inject_fault=fault,
+                torch_threads=cfg.torch_threads,
+            )
+            parent, child = ctx.Pipe(duplex=True)
+            process = ctx.Process(
+                target=worker_main, args=(spec, child), name=f"ftengine-worker-{rank}", daemon=True
+            )
+            process.start()
+            child.close()
+            handle = WorkerHandle(rank, process, parent)
+            self._workers.append(handle)
+            self._start_thread(f"ftengine-reader-{rank}", self._read_loop, handle)
+        self._start_thread("ftengine-monitor", self._monitor_loop)
+
+    def _start_thread(self, name: str, target: Callable[..., None], *args: object) -> None:
+        thread = threading.Thread(target=target, args=args, name=name, daemon=True)
+        thread.start()
+        self._threads.append(thread)
+
+    def _wait_ready(self) -> None:
+        deadline = time.monotonic() + self.config.start_timeout_s
+        with self._changed:
+            while not all(w.ready and w.status is not None for w in self._workers):
+                failed = [w for w in self._workers if w.failure or not w.alive]
+                if failed:
+                    w = failed[0]
+                    raise ClusterError(
+                        f"worker {w.rank} failed to start: {w.failure or w.exit_info}"
+                    )
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    waiting = [w.rank for w in self._workers if not w.ready]
+                    raise ClusterError(
+                        f"workers {waiting} not ready after {self.config.start_timeout_s}s; "
+                        "raise ClusterConfig.start_timeout_s on a slow machine"
+                    )
+                self._changed.wait(min(left, 0.2))
+
+    # -- threads --------------------------------------------------------------------------
+    def _read_loop(self, worker: WorkerHandle) -> None:
+        while True:
+            try:
+                message = worker.conn.recv()
+            except (EOFError, OSError):
+                return
+            with self._changed:
+                self._file(worker, message)
+                self._changed.notify_all()
+
+    def _file(self, worker: WorkerHandle, message: object) -> None:
+        if isinstance(message, Heartbeat):
+            worker.last_heartbeat = time.monotonic()
+        elif isinstance(message, StatusUpdate):
+            worker.status = message.status
+        elif isinstance(message, PhaseEvent):
+            worker.phases.append(message)
+        elif isinstance(message, StepReply):
+            self._runner.file_reply(message)
+        elif isinstance(message, FtReply):
+            self._ft_replies.setdefault(message.request_id, {})[message.rank] = message
+        elif isinstance(message, Ready):
+            worker.ready = True
+            worker.pid = message.pid
+            worker.last_heartbeat = time.monotonic()
+        elif isinstance(message, WorkerFailed):
+            worker.failure = message.error
+            logger.error("worker %d failed: %s", worker.rank, message.error)
+
+    def _monitor_loop(self) -> None:
+        while not self._stopping.is_set():
+            with self._lock:
+                watched = {w.process.sentinel: w for w in self._workers if w.alive}
+            if not watched:
+                self._stopping.wait(MONITOR_TICK_S)
+                continue
+            for ready in wait_for_objects(list(watched), timeout=MONITOR_TICK_S):
+                if isinstance(ready, int):
+                    self._on_exit(watched[ready])
+            self._check_heartbeats()
+
+    def _check_heartbeats(self) -> None:
+        now = time.monotonic()
+        with self._lock:
+            silent = [
+                w
+                for w in self._workers
+                if w.alive
+                and w.ready
+                and w.fenced_for is None
+                and now - w.last_heartbeat > self.config.heartbeat_timeout_s
+            ]
+        for worker in silent:
+            self.fence(worker.rank, f"hung: no heartbeat for {now - worker.last_heartbeat:.2f}s")
+
+    def _on_exit(self, worker: WorkerHandle) -> None:
+        worker.process.join(timeout=1.0)
+        with self._changed:
+            if not worker.alive:
+                return
+            worker.alive = False
+            info = describe_exit(worker.process.exitcode)
+            if worker.fenced_for is not None:
+                info = f"{info} (fenced: {worker.fenced_for})"
+            worker.exit_info = info
+            self._event("exit", worker.rank, info)
+            notify = not self._stopping.is_set() and not (worker.removed or worker.retiring)
+            survivors = [w for w in self._workers if w.live] if notify else []
+            self._changed.notify_all()
+        kind = FaultKind.HUNG_PEER if worker.fenced_for else FaultKind.DEAD_PEER
+        for other in survivors:
+            # The victim is gone either way: survivors learn it as a dead peer with its rank.
+            other.send(PeerFault(FaultKind.DEAD_PEER, worker.rank, f"{kind.value}: {info}"))
+        if survivors:
+            self._event("peer_fault", worker.rank, f"told ranks {[w.rank for w in survivors]}")
+
+    def _event(self, kind: str, rank: int | None, detail: str) -> None:
+        with self._lock:
+            self._events.append(ClusterEvent(time.monotonic(), kind, rank, detail))
+        logger.info("%s rank=%s %s", kind, rank, detail)
+
+    # -- public API -----------------------------------------------------------------------
+    @property
+    def dp_size(self) -> int:
+        return self.config.dp_size
+
+    def status(self) -> dict[str, Any]:
+        """vLLM-shaped status of every engine (dead processes reported DEAD)."""
+        with self._lock:
+            engines = [w.status_dict() for w in self._workers]
+        return {"schema_version": 1, "total_engines": len(engines), "engines": engines}
+
+    def phase_changes(self) -> dict[int, list[PhaseEvent]]:
+        """Every phase change each engine reported, oldest first (monotonic ``at``)."""
+        with self._lock:
+            return {w.rank: list(w.phases) for w in self._workers}
+
+    def events(self) -> list[ClusterEvent]:
+        """What the supervisor saw and did (exits, fences, commands), oldest first."""
+        with self._lock:
+            return list(self._events)
+
+    @property
+    def steps_run(self) -> int:
+        """Lockstep model steps started so far (fault injection counts these)."""
+        return self._runner.steps_run
+
+    @property
+    def removed_ranks(self) -> frozenset[int]:
+        """Ranks scaled away by successful scale_down commands (cumulative)."""
+        with self._lock:
+            return frozenset(w.rank for w in self._workers if w.removed)
+
+    def live_ranks(self) -> frozenset[int]:
+        """Ranks whose process is alive and that were not scaled away."""
+        with self._lock:
+            return frozenset(w.rank for w in self._workers if w.live)
+
+    def pids(self) -> dict[int, int | None]:
+        """Worker pids by rank (the only processes this cluster ever signals)."""
+        with self._lock:
+            return {w.rank: w.pid for w in self._workers}
+
+    def kill(self, rank: int, sig: int = signal.SIGKILL) -> None:
+        """Send ``sig`` to worker ``rank``'s process (fault injection from outside)."""
+        worker = self._worker(rank)
+        if worker.alive and worker.process.pid is not None:
+            _signal(worker.process.pid, sig)
+
+    def fence(self, rank: int, reason: str) -> None:
+        """SIGKILL worker ``rank`` (a hung or removed rank) unless it is already gone."""
+        worker = self._worker(rank)
+        with self._lock:
+            if not worker.alive or worker.fenced_for is not None:
+                return
+            worker.fenced_for = reason
+        self._event("fence", rank, reason)
+        if worker.process.pid is not None:
+            _signal(worker.process.pid, signal.SIGKILL)
+
+    def wait_for(
+        self, predicate: Callable[[Mapping[str, Any]], bool], timeout: float
+    ) -> float | None:
+        """Wait until ``predicate(status())`` holds; seconds waited, or None on timeout."""
+        start = time.monotonic()
+        with self._changed:
+            while not predicate(self.status()):
+                left = start + timeout - time.monotonic()
+                if left <= 0:
+                    return None
+                self._changed.wait(min(left, 0.05))
+        return time.monotonic() - start
+
+    def generate(self, prompt_token_ids: list[int], max_tokens: int) -> list[int]:
+        """Greedy generation on a live DP rank; returns the ``max_tokens`` new token ids.
+
+        Raises RequestAborted when the cluster is not serving or a fault hits the request.
+        """
+        return list(self.generate_batch([prompt_token_ids], max_tokens)[0].token_ids)
+
+    def generate_batch(self, prompts: Sequence[Sequence[int]], max_tokens: int) -> list[Generation]:
+        """Serve ``prompts`` together (spread over the live ranks, lockstep steps)."""
+        self._check_open()
+        with self._serial:
+            return self._runner.run(prompts, max_tokens)
+
+    def apply(
+        self, instruction: str, params: Mapping[str, object], request_id: str
+    ) -> CommandResult:
+        """Run an orchestrator command on every live engine, to the end (blocking)."""
+        self._check_open()
+        with self._serial:
+            self._event("command", None, f"{instruction} {dict(params)} ({request_id})")
+            result = self._apply(instruction, params, request_id)
+            self._event("command_done", None, f"{request_id}: {result.success} {result.reason}")
+            return result
+
+    def _apply(
+        self, instruction: str, params: Mapping[str, object], request_id: str
+    ) -> CommandResult:
+        with self._lock:
+            dead = [w for w in self._workers if not w.alive and not w.removed]
+        if instruction == "retry" and dead:
+            ranks = [w.rank for w in dead]
+            return CommandResult(
+                request_id,
+                False,
+                f"engine {ranks[0]} status is DEAD ({dead[0].exit_info}): retry cannot revive it;"
+                f" send scale_down with removed_dp_ranks {ranks}",
+            )
+        removed = _removed_ranks(params) if instruction == "scale_down" else frozenset()
+        for rank in sorted(removed):
+            if 0 <= rank < self.dp_size:
+                self._fence_and_wait(rank, f"removed by scale_down {request_id}")
+        with self._lock:
+            targets = [w for w in self._workers if w.live and w.rank not in removed]
+            self._ft_replies[request_id] = {}
+        for worker in targets:
+            worker.send(FtCommand(instruction, dict(params), request_id))
+        replies = self._collect_ft(request_id, targets)
+        failures = [f"engine {r}: {reason}" for r, reason in replies.items() if reason is not None]
+        if not failures and instruction == "scale_down":
+            with self._lock:
+                for w in self._workers:
+                    if w.rank in removed:
+                        w.removed = True
+        return CommandResult(request_id, not failures, "; ".join(failures) or None)
+
+    def _fence_and_wait(self, rank: int, reason: str) -> None:
+        worker = self._worker(rank)
+        with self._lock:
+            # Marked first so that its exit is not announced as a new fault after recovery.
+            worker.retiring = True
+        self.fence(rank, reason)
+        worker.process.join(timeout=10.0)
+        self._on_exit(worker)
+
+    def _collect_ft(self, request_id: str, targets: list[WorkerHandle]) -> dict[int, str | None]:
+        deadline = time.monotonic() + self.config.command_timeout_s
+        with self._changed:
+            while True:
+                got = self._ft_replies[request_id]
+                pending = [w for w in targets if w.rank not in got and w.alive]
+                if not pending or time.monotonic() >= deadline:
+                    break
+                self._changed.wait(0.05)
+            out: dict[int, str | None] = {}
+            for w in targets:
+                reply = got.get(w.rank)
+                if reply is not None:
+                    out[w.rank] = None if reply.success else (reply.reason or "failed")
+                elif not w.alive:
+                    out[w.rank] = f"worker process {w.exit_info} during the command"
+                else:
+                    out[w.rank] = f"no answer within {self.config.command_timeout_s:.0f}s"
+            del self._ft_replies[request_id]
+        return out
+
+    def shutdown(self) -> None:
+        """Stop every worker (Shutdown, then SIGKILL for stragglers), threads and the store."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+        self._stopping.set()
+        for worker in self._workers:
+            if worker.alive:
+                worker.send(Shutdown())
+        deadline = time.monotonic() + 5.0
+        for worker in self._workers:
+            worker.process.join(timeout=max(0.0, deadline - time.monotonic()))
+        _kill_all(self._workers)
+        for worker in self._workers:
+            worker.process.join(timeout=5.0)
+            worker.alive = False
+            worker.conn.close()
+        for thread in self._threads:
+            thread.join(timeout=2.0)
+        del self._store
+
+    def __enter__(self) -> Cluster:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()
+
+    # -- helpers used by the step runner ----------------------------------------------------
+    @property
+    def lock(self) -> threading.Condition:
+        return self._changed
+
+    def workers(self) -> list[WorkerHandle]:
+        return list(self._workers)
+
+    def record(self, kind: str, rank: int | None, detail: str) -> None:
+        self._event(kind, rank, detail)
+
+    def _worker(self, rank: int) -> WorkerHandle:
+        if not 0 <= rank < len(self._workers):
+            raise ClusterError(f"rank must be in [0, {len(self._workers)}), found {rank}")
+        return self._workers[rank]
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise ClusterError("the cluster was shut down; launch a new one")
+
+
+def _removed_ranks(params: Mapping[str, object]) -> frozenset[int]:
+    ranks = params.get("removed_dp_ranks")
+    if not isinstance(ranks, list | tuple):
+        return frozenset()
+    return frozenset(r for r in ranks if isinstance(r, int) and not isinstance(r, bool))
+
+
+def _signal(pid: int, sig: int) -> None:
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(pid, sig)
+
+
+def _kill_all(workers: list[WorkerHandle]) -> None:
+    """SIGKILL this cluster's workers that are still running (finalizer and shutdown)."""
+    for worker in workers:
+        if worker.process.is_alive() and worker.process.pid is not None:
+            _signal(worker.process.pid, signal.SIGKILL)

@@ -1,0 +1,279 @@
+"""One CPU cluster worker process: loads its slots, joins the EP group, serves lockstep steps
+and recovers through a WorkerSentinel.
+
+The main thread does everything that touches the engine or the process group (steps,
+commands, peer faults, ``poll``), so the engine never sees two threads at once; a
+daemon thread only sends heartbeats, so a hung main thread still beats but a stopped
+process does not. The worker dies with its supervisor (PR_SET_PDEATHSIG and pipe EOF).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import datetime
+import logging
+import os
+import signal
+import sys
+import threading
+import time
+import traceback
+from multiprocessing.connection import Connection
+from pathlib import Path
+from typing import Any
+
+import attrs
+import torch
+from torch._C._distributed_c10d import TCPStore
+
+from ftengine.backends.cpu import CpuBackend
+from ftengine.backends.cpu_experts import CpuExperts
+from ftengine.cluster.faults_inject import FaultInjector, FaultSpec, InjectedFault, InjectKind
+from ftengine.cluster.model import DenseWeights, ModelConfig, RequestState, forward_step
+from ftengine.cluster.policies import build_policy
+from ftengine.cluster.protocol import (
+    FtCommand,
+    FtReply,
+    Heartbeat,
+    PeerFault,
+    PhaseEvent,
+    Ready,
+    Shutdown,
+    StatusUpdate,
+    StepOutput,
+    StepReply,
+    StepRequest,
+    WorkerFailed,
+)
+from ftengine.context import RedundancyFacts
+from ftengine.sentinel import WorkerSentinel
+from ftengine.status import PhaseChange
+from ftengine.weights.index import CheckpointIndex
+
+logger = logging.getLogger(__name__)
+
+POLL_S = 0.05  # how often the main loop lets the engine run time-driven decisions
+DUMMY_TOKEN = 0
+
+
+@attrs.frozen
+class WorkerSpec:
+    """Everything one worker process needs (picklable; sent by the supervisor at spawn)."""
+
+    rank: int
+    world_size: int
+    store_host: str
+    store_port: int
+    checkpoint: Path
+    num_redundant: int
+    policy: str
+    recovery_timeout_s: float
+    op_timeout_s: float
+    rendezvous_timeout_s: float
+    heartbeat_s: float
+    inject_fault: FaultSpec | None
+    torch_threads: int
+
+
+class Link:
+    """The worker's end of the supervisor pipe; ``send`` is safe from several threads."""
+
+    def __init__(self, conn: Connection) -> None:
+        self.conn = conn
+        self._lock = threading.Lock()
+
+    def send(self, message: object) -> None:
+        with self._lock:
+            self.conn.send(message)
+
+
+class ClusterWorker:
+    """The host worker of one DP rank; implements ``WorkerHooks`` for its sentinel."""
+
+    def __init__(self, spec: WorkerSpec, link: Link) -> None:
+        self.spec = spec
+        self.rank = spec.rank
+        self.link = link
+        self.injector = FaultInjector(spec.inject_fault, spec.rank)
+        index = CheckpointIndex.open(spec.checkpoint)
+        self.cfg = ModelConfig.from_hf(index.config)
+        self.dense = DenseWeights.load(index.read, self.cfg.num_layers)
+        experts = CpuExperts.load(
+            index, rank=spec.rank, world=spec.world_size, num_redundant=spec.num_redundant
+        )
+        store = TCPStore(
+            spec.store_host,
+            spec.store_port,
+            is_master=False,
+            timeout=datetime.timedelta(seconds=spec.rendezvous_timeout_s),
+        )
+        self.backend = CpuBackend(
+            rank=spec.rank,
+            world_size=spec.world_size,
+            store=store,
+            experts=experts,
+            op_timeout_s=spec.op_timeout_s,
+            rendezvous_timeout_s=spec.rendezvous_timeout_s,
+            reload_fails=self.injector.reload_due,
+        )
+        self.requests: dict[str, RequestState] = {}
+        self.sentinel = WorkerSentinel(
+            build_policy(spec.policy, spec.recovery_timeout_s),
+            self.backend,
+            self,
+            rank=spec.rank,
+            world_size=spec.world_size,
+            redundancy=RedundancyFacts(
+                ep_size=spec.world_size,
+                local_slots=experts.local_slots,
+                num_logical=experts.placement.num_logical,
+            ),
+        )
+        self.sentinel.subscribe(self._on_phase)
+        self._last_status: dict[str, Any] | None = None
+        self.backend.rebuild_groups(frozenset(range(spec.world_size)), 0)
+
+    # -- WorkerHooks ----------------------------------------------------------------------
+    def clean_state(self) -> None:
+        self.requests.clear()
+
+    def run_dummy_batch(self) -> None:
+        self.backend.dp_sync(1, -1)
+        forward_step(
+            self.cfg, self.dense, [(RequestState("dummy"), [DUMMY_TOKEN])], self.backend.moe
+        )
+
+    def expert_layers(self) -> tuple[object, ...]:
+        return self.backend.experts.layers()
+
+    # -- main loop --------------------------------------------------------------------------
+    def serve(self) -> None:
+        """Handle supervisor messages until Shutdown or the pipe closes."""
+        conn = self.link.conn
+        while True:
+            if conn.poll(POLL_S):
+                try:
+                    message = conn.recv()
+                except (EOFError, OSError):
+                    return
+                if isinstance(message, Shutdown):
+                    return
+                self._handle(message)
+            self.sentinel.poll()
+            self.publish_status()
+
+    def _handle(self, message: object) -> None:
+        if isinstance(message, StepRequest):
+            reply = self._step(message)
+            self.publish_status()
+            self.link.send(reply)
+        elif isinstance(message, FtCommand):
+            result = self.sentinel.handle_ft_command(
+                message.instruction, message.params, message.request_id
+            )
+            self.publish_status()
+            self.link.send(FtReply(self.rank, result.request_id, result.success, result.reason))
+        elif isinstance(message, PeerFault):
+            # A late notice about a rank this worker already scaled away is old news.
+            if message.rank != self.rank and message.rank not in self.backend.dead:
+                self.sentinel.peer_fault(message.kind, message.rank, message.info)
+        else:
+            logger.error("unknown message %r", message, extra={"rank": self.rank})
+
+    def _step(self, request: StepRequest) -> StepReply:
+        for request_id in request.release:
+            self.requests.pop(request_id, None)
+        if not self.sentinel.serving:
+            return StepReply(
+                self.rank,
+                request.step,
+                error=f"engine {self.rank} is {self.sentinel.phase.value}, not serving",
+                error_type="NotServing",
+            )
+        try:
+            self._inject(request.step)
+            self.backend.dp_sync(sum(len(i.token_ids) for i in request.items), request.step)
+            batch = [
+                (self.requests.setdefault(i.request_id, RequestState(i.request_id)), i.token_ids)
+                for i in request.items
+            ]
+            logits = forward_step(self.cfg, self.dense, batch, self.backend.moe)
+        except Exception as exc:
+            self.sentinel.on_fault(exc, step=request.step)
+            return StepReply(self.rank, request.step, error=str(exc), error_type=type(exc).__name__)
+        outputs = tuple(
+            StepOutput(
+                item.request_id,
+                int(torch.argmax(row)),
+                tuple(row.tolist()) if item.want_logits else None,
+            )
+            for item, row in zip(request.items, logits, strict=True)
+        )
+        return StepReply(self.rank, request.step, outputs)
+
+    def _inject(self, step: int) -> None:
+        kind = self.injector.due(step)
+        if kind is InjectKind.RAISE:
+            raise InjectedFault(f"injected fault on rank {self.rank} at step {step}")
+        if kind is InjectKind.KILL:
+            os.kill(os.getpid(), signal.SIGKILL)
+        if kind is InjectKind.HANG:
+            logger.warning("injected hang", extra={"rank": self.rank, "step": step})
+            while True:  # the heartbeat thread keeps beating: only the op timeout sees this
+                time.sleep(3600)
+
+    def _on_phase(self, change: PhaseChange) -> None:
+        self.link.send(
+            PhaseEvent(self.rank, change.source.value, change.dest.value, change.at, change.reason)
+        )
+
+    def publish_status(self) -> None:
+        """Send the engine's status to the supervisor if it changed since the last send."""
+        status = self.sentinel.status().to_dict()
+        if status != self._last_status:
+            self._last_status = status
+            self.link.send(StatusUpdate(self.rank, status))
+
+
+def _die_with_parent() -> None:
+    """Ask Linux to SIGKILL this process when the supervisor dies (no orphans)."""
+    if not sys.platform.startswith("linux"):
+        return
+    pr_set_pdeathsig = 1
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(pr_set_pdeathsig, signal.SIGKILL)
+    except OSError:
+        logger.warning("prctl(PR_SET_PDEATHSIG) unavailable; relying on pipe EOF")
+
+
+def _heartbeats(link: Link, rank: int, every_s: float, stop: threading.Event) -> None:
+    while not stop.wait(every_s):
+        try:
+            link.send(Heartbeat(rank, time.monotonic()))
+        except (OSError, ValueError):
+            os._exit(0)  # the supervisor is gone
+
+
+def worker_main(spec: WorkerSpec, conn: Connection) -> None:
+    """Process entry point (multiprocessing spawn target)."""
+    _die_with_parent()
+    torch.set_num_threads(spec.torch_threads)
+    logging.basicConfig(level=os.environ.get("FTENGINE_WORKER_LOG", "WARNING"))
+    link = Link(conn)
+    try:
+        worker = ClusterWorker(spec, link)
+    except Exception:
+        link.send(WorkerFailed(spec.rank, traceback.format_exc()))
+        return
+    worker.publish_status()
+    link.send(Ready(spec.rank, os.getpid()))
+    stop = threading.Event()
+    threading.Thread(
+        target=_heartbeats, args=(link, spec.rank, spec.heartbeat_s, stop), daemon=True
+    ).start()
+    try:
+        worker.serve()
+    except Exception:
+        link.send(WorkerFailed(spec.rank, traceback.format_exc()))
+    finally:
+        stop.set()

@@ -1,0 +1,132 @@
+"""Prometheus metrics of the control plane, derived from cluster status snapshots.
+
+Each engine reports its current fault episode (faults, phases, timed steps, repair report);
+every new fault and every finished episode is counted exactly once, however often the
+status is observed. Observe at least once per episode (``serve`` polls every 0.25 s).
+"""
+
+from __future__ import annotations
+
+import threading
+
+import attrs
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from ftengine.control.snapshot import ClusterView, EngineView, Episode
+from ftengine.faults import Phase
+
+RECOVERY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+
+
+@attrs.define
+class _Cursor:
+    """What was already counted of one engine's current episode."""
+
+    episode: int = -1
+    faults: int = 0
+    finished: bool = False
+
+
+class ControlMetrics:
+    """All control-plane metrics in one private registry (so many apps can coexist)."""
+
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry if registry is not None else CollectorRegistry()
+        reg = self.registry
+        self.phase = Gauge(
+            "ftengine_engine_phase", "1 for the phase an engine is in, 0 otherwise",
+            ["engine", "phase"], registry=reg,
+        )  # fmt: skip
+        self.health = Gauge(
+            "ftengine_engine_health", "vLLM health per engine: 0 HEALTHY, 1 DEAD, 2 UNHEALTHY",
+            ["engine"], registry=reg,
+        )  # fmt: skip
+        self.epoch = Gauge("ftengine_engine_epoch", "process-group epoch", ["engine"], registry=reg)
+        self.faults = Counter(
+            "ftengine_faults", "faults reported to engines (each engine counts its own), by kind",
+            ["kind"], registry=reg,
+        )  # fmt: skip
+        self.recovery = Histogram(
+            "ftengine_recovery_duration_seconds",
+            "finished recovery steps by recovery kind (retry, scale_down, none) and step "
+            "(detect, quarantine, device_reset, mask, comm_rebuild, expert_repair, validate; "
+            "total: first fault to healthy)",
+            ["kind", "step"], buckets=RECOVERY_BUCKETS, registry=reg,
+        )  # fmt: skip
+        self.recoveries = Counter(
+            "ftengine_recoveries", "finished fault episodes by recovery kind and outcome",
+            ["kind", "outcome"], registry=reg,
+        )  # fmt: skip
+        self.experts_reloaded = Counter(
+            "ftengine_experts_reloaded", "(layer, expert) weights reloaded from disk", registry=reg
+        )
+        self.bytes_reloaded = Counter(
+            "ftengine_bytes_reloaded", "bytes of expert weights read from disk", registry=reg
+        )
+        self.reload_lower_bound = Gauge(
+            "ftengine_reload_lower_bound",
+            "fewest (layer, expert) reloads any plan could do, last scale-down", registry=reg,
+        )  # fmt: skip
+        self.commands = Counter(
+            "ftengine_commands", "fault-tolerance commands finished, by instruction and outcome",
+            ["instruction", "outcome"], registry=reg,
+        )  # fmt: skip
+        self.generations = Counter(
+            "ftengine_generate_requests", "generation requests by outcome", ["outcome"],
+            registry=reg,
+        )  # fmt: skip
+        self.tokens = Counter("ftengine_generated_tokens", "tokens generated", registry=reg)
+        self._lock = threading.Lock()
+        self._cursors: dict[int, _Cursor] = {}
+
+    def observe(self, view: ClusterView) -> None:
+        """Bring every metric up to date with one status snapshot (idempotent)."""
+        with self._lock:
+            for engine in view.engines:
+                self._observe_engine(engine)
+
+    def record_command(self, instruction: str, success: bool) -> None:
+        """Count one finished command."""
+        self.commands.labels(instruction, "success" if success else "failure").inc()
+
+    def record_generation(self, outcome: str, tokens: int = 0) -> None:
+        """Count one generation request (``outcome``: ok, unavailable)."""
+        self.generations.labels(outcome).inc()
+        self.tokens.inc(tokens)
+
+    def render(self) -> bytes:
+        """The Prometheus text exposition of every metric."""
+        return generate_latest(self.registry)
+
+    def _observe_engine(self, engine: EngineView) -> None:
+        label = str(engine.id)
+        for phase in Phase:
+            self.phase.labels(label, phase.value).set(1.0 if engine.phase == phase.value else 0.0)
+        self.health.labels(label).set(int(engine.status))
+        self.epoch.labels(label).set(engine.epoch)
+        cursor = self._cursors.setdefault(engine.id, _Cursor())
+        for episode in engine.episodes:
+            if episode.number < cursor.episode:
+                continue
+            if episode.number > cursor.episode:
+                cursor.episode, cursor.faults, cursor.finished = episode.number, 0, False
+            self._observe_episode(cursor, episode)
+
+    def _observe_episode(self, cursor: _Cursor, episode: Episode) -> None:
+        for kind in episode.fault_kinds[cursor.faults :]:
+            self.faults.labels(kind).inc()
+        cursor.faults = max(cursor.faults, len(episode.fault_kinds))
+        if cursor.finished or episode.ended is None:
+            return
+        cursor.finished = True
+        kind = episode.recovery_kind or "none"
+        self.recoveries.labels(kind, episode.outcome or "unknown").inc()
+        for step in episode.steps:
+            if step.seconds is not None and step.error is None:
+                self.recovery.labels(kind, step.name).observe(step.seconds)
+        if episode.outcome == Phase.HEALTHY.value:
+            self.recovery.labels(kind, "total").observe(episode.ended - episode.started)
+        if episode.repair is not None:
+            self.experts_reloaded.inc(episode.repair.reloads)
+            self.bytes_reloaded.inc(episode.repair.bytes_reloaded)
+            self.reload_lower_bound.set(episode.repair.reload_lower_bound)

@@ -1,0 +1,140 @@
+"""The control plane's logic, free of HTTP: validate and submit commands, build status,
+health and metrics answers from one cluster. ``ftengine.control.app`` maps it onto routes.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+import msgspec
+
+from ftengine.control.ledger import CommandLedger, Spawn, Submission, spawn_thread
+from ftengine.control.messages import (
+    ApplyAccepted,
+    Command,
+    CommandRecord,
+    FaultToleranceResult,
+    GenerateRequest,
+    GenerateResponse,
+    HealthBody,
+    StatusBody,
+    decode_request,
+    validate_request,
+)
+from ftengine.control.metrics import ControlMetrics
+from ftengine.control.protocol import ClusterHandle
+from ftengine.control.snapshot import ClusterView, StatusShapeError
+from ftengine.faults import HealthStatus
+
+logger = logging.getLogger(__name__)
+
+REQUESTS_PATH = "/v1/fault_tolerance/requests"
+
+
+class ControlPlane:
+    """Commands, status, health and generation over one ``ClusterHandle``.
+
+    ``spawn`` starts a background job (a thread by default; tests pass one they drive).
+    """
+
+    def __init__(
+        self,
+        cluster: ClusterHandle,
+        *,
+        metrics: ControlMetrics | None = None,
+        spawn: Spawn = spawn_thread,
+    ) -> None:
+        self.cluster = cluster
+        self.metrics = metrics if metrics is not None else ControlMetrics()
+        self.ledger = CommandLedger(self._execute, spawn=spawn, on_done=self._command_done)
+
+    def view(self) -> ClusterView:
+        """A typed snapshot of the cluster's status."""
+        return ClusterView.from_status(self.cluster.status())
+
+    def submit(self, body: bytes) -> tuple[int, msgspec.Struct]:
+        """Validate an apply body and start it; returns (HTTP status, answer body).
+
+        202 with ``ApplyAccepted`` for a new or still-running command, 200 with the recorded
+        ``FaultToleranceResult`` for a replay of a finished one. Raises ``InvalidCommand``
+        (bad input) or ``CommandConflict``; in both cases nothing was started.
+        """
+        request = decode_request(body)
+        view = self.view()
+        known = self.ledger.lookup(request.request_id) is not None
+        # A replay is compared with what was recorded, not re-judged against today's state.
+        removed = frozenset() if known else view.removed_ranks
+        command = validate_request(request, world_size=view.total_engines, removed=removed)
+        submission = self.ledger.submit(command)
+        if submission.result is not None:
+            return 200, submission.result
+        return 202, ApplyAccepted(
+            request_id=command.request_id,
+            state="running" if submission.replayed else "accepted",
+            result_url=f"{REQUESTS_PATH}/{command.request_id}",
+        )
+
+    def record(self, request_id: str) -> CommandRecord | None:
+        """The recorded command for ``request_id`` (None if unknown)."""
+        submission = self.ledger.lookup(request_id)
+        return None if submission is None else _record(submission)
+
+    def status(self) -> dict[str, Any]:
+        """The cluster's status dict, checked against ``StatusBody``, plus the running command."""
+        status = dict(self.cluster.status())
+        try:
+            msgspec.convert(status, StatusBody)
+        except msgspec.ValidationError as exc:
+            raise StatusShapeError(f"cluster status does not match StatusBody: {exc}") from exc
+        status["running_request_id"] = self.ledger.running
+        return status
+
+    def health(self) -> HealthBody:
+        """Healthy only when every live engine is HEALTHY and no command is running."""
+        view = self.view()
+        running = self.ledger.running
+        unhealthy = [engine.id for engine in view.live if engine.status is not HealthStatus.HEALTHY]
+        return HealthBody(
+            healthy=view.healthy and running is None,
+            live_engines=[engine.id for engine in view.live],
+            unhealthy_engines=unhealthy,
+            running_request_id=running,
+        )
+
+    def scrape(self) -> bytes:
+        """Prometheus text, brought up to date with the cluster's status first."""
+        self.metrics.observe(self.view())
+        return self.metrics.render()
+
+    def generate(self, request: GenerateRequest) -> GenerateResponse:
+        """Run one generation on the cluster (blocking)."""
+        start = time.monotonic()
+        tokens = self.cluster.generate(list(request.prompt_token_ids), request.max_tokens)
+        self.metrics.record_generation("ok", len(tokens))
+        return GenerateResponse(token_ids=list(tokens), seconds=time.monotonic() - start)
+
+    def _execute(self, command: Command) -> FaultToleranceResult:
+        logger.info("running %s %s (request %s)", command.instruction, command.params(),
+                    command.request_id)  # fmt: skip
+        outcome = self.cluster.apply(command.instruction, command.params(), command.request_id)
+        return FaultToleranceResult(
+            request_id=command.request_id, success=bool(outcome.success), reason=outcome.reason
+        )
+
+    def _command_done(self, command: Command, result: FaultToleranceResult) -> None:
+        self.metrics.record_command(command.instruction, result.success)
+        logger.info("command %s finished: success=%s reason=%s", command.request_id,
+                    result.success, result.reason)  # fmt: skip
+
+
+def _record(submission: Submission) -> CommandRecord:
+    command = submission.command
+    return CommandRecord(
+        request_id=command.request_id,
+        instruction=command.instruction,
+        params=command.params(),
+        state="done" if submission.done else "running",
+        result=submission.result,
+    )

@@ -1,0 +1,310 @@
+"""The demo's scenario (issue 5, scenario 2) driven end to end on a live cluster: serve,
+SIGKILL a rank under traffic, see survivors UNHEALTHY and the victim DEAD, have the DEAD
+engine reject retry, scale down, see survivors HEALTHY and answer as the reference does.
+"""
+
+from __future__ import annotations
+
+import signal
+import time
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, Protocol
+
+import attrs
+
+from ftengine.control.breakdown import BreakdownRow, breakdown, interruption_s
+from ftengine.control.live import Reporter, Watchable
+from ftengine.control.snapshot import ClusterView
+from ftengine.control.traffic import TrafficStream
+from ftengine.faults import HealthStatus
+
+SCENARIO = "sigkill-scale-down"
+
+
+class GenerationLike(Protocol):
+    """``ftengine.cluster.Generation``'s fields."""
+
+    @property
+    def token_ids(self) -> tuple[int, ...]: ...
+    @property
+    def final_logits(self) -> tuple[float, ...]: ...
+
+
+class ScenarioCluster(Watchable, Protocol):
+    """The ``Cluster`` API the scenario drives."""
+
+    def apply(self, instruction: str, params: Mapping[str, object], request_id: str) -> Any: ...
+    def generate(self, prompt_token_ids: list[int], max_tokens: int) -> list[int]: ...
+    def generate_batch(
+        self, prompts: Sequence[Sequence[int]], max_tokens: int
+    ) -> Sequence[GenerationLike]: ...
+    def kill(self, rank: int, sig: int = ...) -> None: ...
+
+
+Compare = Callable[..., Any]
+"""``ftengine.cluster.compare_outputs``: returns an object with ``.match`` and ``.to_dict()``."""
+
+
+@attrs.frozen
+class Check:
+    """One thing the scenario requires; ``detail`` says what was seen."""
+
+    name: str
+    ok: bool
+    detail: str = ""
+
+    def to_dict(self) -> dict[str, object]:
+        return {"name": self.name, "ok": self.ok, "detail": self.detail}
+
+
+@attrs.frozen
+class ScenarioSettings:
+    """``victim`` is the DP rank killed; ``policy`` the cluster's (``orchestrator``: this
+    scenario sends the commands; ``auto``: the engines act alone). Timeouts in seconds."""
+
+    victim: int = 3
+    policy: str = "orchestrator"
+    max_tokens: int = 8
+    warmup_s: float = 1.0
+    detect_timeout_s: float = 30.0
+    recover_timeout_s: float = 120.0
+    first_token_timeout_s: float = 30.0
+
+
+@attrs.frozen
+class ScenarioResult:
+    """Everything the demo reports; ``phases`` are each engine's phase changes with ``at``
+    in seconds since the demo started."""
+
+    settings: ScenarioSettings
+    checks: tuple[Check, ...]
+    removed_ranks: tuple[int, ...]
+    phases: Mapping[int, Sequence[Mapping[str, object]]]
+    rows: tuple[BreakdownRow, ...]
+    timings: Mapping[str, float | None]
+    outputs: Mapping[str, object]
+
+    @property
+    def ok(self) -> bool:
+        """True when every check held."""
+        return all(check.ok for check in self.checks)
+
+    @property
+    def recovered(self) -> bool:
+        """Survivors HEALTHY again with the victim removed."""
+        return any(c.name == "survivors healthy" and c.ok for c in self.checks)
+
+    @property
+    def outputs_match(self) -> bool:
+        """Outputs after recovery identical to the reference."""
+        return any(c.name == "outputs match after recovery" and c.ok for c in self.checks)
+
+    def to_dict(self) -> dict[str, object]:
+        """The ``ftengine demo --json`` object."""
+        return {
+            "scenario": SCENARIO,
+            "policy": self.settings.policy,
+            "victim": self.settings.victim,
+            "ok": self.ok,
+            "recovered": self.recovered,
+            "outputs_match": self.outputs_match,
+            "removed_ranks": list(self.removed_ranks),
+            "phases": {str(rank): list(changes) for rank, changes in self.phases.items()},
+            "breakdown": [row.to_dict() for row in self.rows],
+            "timings": dict(self.timings),
+            "outputs": dict(self.outputs),
+            "checks": [check.to_dict() for check in self.checks],
+        }
+
+
+def wait_until(
+    cluster: Watchable, predicate: Callable[[ClusterView], bool], timeout_s: float
+) -> ClusterView | None:
+    """Poll status every 20 ms until ``predicate`` holds; the view, or None on timeout."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        view = ClusterView.from_status(cluster.status())
+        if predicate(view):
+            return view
+        if time.monotonic() >= deadline:
+            return None
+        time.sleep(0.02)
+
+
+class _Run:
+    """One run of the scenario; collects checks as it goes."""
+
+    def __init__(
+        self,
+        cluster: ScenarioCluster,
+        settings: ScenarioSettings,
+        reporter: Reporter,
+        compare: Compare,
+    ) -> None:
+        self.cluster = cluster
+        self.settings = settings
+        self.reporter = reporter
+        self.compare = compare
+        self.checks: list[Check] = []
+        self.outputs: dict[str, object] = {}
+
+    def check(self, name: str, ok: bool, detail: str = "") -> bool:
+        self.checks.append(Check(name, ok, detail))
+        mark = "ok " if ok else "FAIL"
+        self.reporter.note(
+            time.monotonic(), f"check [{mark}] {name}{': ' + detail if detail else ''}"
+        )
+        return ok
+
+    def survivors(self, view: ClusterView) -> list[int]:
+        return [e.id for e in view.engines if e.id != self.settings.victim]
+
+    def detected(self, view: ClusterView) -> bool:
+        victim = view.engine(self.settings.victim)
+        others = [view.engine(rank) for rank in self.survivors(view)]
+        if self.settings.policy == "auto":  # the engines may already have recovered
+            return victim.status is HealthStatus.DEAD and all(e.episode for e in others)
+        unhealthy = all(e.status is HealthStatus.UNHEALTHY for e in others)
+        return victim.status is HealthStatus.DEAD and unhealthy
+
+    def healthy(self, view: ClusterView) -> bool:
+        others = [view.engine(rank) for rank in self.survivors(view)]
+        return all(
+            e.status is HealthStatus.HEALTHY and self.settings.victim in e.removed_ranks
+            for e in others
+        )
+
+    def compare_outputs(
+        self, name: str, got: Sequence[GenerationLike], want: Sequence[GenerationLike]
+    ) -> bool:
+        check = self.compare(got, want)
+        self.outputs[name] = check.to_dict()
+        return self.check(name, bool(check.match), f"{check.to_dict()}")
+
+    def commands(self) -> None:
+        victim = self.settings.victim
+        self.reporter.note(time.monotonic(), "orchestrator: retry (the victim must refuse)")
+        retry = self.cluster.apply("retry", {}, "demo-retry-1")
+        self.check(
+            "retry rejected by the dead engine",
+            not retry.success and "status is DEAD" in (retry.reason or ""),
+            str(retry.reason),
+        )
+        self.reporter.note(
+            time.monotonic(), f"orchestrator: scale_down removed_dp_ranks=[{victim}]"
+        )
+        scale = self.cluster.apply(
+            "scale_down", {"removed_dp_ranks": [victim]}, "demo-scale-down-1"
+        )
+        self.check("scale_down succeeded", bool(scale.success), str(scale.reason))
+
+
+def run_scenario(
+    cluster: ScenarioCluster,
+    prompts: Sequence[Sequence[int]],
+    reference: Sequence[GenerationLike],
+    *,
+    settings: ScenarioSettings,
+    reporter: Reporter,
+    compare: Compare,
+    t0: float,
+) -> ScenarioResult:
+    """Run the scenario on a launched cluster; ``reference`` is the fault-free output of
+    ``prompts`` and ``t0`` the monotonic time the demo started (phases are relative to it)."""
+    run = _Run(cluster, settings, reporter, compare)
+    before = cluster.generate_batch(prompts, settings.max_tokens)
+    run.compare_outputs("outputs match before the fault", before, reference)
+    expected = [list(generation.token_ids) for generation in reference]
+    stream = TrafficStream(
+        cluster.generate, [list(p) for p in prompts], expected, max_tokens=settings.max_tokens
+    )
+    stream.start()
+    try:
+        time.sleep(settings.warmup_s)  # let the stream show steady traffic before the fault
+        reporter.note(time.monotonic(), f"SIGKILL rank {settings.victim}")
+        fault_at = time.monotonic()
+        cluster.kill(settings.victim, signal.SIGKILL)
+        detected = wait_until(cluster, run.detected, settings.detect_timeout_s)
+        run.check("survivors UNHEALTHY, victim DEAD", detected is not None, _summary(detected))
+        if detected is not None and settings.policy == "orchestrator":
+            run.commands()
+        healthy = wait_until(cluster, run.healthy, settings.recover_timeout_s)
+        run.check("survivors healthy", healthy is not None, _summary(healthy))
+        recovered_at = _recovered_at(healthy, run.survivors(healthy)) if healthy else None
+        first = _first_correct(stream, fault_at, recovered_at, settings.first_token_timeout_s)
+        run.check("correct answers resume", first is not None, f"{len(stream.samples)} requests")
+    finally:
+        stream.stop()
+    after = cluster.generate_batch(prompts, settings.max_tokens)
+    run.compare_outputs("outputs match after recovery", after, reference)
+    episodes = [e.episode for e in (healthy.engines if healthy else ()) if e.id != settings.victim]
+    survivors = [episode for episode in episodes if episode is not None]
+    rows = breakdown(survivors, fault_at=fault_at, first_correct_at=first)
+    samples = stream.samples
+    timings = {
+        "detect_s": min((e.started for e in survivors), default=None),
+        "recovered_s": recovered_at,
+        "interruption_s": interruption_s(fault_at, first),
+        "stream_requests": float(len(samples)),
+        "stream_failed_requests": float(sum(1 for s in samples if not s.correct)),
+    }
+    for key in ("detect_s", "recovered_s"):
+        value = timings[key]
+        timings[key] = None if value is None else value - fault_at
+    removed = sorted(healthy.removed_ranks) if healthy else []
+    return ScenarioResult(
+        settings=settings,
+        checks=tuple(run.checks),
+        removed_ranks=tuple(removed),
+        phases=phase_history(cluster, t0),
+        rows=tuple(rows),
+        timings=timings,
+        outputs=run.outputs,
+    )
+
+
+def phase_history(cluster: Watchable, t0: float) -> dict[int, list[dict[str, object]]]:
+    """Each engine's phase changes (``at``: seconds since ``t0``), plus process exits."""
+    history: dict[int, list[dict[str, object]]] = {}
+    for rank, changes in cluster.phase_changes().items():
+        history[rank] = [
+            {"source": c.source, "dest": c.dest, "at": c.at - t0, "reason": c.reason}
+            for c in changes
+        ]
+    for event in cluster.events():
+        if event.kind == "exit" and event.rank is not None:
+            entries = history.setdefault(event.rank, [])
+            source = str(entries[-1]["dest"]) if entries else "running"
+            entries.append(
+                {"source": source, "dest": "dead", "at": event.at - t0, "reason": event.detail}
+            )
+    for entries in history.values():
+        entries.sort(key=lambda entry: float(str(entry["at"])))
+    return history
+
+
+def _summary(view: ClusterView | None) -> str:
+    if view is None:
+        return "timed out"
+    return ", ".join(f"{e.id}:{e.status.name}/{e.phase}" for e in view.engines)
+
+
+def _recovered_at(view: ClusterView, survivors: Sequence[int]) -> float | None:
+    ended = [view.engine(rank).episode for rank in survivors]
+    times = [episode.ended for episode in ended if episode is not None and episode.ended]
+    return max(times) if times and len(times) == len(ended) else None
+
+
+def _first_correct(
+    stream: TrafficStream, fault_at: float, recovered_at: float | None, timeout_s: float
+) -> float | None:
+    """When the first correct answer to a request sent after the fault arrived."""
+    if recovered_at is None:
+        return None
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        for sample in stream.samples:
+            if sample.correct and sample.start > fault_at and sample.end >= recovered_at:
+                return sample.end
+        time.sleep(0.02)
+    return None

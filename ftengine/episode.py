@@ -1,0 +1,32 @@
+"""One fault episode's bookkeeping inside the engine: attempts, confirmed dead ranks, and the
+timeline being written. An episode runs from a fault while serving to healthy or dead."""
+
+from __future__ import annotations
+
+from ftengine.faults import Fault, FaultKind
+from ftengine.timeline import TimelineBuilder
+
+
+class Episode:
+    """Mutable; the engine's lock guards it."""
+
+    def __init__(self, number: int, fault: Fault, now: float) -> None:
+        self.number = number
+        self.start = fault.at
+        self.attempts = 0
+        self.log = TimelineBuilder(number, fault, now)
+        self._dead: set[int] = set()
+        self._note_dead(fault)
+
+    def add_fault(self, fault: Fault) -> None:
+        """Record a later fault of the same episode."""
+        self.log.add_fault(fault)
+        self._note_dead(fault)
+
+    def dead_ranks(self, removed: frozenset[int]) -> frozenset[int]:
+        """Ranks confirmed dead in this episode that are not yet removed."""
+        return frozenset(self._dead) - removed
+
+    def _note_dead(self, fault: Fault) -> None:
+        if fault.kind is FaultKind.DEAD_PEER and fault.rank is not None:
+            self._dead.add(fault.rank)

@@ -1,0 +1,103 @@
+"""Consistency checks of an ExpertPlacement's three maps, with errors naming layer and expert."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from ftengine.errors import PlacementError
+from ftengine.placement.maps import EMPTY, derive_logical_maps
+
+if TYPE_CHECKING:
+    from ftengine.placement.maps import ExpertPlacement
+
+
+def check_consistent(placement: ExpertPlacement, *, require_every_expert: bool = False) -> None:
+    """Raise ``PlacementError`` at the first disagreement between the maps.
+
+    Checks shapes, value ranges, that ``logical_to_physical_map`` rows are packed, that
+    ``logical_replica_count`` counts each row, and that each row lists exactly the slots
+    ``physical_to_logical_map`` gives that expert.
+    """
+    p2l = placement.physical_to_logical_map
+    l2p = placement.logical_to_physical_map
+    counts = placement.logical_replica_count
+    layers, num_logical = placement.num_layers, placement.num_logical
+    _check_shapes(placement)
+    if bool(((l2p < EMPTY) | (l2p >= placement.num_physical)).any()):
+        out_of_range = ((l2p < EMPTY) | (l2p >= placement.num_physical)).any(dim=2)
+        layer, expert = _first(out_of_range)
+        raise _row_error(layer, expert, f"holds a slot outside [0, {placement.num_physical})")
+    valid = l2p >= 0
+    unpacked = (valid[..., 1:] & ~valid[..., :-1]).any(dim=2)
+    if bool(unpacked.any()):
+        layer, expert = _first(unpacked)
+        raise _row_error(layer, expert, "is not packed (a slot follows a -1)")
+    listed = valid.sum(dim=2)
+    if bool((listed != counts).any()):
+        layer, expert = _first(listed != counts)
+        raise _row_error(
+            layer,
+            expert,
+            f"lists {int(listed[layer, expert])} slots but logical_replica_count says "
+            f"{int(counts[layer, expert])}",
+        )
+    canonical, canonical_counts = derive_logical_maps(p2l, num_logical, l2p.shape[2])
+    # Compare as sets: sort each row's slots ascending, padding last.
+    pad = placement.num_physical
+    given = torch.where(valid, l2p, torch.full_like(l2p, pad)).sort(dim=2).values
+    given = torch.where(given == pad, torch.full_like(given, EMPTY), given)
+    differs = (given != canonical).any(dim=2) | (canonical_counts != counts)
+    if bool(differs.any()):
+        layer, expert = _first(differs)
+        raise _row_error(
+            layer,
+            expert,
+            f"lists slots {_slots(given[layer, expert])} but physical_to_logical_map places "
+            f"it in slots {_slots(canonical[layer, expert])}",
+        )
+    if require_every_expert and bool((counts == 0).any()):
+        layer, expert = _first(counts == 0)
+        raise PlacementError(
+            f"layer {layer}, expert {expert} has no replica (of {layers} layers); "
+            "every logical expert needs at least one live slot"
+        )
+
+
+def _check_shapes(placement: ExpertPlacement) -> None:
+    expected = {
+        "physical_to_logical_map": (placement.num_layers, placement.num_physical),
+        "logical_to_physical_map": (
+            placement.num_layers,
+            placement.num_logical,
+            placement.max_replicas,
+        ),
+        "logical_replica_count": (placement.num_layers, placement.num_logical),
+    }
+    for name, shape in expected.items():
+        tensor: torch.Tensor = getattr(placement, name)
+        if tuple(tensor.shape) != shape or tensor.dtype != torch.int64:
+            raise PlacementError(
+                f"{name}: expected int64 {shape}, got {tensor.dtype} {tuple(tensor.shape)}"
+            )
+    devices = {str(getattr(placement, name).device) for name in expected}
+    if len(devices) != 1:
+        raise PlacementError(f"the three maps must share one device; got {sorted(devices)}")
+
+
+def _first(mask: torch.Tensor) -> tuple[int, int]:
+    layer, expert = (int(v) for v in mask.nonzero()[0][:2])
+    return layer, expert
+
+
+def _slots(row: torch.Tensor) -> list[int]:
+    return [int(v) for v in row.tolist() if v >= 0]
+
+
+def _row_error(layer: int, expert: int, what: str) -> PlacementError:
+    return PlacementError(
+        f"layer {layer}, expert {expert}: logical_to_physical_map row {what}; "
+        "rebuild the maps from physical_to_logical_map "
+        "(ExpertPlacement.from_physical_to_logical)"
+    )

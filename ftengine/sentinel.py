@@ -1,0 +1,208 @@
+"""WorkerSentinel: the one glue object between a RecoveryEngine, a device Backend and the
+host worker (the CPU cluster worker, the NPU worker, the vLLM adapter).
+
+The host gives the sentinel a :class:`WorkerHooks` object (clean its state, run a dummy
+batch of its model, reach its expert layers); the sentinel hands the engine a backend
+that composes the device backend with those hooks, turns exceptions the host catches
+into :class:`~ftengine.faults.Fault` records, and relays orchestrator commands. It
+owns no threads and knows nothing about any particular cluster.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from collections.abc import Callable, Mapping, Sequence
+from typing import Protocol
+
+from ftengine.backends.base import Backend, RepairReport
+from ftengine.clock import Clock, MonotonicClock
+from ftengine.commands import CommandResult
+from ftengine.context import RedundancyFacts
+from ftengine.engine import RecoveryEngine
+from ftengine.errors import CollectiveTimeout, DeviceError, PeerDead
+from ftengine.faults import Fault, FaultKind, HealthStatus, Phase
+from ftengine.policies import Policy
+from ftengine.status import EngineStatus, PhaseChange
+
+logger = logging.getLogger(__name__)
+
+
+class WorkerHooks(Protocol):
+    """What a host worker lets the sentinel do to it."""
+
+    def clean_state(self) -> None:
+        """Drop in-flight requests and per-request state (KV caches, batch bookkeeping).
+
+        Runs while peers may be dead or hung, so it must not issue a collective.
+        """
+
+    def run_dummy_batch(self) -> None:
+        """Run one full model step on dummy input through every collective (lockstep)."""
+
+    def expert_layers(self) -> Sequence[object]:
+        """The host's MoE layers, opaque to the sentinel (a backend may need them)."""
+
+
+# Messages torch/gloo/HCCL put in a plain RuntimeError; used only when the type says nothing.
+_TIMEOUT_TEXT = re.compile(r"timed out|timeout|deadline exceeded", re.IGNORECASE)
+_PEER_GONE_TEXT = re.compile(
+    r"connection (reset|closed|refused)|broken pipe|peer .*(closed|gone)|end of file|EOF",
+    re.IGNORECASE,
+)
+
+
+def classify_exception(exc: BaseException) -> FaultKind:
+    """The fault kind an exception caught on a worker stands for.
+
+    By type first (ftengine's own errors, then the builtin ``TimeoutError`` /
+    ``ConnectionError``); by message only for the plain ``RuntimeError`` that gloo and
+    HCCL raise. Anything else is ``TRANSIENT``: a retry may clear it.
+    """
+    if isinstance(exc, CollectiveTimeout | TimeoutError):
+        return FaultKind.HUNG_PEER
+    if isinstance(exc, PeerDead | ConnectionError):
+        return FaultKind.DEAD_PEER
+    if isinstance(exc, DeviceError):
+        return FaultKind.DEVICE_ERROR
+    if type(exc) is RuntimeError:
+        text = str(exc)
+        if _TIMEOUT_TEXT.search(text):
+            return FaultKind.HUNG_PEER
+        if _PEER_GONE_TEXT.search(text):
+            return FaultKind.DEAD_PEER
+    return FaultKind.TRANSIENT
+
+
+class HostedBackend:
+    """The backend the engine drives: the device backend plus the host's hooks.
+
+    ``quarantine`` also cleans the host's state, and ``run_dummy_batch`` runs the
+    host's full model step (which goes through the device backend's collectives)
+    instead of the backend's model-less one. Everything else is the device backend's.
+    """
+
+    def __init__(self, backend: Backend, hooks: WorkerHooks) -> None:
+        self.device = backend
+        self.hooks = hooks
+        self.name = backend.name
+
+    def set_op_timeout(self, seconds: float) -> None:
+        self.device.set_op_timeout(seconds)
+
+    def quarantine(self, fault: Fault) -> None:
+        self.device.quarantine(fault)
+        self.hooks.clean_state()
+
+    def reset_device(self) -> None:
+        self.device.reset_device()
+
+    def rebuild_groups(self, alive_ranks: frozenset[int], epoch: int) -> None:
+        self.device.rebuild_groups(alive_ranks, epoch)
+
+    def mask_ranks(self, dead_ranks: frozenset[int]) -> None:
+        self.device.mask_ranks(dead_ranks)
+
+    def repair_experts(self, dead_ranks: frozenset[int]) -> RepairReport:
+        return self.device.repair_experts(dead_ranks)
+
+    def run_dummy_batch(self) -> None:
+        self.hooks.run_dummy_batch()
+
+    def synchronize(self) -> None:
+        self.device.synchronize()
+
+
+class WorkerSentinel:
+    """Joins a policy, a device backend and a host worker into one recovering worker.
+
+    ``rank`` / ``world_size`` are original DP ranks. ``engine`` is the RecoveryEngine
+    it built (the host may ``subscribe`` to it); call ``on_fault`` from the host's
+    exception handlers, ``report`` for faults learnt some other way (a supervisor saw
+    a peer exit), ``handle_ft_command`` for orchestrator commands and ``poll`` every
+    ~50 ms from the host's loop.
+    """
+
+    def __init__(
+        self,
+        policy: Policy,
+        backend: Backend,
+        hooks: WorkerHooks,
+        *,
+        rank: int = 0,
+        world_size: int = 1,
+        clock: Clock | None = None,
+        redundancy: RedundancyFacts | None = None,
+    ) -> None:
+        self.rank = rank
+        self.hooks = hooks
+        self.clock: Clock = clock if clock is not None else MonotonicClock()
+        self.backend = HostedBackend(backend, hooks)
+        self.engine = RecoveryEngine(
+            policy,
+            self.backend,
+            rank=rank,
+            world_size=world_size,
+            clock=self.clock,
+            redundancy=redundancy,
+        )
+
+    @property
+    def phase(self) -> Phase:
+        return self.engine.phase
+
+    @property
+    def health(self) -> HealthStatus:
+        return self.engine.health
+
+    @property
+    def serving(self) -> bool:
+        """True while the worker may run real steps (running or healthy)."""
+        return self.engine.phase in (Phase.RUNNING, Phase.HEALTHY)
+
+    def on_fault(self, exc: BaseException, step: int | None = None) -> Fault:
+        """Classify ``exc`` (caught by the host at model ``step``) and report it.
+
+        A peer fault carries no rank (the exception does not say which peer); a local
+        fault carries this worker's rank. Returns the Fault reported.
+        """
+        kind = classify_exception(exc)
+        local = kind in (FaultKind.TRANSIENT, FaultKind.DEVICE_ERROR)
+        fault = Fault(
+            kind=kind,
+            rank=self.rank if local else None,
+            step=step,
+            info=type(exc).__name__,
+            at=self.clock.now(),
+        )
+        logger.warning(
+            "fault on worker",
+            extra={"rank": self.rank, "step": step, "kind": kind.value, "error": str(exc)},
+        )
+        self.report(fault)
+        return fault
+
+    def report(self, fault: Fault) -> None:
+        """Hand a fault learnt by other means to the engine (it quarantines and decides)."""
+        self.engine.report_fault(fault)
+
+    def peer_fault(self, kind: FaultKind, rank: int, info: str, step: int | None = None) -> None:
+        """Report that peer ``rank`` failed (e.g. a supervisor saw its process exit)."""
+        self.report(Fault(kind=kind, rank=rank, step=step, info=info, at=self.clock.now()))
+
+    def handle_ft_command(
+        self, instruction: str, params: Mapping[str, object], request_id: str
+    ) -> CommandResult:
+        """Run an orchestrator command (``retry`` / ``scale_down``) to the end."""
+        return self.engine.apply(instruction, params, request_id)
+
+    def poll(self) -> None:
+        """Let the engine run its time-driven decisions (due retries, deadlines)."""
+        self.engine.poll()
+
+    def status(self) -> EngineStatus:
+        return self.engine.status()
+
+    def subscribe(self, listener: Callable[[PhaseChange], None]) -> None:
+        """Call ``listener`` on every phase change of the engine."""
+        self.engine.subscribe(listener)

@@ -1,0 +1,250 @@
+"""Expert slot storage: one worker's device-layout expert tensors, written in place on reload.
+
+Shapes (REFERENCE §6), for ``layers`` MoE layers and ``slots`` local slots per layer:
+``w13 [layers, slots, H, 2I]`` and ``w2 [layers, slots, I, H]`` in the model dtype, or int8
+for W8A8-dynamic with ``w13_scale`` float32 ``[layers, slots, 2I]``, ``w2_scale`` model dtype
+``[layers, slots, H]``, flattened offsets beside them and, with ``fused_scales``, the int64
+forms of both scales. With ``nz`` the weights are kept in FRACTAL_NZ, each slot's
+``[H, 2I]`` / ``[I, H]`` becoming ``nz_shape(...)``. Tensors are never replaced, only
+written, so views held elsewhere (and captured graphs) stay valid.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import attrs
+import torch
+
+from ftengine.errors import WeightLoadError
+from ftengine.weights import layout
+from ftengine.weights.index import CheckpointIndex, Quant
+from ftengine.weights.nz import from_fractal_nz, nz_shape, to_fractal_nz
+
+
+@attrs.frozen
+class SlotWeights:
+    """One expert's tensors as read from disk, ready to be written into a slot.
+
+    ``gate``/``up`` [I, H] or ``gate_up`` [2I, H]; ``down`` [H, I]. W8A8 adds per-channel
+    ``*_scale`` / ``*_offset`` ([out, 1]); for a fused checkpoint the gate entries hold
+    the fused tensors and the up entries are None.
+    """
+
+    gate: torch.Tensor
+    up: torch.Tensor | None
+    down: torch.Tensor
+    gate_scale: torch.Tensor | None = None
+    up_scale: torch.Tensor | None = None
+    down_scale: torch.Tensor | None = None
+    gate_offset: torch.Tensor | None = None
+    up_offset: torch.Tensor | None = None
+    down_offset: torch.Tensor | None = None
+
+
+_STORAGE_FIELDS = (
+    "w13",
+    "w2",
+    "w13_scale",
+    "w2_scale",
+    "w13_offset",
+    "w2_offset",
+    "w13_scale_int64",
+    "w2_scale_int64",
+)
+
+
+@attrs.frozen(eq=False)
+class ExpertSlots:
+    """Device-layout expert storage of one worker (see the module docstring for shapes)."""
+
+    w13: torch.Tensor
+    w2: torch.Tensor
+    hidden: int
+    intermediate: int
+    dtype: torch.dtype
+    quant: Quant = "none"
+    nz: bool = False
+    w13_scale: torch.Tensor | None = None
+    w2_scale: torch.Tensor | None = None
+    w13_offset: torch.Tensor | None = None
+    w2_offset: torch.Tensor | None = None
+    w13_scale_int64: torch.Tensor | None = None
+    w2_scale_int64: torch.Tensor | None = None
+
+    @classmethod
+    def allocate(
+        cls,
+        index: CheckpointIndex,
+        num_layers: int,
+        local_slots: int,
+        *,
+        nz: bool = False,
+        fused_scales: bool = False,
+        device: torch.device | str = "cpu",
+    ) -> ExpertSlots:
+        """Zero-filled storage for ``num_layers`` x ``local_slots`` experts of ``index``."""
+        return cls.empty(
+            hidden=index.hidden_size,
+            intermediate=index.intermediate_size,
+            dtype=index.dtype,
+            num_layers=num_layers,
+            local_slots=local_slots,
+            quant=index.quant,
+            nz=nz,
+            fused_scales=fused_scales,
+            device=device,
+        )
+
+    @classmethod
+    def empty(
+        cls,
+        *,
+        hidden: int,
+        intermediate: int,
+        dtype: torch.dtype,
+        num_layers: int,
+        local_slots: int,
+        quant: Quant = "none",
+        nz: bool = False,
+        fused_scales: bool = False,
+        device: torch.device | str = "cpu",
+    ) -> ExpertSlots:
+        """Zero-filled storage from explicit sizes (zeros, so every page is resident now)."""
+        if min(hidden, intermediate, num_layers, local_slots) <= 0:
+            raise WeightLoadError(
+                f"slot storage needs positive sizes, found hidden={hidden}, intermediate="
+                f"{intermediate}, layers={num_layers}, slots={local_slots}"
+            )
+        wdtype = torch.int8 if quant == "w8a8_dynamic" else dtype
+        w13_nd, w2_nd = (hidden, 2 * intermediate), (intermediate, hidden)
+        w13_shape = nz_shape(w13_nd, wdtype) if nz else w13_nd
+        w2_shape = nz_shape(w2_nd, wdtype) if nz else w2_nd
+        lead = (num_layers, local_slots)
+
+        def zeros(shape: tuple[int, ...], kind: torch.dtype) -> torch.Tensor:
+            return torch.zeros((*lead, *shape), dtype=kind, device=device)
+
+        extra: dict[str, torch.Tensor] = {}
+        if quant == "w8a8_dynamic":
+            extra["w13_scale"] = zeros((2 * intermediate,), torch.float32)
+            extra["w2_scale"] = zeros((hidden,), dtype)
+            extra["w13_offset"] = zeros((2 * intermediate,), dtype)
+            extra["w2_offset"] = zeros((hidden,), dtype)
+            if fused_scales:
+                extra["w13_scale_int64"] = zeros((2 * intermediate,), torch.int64)
+                extra["w2_scale_int64"] = zeros((hidden,), torch.int64)
+        return cls(
+            w13=zeros(w13_shape, wdtype),
+            w2=zeros(w2_shape, wdtype),
+            hidden=hidden,
+            intermediate=intermediate,
+            dtype=dtype,
+            quant=quant,
+            nz=nz,
+            **extra,
+        )
+
+    @property
+    def num_layers(self) -> int:
+        """MoE layers held."""
+        return int(self.w13.shape[0])
+
+    @property
+    def local_slots(self) -> int:
+        """Expert slots per layer on this worker."""
+        return int(self.w13.shape[1])
+
+    @property
+    def weight_dtype(self) -> torch.dtype:
+        """Dtype of w13/w2: int8 for W8A8-dynamic, else the model dtype."""
+        return self.w13.dtype
+
+    def tensors(self) -> Mapping[str, torch.Tensor]:
+        """Every storage tensor by field name (absent optional ones left out)."""
+        found = {name: getattr(self, name) for name in _STORAGE_FIELDS}
+        return {name: tensor for name, tensor in found.items() if tensor is not None}
+
+    def data_ptrs(self) -> Mapping[str, int]:
+        """``data_ptr()`` of every storage tensor: equal before and after an in-place reload."""
+        return {name: tensor.data_ptr() for name, tensor in self.tensors().items()}
+
+    def w13_nd(self, layer: int, slot: int) -> torch.Tensor:
+        """Slot ``(layer, slot)``'s w13 as stored, in ND [H, 2I] (a view unless NZ)."""
+        w13 = self.w13[layer, slot]
+        return from_fractal_nz(w13, self.hidden, 2 * self.intermediate) if self.nz else w13
+
+    def w2_nd(self, layer: int, slot: int) -> torch.Tensor:
+        """Slot ``(layer, slot)``'s w2 as stored, in ND [I, H] (a view unless NZ)."""
+        w2 = self.w2[layer, slot]
+        return from_fractal_nz(w2, self.intermediate, self.hidden) if self.nz else w2
+
+    def w13_float(self, layer: int, slot: int) -> torch.Tensor:
+        """Dequantised float32 w13 [H, 2I] of one slot, for CPU compute (``x @ w13``)."""
+        weight = self.w13_nd(layer, slot).to(torch.float32)
+        if self.w13_scale is None:
+            return weight
+        return weight * self.w13_scale[layer, slot].to(torch.float32)
+
+    def w2_float(self, layer: int, slot: int) -> torch.Tensor:
+        """Dequantised float32 w2 [I, H] of one slot, for CPU compute (``h @ w2``)."""
+        weight = self.w2_nd(layer, slot).to(torch.float32)
+        if self.w2_scale is None:
+            return weight
+        return weight * self.w2_scale[layer, slot].to(torch.float32)
+
+    def layer_float(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """All slots of ``layer`` dequantised: (w13 [slots, H, 2I], w2 [slots, I, H]) float32."""
+        slots = range(self.local_slots)
+        w13 = torch.stack([self.w13_float(layer, slot) for slot in slots])
+        w2 = torch.stack([self.w2_float(layer, slot) for slot in slots])
+        return w13, w2
+
+    def write_slot(self, layer: int, slot: int, weights: SlotWeights) -> None:
+        """Transform one expert's disk tensors into slot ``(layer, slot)`` in place.
+
+        The caller validates shapes and dtypes first (``reload`` does), so a slot is never
+        left half-written by a bad tensor.
+        """
+        self._write_weights(layer, slot, weights)
+        if self.quant == "w8a8_dynamic":
+            self._write_scales(layer, slot, weights)
+
+    def _write_weights(self, layer: int, slot: int, weights: SlotWeights) -> None:
+        if self.nz:
+            w13 = (
+                layout.to_w13(weights.gate, weights.up)
+                if weights.up is not None
+                else layout.to_w2(weights.gate)  # a fused [2I, H] transposes like down
+            )
+            to_fractal_nz(w13, out=self.w13[layer, slot])
+            to_fractal_nz(layout.to_w2(weights.down), out=self.w2[layer, slot])
+            return
+        if weights.up is None:
+            layout.write_w13_fused(self.w13[layer, slot], weights.gate)
+        else:
+            layout.write_w13(self.w13[layer, slot], weights.gate, weights.up)
+        layout.write_w2(self.w2[layer, slot], weights.down)
+
+    def _write_scales(self, layer: int, slot: int, weights: SlotWeights) -> None:
+        if self.w13_scale is None or self.w2_scale is None:
+            raise WeightLoadError("W8A8 slot storage lacks its scale tensors; use allocate()")
+        if weights.gate_scale is None or weights.down_scale is None:
+            raise WeightLoadError("a W8A8 slot needs gate and down weight_scale; none were read")
+        w13_scale = layout.to_w13_scale(weights.gate_scale, weights.up_scale)
+        self.w13_scale[layer, slot].copy_(w13_scale)
+        self.w2_scale[layer, slot].copy_(layout.to_w2_scale(weights.down_scale, self.dtype))
+        if self.w13_offset is not None and weights.gate_offset is not None:
+            ups = () if weights.up_offset is None else (weights.up_offset,)
+            offset = layout.flatten_offset(weights.gate_offset, *ups, dtype=self.dtype)
+            self.w13_offset[layer, slot].copy_(offset)
+        if self.w2_offset is not None and weights.down_offset is not None:
+            offset = layout.flatten_offset(weights.down_offset, dtype=self.dtype)
+            self.w2_offset[layer, slot].copy_(offset)
+        if self.w13_scale_int64 is not None and self.w2_scale_int64 is not None:
+            # Both from the scales as stored (w2's already in the model dtype), the way the
+            # fused-MC2 path derives them after loading; unconfirmed against vLLM-Ascend.
+            self.w13_scale_int64[layer, slot].copy_(layout.scale_to_int64(w13_scale))
+            self.w2_scale_int64[layer, slot].copy_(
+                layout.scale_to_int64(self.w2_scale[layer, slot])
+            )

@@ -1,0 +1,202 @@
+"""A host worker for the NPU backend in tests: real checkpoint and slots, a tiny MoE step.
+
+``FakeNpuHost`` implements ``NpuHost`` over a checkpoint written by the weights module; its
+model step routes tokens through the EPLB maps and, with EP >= 2, through MC2 dispatch_v2 /
+combine_v2 of the (fake) torch_npu. ``RecordingGroupFactory`` stands in for
+``torch.distributed.new_group``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import attrs
+import torch
+
+from ftengine.backends.npu import NpuBackend
+from ftengine.backends.npu_config import NpuFtConfig
+from ftengine.backends.npu_host import NpuTopology
+from ftengine.backends.npu_mc2 import Mc2Communicator
+from ftengine.backends.npu_preconditions import NpuDeployment
+from ftengine.backends.npu_reload import ExpertSlotsStorage, SlotStorage
+from ftengine.backends.npu_runtime import NpuRuntime
+from ftengine.placement.maps import ExpertPlacement
+from ftengine.weights.index import CheckpointIndex
+from ftengine.weights.reload import load_experts_into_slots
+from ftengine.weights.slots import ExpertSlots
+
+
+@attrs.frozen
+class FakeGroup:
+    """A process group made by ``RecordingGroupFactory``."""
+
+    serial: int
+    ranks: tuple[int, ...]
+    backend: str
+    timeout_s: float | None
+
+
+class RecordingGroupFactory:
+    """Records every group created and destroyed, in order."""
+
+    def __init__(self) -> None:
+        self.created: list[FakeGroup] = []
+        self.destroyed: list[object] = []
+
+    def new_group(self, ranks: Sequence[int], *, backend: str, timeout_s: float | None) -> object:
+        group = FakeGroup(len(self.created), tuple(ranks), backend, timeout_s)
+        self.created.append(group)
+        return group
+
+    def destroy_group(self, group: object) -> None:
+        self.destroyed.append(group)
+
+
+class FakeNpuHost:
+    """One worker of an EP group of ``ep_size``: EP rank ``ep_rank``'s slots hold its experts."""
+
+    top_k = 2
+
+    def __init__(
+        self,
+        index: CheckpointIndex,
+        *,
+        ep_size: int,
+        ep_rank: int,
+        num_redundant: int,
+        nz: bool = True,
+        fused_scales: bool = False,
+    ) -> None:
+        self.index = index
+        self.ep_rank = ep_rank
+        self._placement = ExpertPlacement.default(
+            index.num_layers, index.num_experts, num_redundant, ep_size
+        )
+        local = self._placement.local_slots
+        self.slots = ExpertSlots.allocate(
+            index, index.num_layers, local, nz=nz, fused_scales=fused_scales
+        )
+        p2l = self._placement.physical_to_logical_map
+        first = ep_rank * local
+        # What the model loader did at start-up (with the reference NZ transform).
+        load_experts_into_slots(
+            index,
+            self.slots,
+            [
+                (layer, s, int(p2l[layer, first + s]))
+                for layer in range(index.num_layers)
+                for s in range(local)
+            ],
+        )
+        self.mc2: Mc2Communicator | None = None
+        self.step: Callable[[torch.Tensor], torch.Tensor] = self._step
+        self.dummy_batches = 0
+        self.checkpoint_reads = 0
+
+    def attach(self, backend: NpuBackend) -> None:
+        """Wire the backend in: MC2 with its elastic_info, the model call behind its barrier."""
+        if self._placement.ep_size >= 2:
+            self.mc2 = backend.make_mc2("fake_hccl_ep_group")
+        self.step = backend.guard(self._step, self._empty)
+
+    # NpuHost -------------------------------------------------------------------------------
+
+    def placement(self) -> ExpertPlacement:
+        return self._placement
+
+    def slot_storage(self) -> SlotStorage:
+        return ExpertSlotsStorage(self.slots)
+
+    def checkpoint(self) -> CheckpointIndex:
+        self.checkpoint_reads += 1
+        return self.index
+
+    def run_dummy_batch(self) -> None:
+        out = self.step(self.tokens(4))
+        if out.numel() == 0:
+            raise RuntimeError("the dummy batch got an empty output: the worker is still fenced")
+        self.dummy_batches += 1
+
+    # The model step ------------------------------------------------------------------------
+
+    def tokens(self, count: int) -> torch.Tensor:
+        """Hidden states ``[count, H]`` bf16, deterministic."""
+        hidden = self.index.hidden_size
+        return (
+            torch.arange(count * hidden, dtype=torch.float32)
+            .reshape(count, hidden)
+            .div(count * hidden)
+            .to(torch.bfloat16)
+        )
+
+    def physical_ids(self, count: int, layer: int = 0) -> torch.Tensor:
+        """Top-k physical expert ids ``[count, K]`` read from the live logical→physical map."""
+        logical = torch.tensor(
+            [
+                [(t + k) % self._placement.num_logical for k in range(self.top_k)]
+                for t in range(count)
+            ]
+        )
+        replicas = self._placement.logical_replica_count[layer, logical]
+        choice = torch.arange(count).unsqueeze(1) % replicas
+        return self._placement.logical_to_physical_map[layer, logical, choice]
+
+    def _step(self, x: torch.Tensor) -> torch.Tensor:
+        if self.mc2 is None:
+            return x
+        ids = self.physical_ids(x.shape[0])
+        scales = torch.full(ids.shape, 0.5, dtype=torch.float32)
+        dispatched = self.mc2.dispatch(x, ids)
+        return self.mc2.combine(dispatched, dispatched.expand_x, scales)
+
+    def _empty(self) -> torch.Tensor:
+        return torch.empty(0, self.index.hidden_size, dtype=torch.bfloat16)
+
+
+@attrs.frozen(eq=False)
+class NpuRig:
+    """A backend on the fake torch_npu with its host and group factory."""
+
+    backend: NpuBackend
+    host: FakeNpuHost
+    groups: RecordingGroupFactory
+    environ: dict[str, str]
+
+
+def make_npu_rig(
+    index: CheckpointIndex,
+    *,
+    dp_size: int = 1,
+    dp_rank: int = 0,
+    num_redundant: int = 2,
+    device_index: int = 0,
+    tp_size: int = 1,
+    nz: bool = True,
+    fused_scales: bool = False,
+    config: NpuFtConfig | None = None,
+    deployment: NpuDeployment | None = None,
+    environ: dict[str, str] | None = None,
+) -> NpuRig:
+    """Build the NPU backend for DP rank ``dp_rank`` of ``dp_size`` (the fake must be installed)."""
+    env = {} if environ is None else environ
+    groups = RecordingGroupFactory()
+    host = FakeNpuHost(
+        index,
+        ep_size=dp_size * tp_size,
+        ep_rank=dp_rank * tp_size,
+        num_redundant=num_redundant,
+        nz=nz,
+        fused_scales=fused_scales,
+    )
+    backend = NpuBackend(
+        host,
+        NpuTopology(dp_rank=dp_rank, dp_size=dp_size, device_index=device_index, tp_size=tp_size),
+        config=config,
+        deployment=deployment,
+        runtime=NpuRuntime.load(),
+        group_factory=groups,
+        environ=env,
+        device=torch.device("cpu"),
+    )
+    host.attach(backend)
+    return NpuRig(backend, host, groups, env)

@@ -1,0 +1,332 @@
+"""Random interleavings of faults, commands (valid, invalid, replayed), backend failures and
+clock advances, run against the engine and a small reference model side by side."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import attrs
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import (
+    Bundle,
+    RuleBasedStateMachine,
+    initialize,
+    invariant,
+    rule,
+)
+
+from ftengine.backends.fake import Call
+from ftengine.context import RecoveryContext, RedundancyFacts
+from ftengine.engine import ALLOWED_ACTIONS, RETRY_ACTIONS, SCALE_DOWN_ACTIONS, CommandResult
+from ftengine.faults import Fault, FaultKind, Phase
+from ftengine.fsm import RECOVERING, successors
+from ftengine.policies import (
+    AutoRecovery,
+    Decision,
+    ExponentialBackoff,
+    FlapGuard,
+    GiveUp,
+    MaxAttempts,
+    OrchestratorDriven,
+    Policy,
+    Retry,
+    ScaleDown,
+)
+from tests.engine_support import Rig, make_rig
+
+WORLD, RANK = 4, 0
+REDUNDANCY = RedundancyFacts(ep_size=4, local_slots=4, num_logical=8)  # survives two dead ranks
+SERVING = (Phase.RUNNING, Phase.HEALTHY)
+# name -> (policy, the most recovery attempts one episode may start)
+POLICIES: dict[str, tuple[Policy, int]] = {
+    "orchestrator": (OrchestratorDriven(recovery_timeout=10.0), 1),
+    "auto": (
+        MaxAttempts(3)
+        | (
+            FlapGuard(k=3, window=20.0)
+            & AutoRecovery(retry_during_recovery=True, max_attempts=10)
+            & ExponentialBackoff(base=1.0, cap=4.0, seed=7)
+        ),
+        3,
+    ),
+}
+
+
+@attrs.define
+class Model:
+    """The engine's rules in miniature; it asks the same policy the engine does."""
+
+    policy: Policy
+    now: float = 100.0
+    phase: Phase = Phase.RUNNING
+    removed: frozenset[int] = frozenset()
+    epoch: int = 0
+    attempts: int = 0
+    episode_start: float = 0.0
+    dead: set[int] = attrs.Factory(set)
+    history: list[Fault] = attrs.Factory(list)
+    pending: tuple[str, float, frozenset[int]] | None = None
+    armed: set[str] = attrs.Factory(set)
+
+    def decide(self, fault: Fault, phase: Phase) -> Decision:
+        ctx = RecoveryContext(
+            fault=fault,
+            phase=phase,
+            now=self.now,
+            episode_start=self.episode_start,
+            attempts=self.attempts,
+            faults=tuple(self.history),
+            dead_ranks=frozenset(self.dead) - self.removed,
+            removed_ranks=self.removed,
+            rank=RANK,
+            world_size=WORLD,
+            epoch=self.epoch,
+            redundancy=REDUNDANCY,
+        )
+        return self.policy(ctx) or GiveUp("abstained")
+
+    def fault(self, fault: Fault) -> None:
+        if self.phase is Phase.DEAD:
+            return
+        source = self.phase
+        if source in SERVING:
+            self.attempts, self.dead, self.episode_start = 0, set(), fault.at
+        self.history.append(fault)
+        if fault.kind is FaultKind.DEAD_PEER and fault.rank is not None:
+            self.dead.add(fault.rank)
+        if source in SERVING:
+            self.enter(Phase.QUARANTINED)
+            if self.quarantine():
+                self.act(self.decide(fault, source))
+            return
+        decision = self.decide(fault, source)
+        if isinstance(decision, GiveUp):
+            self.enter(Phase.DEAD)
+            return
+        self.enter(Phase.QUARANTINED)
+        if source not in RECOVERING or self.quarantine():
+            self.act(decision)
+
+    def enter(self, phase: Phase) -> None:
+        self.phase = phase
+        if phase is not Phase.QUARANTINED:
+            self.pending = None
+
+    def quarantine(self) -> bool:
+        if "quarantine" in self.armed:
+            self.armed.discard("quarantine")
+            self.enter(Phase.DEAD)
+            return False
+        return True
+
+    def act(self, decision: Decision) -> None:
+        if isinstance(decision, GiveUp):
+            self.enter(Phase.DEAD)
+        elif isinstance(decision, Retry):
+            self.pending = ("retry", self.now + decision.after, frozenset())
+        elif isinstance(decision, ScaleDown):
+            self.pending = ("scale_down", self.now, decision.ranks)
+        else:
+            self.pending = ("deadline", decision.deadline, frozenset())
+
+    def poll(self) -> None:
+        if self.phase is not Phase.QUARANTINED or self.pending is None:
+            return
+        kind, due, ranks = self.pending
+        if self.now < due:
+            return
+        if kind == "deadline" or (kind == "scale_down" and self.refuses(self.removed | ranks)):
+            self.enter(Phase.DEAD)
+        else:
+            self.run(kind == "retry", self.removed | ranks)
+
+    def refuses(self, removed: frozenset[int]) -> bool:
+        everyone = frozenset(range(WORLD))
+        return (
+            not removed
+            or not removed <= everyone
+            or RANK in removed
+            or not self.removed <= removed
+            or removed <= self.removed
+            or not REDUNDANCY.survives(removed)
+        )
+
+    def run(self, retry: bool, removed: frozenset[int]) -> bool:
+        self.attempts += 1
+        phase = Phase.RETRYING if retry else Phase.SCALING_DOWN
+        self.enter(phase)
+        for action in RETRY_ACTIONS if retry else SCALE_DOWN_ACTIONS:
+            if action == "rebuild_groups":
+                self.epoch += 1
+            if action in self.armed:
+                self.armed.discard(action)
+                self.phase = phase
+                self.fault(Fault(FaultKind.RECOVERY_ERROR, info=action, at=self.now))
+                return False
+        self.removed = frozenset(removed)
+        self.enter(Phase.HEALTHY)
+        return True
+
+    def command(self, instruction: str, params: Any) -> tuple[bool, str]:
+        """(success, a text the engine's reason must contain; "" for a success)."""
+        if instruction not in ("retry", "scale_down"):
+            return False, "unknown instruction"
+        if self.phase is not Phase.QUARANTINED:
+            return False, f"status is {self.phase.health.name}"
+        if not isinstance(params, dict):
+            return False, "params must be a mapping"
+        if instruction == "retry":
+            if params:
+                return False, "retry takes no params"
+            return (True, "") if self.run(True, self.removed) else (False, "failed")
+        ranks = params.get("removed_dp_ranks")
+        if not isinstance(ranks, list) or set(params) != {"removed_dp_ranks"}:
+            return False, "scale_down takes params"
+        if self.refuses(frozenset(ranks)):
+            return False, "scale_down rejected"
+        return (True, "") if self.run(False, frozenset(ranks)) else (False, "failed")
+
+
+fault_kinds = st.sampled_from(
+    [FaultKind.TRANSIENT, FaultKind.DEAD_PEER, FaultKind.DEVICE_ERROR, FaultKind.HUNG_PEER]
+)
+fault_ranks = st.sampled_from([None, 1, 2, 3, 0])
+removed_lists = st.one_of(
+    st.lists(st.integers(min_value=0, max_value=WORLD), max_size=3),
+    st.integers(min_value=1, max_value=3).map(lambda r: [r]),
+)
+armable = st.sampled_from(["quarantine", *dict.fromkeys(RETRY_ACTIONS + SCALE_DOWN_ACTIONS)])
+
+
+class EngineMachine(RuleBasedStateMachine):
+    requests = Bundle("requests")
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.rig: Rig
+        self.model: Model
+        self.bound = 0
+        self.results: dict[str, CommandResult] = {}
+        self.misplaced: list[tuple[str, Phase]] = []
+        self.checked_changes = 0
+        self.counter = 0
+
+    @initialize(name=st.sampled_from(sorted(POLICIES)))
+    def start(self, name: str) -> None:
+        policy, self.bound = POLICIES[name]
+        self.rig = make_rig(policy, world_size=WORLD, rank=RANK, redundancy=REDUNDANCY)
+        self.rig.backend.on_call = self.check_action
+        self.model = Model(policy, now=self.rig.clock.now())
+
+    def check_action(self, call: Call) -> None:
+        phase = self.rig.engine.phase
+        if call.name not in ALLOWED_ACTIONS[phase]:
+            self.misplaced.append((call.name, phase))
+
+    def snapshot(self) -> tuple[object, ...]:
+        return (self.rig.engine.status(), self.rig.backend.calls)
+
+    # -- rules ---------------------------------------------------------------------------
+
+    @rule(kind=fault_kinds, rank=fault_ranks)
+    def fault(self, kind: FaultKind, rank: int | None) -> None:
+        fault = Fault(kind, rank=rank, info=kind.name)
+        self.rig.engine.report_fault(fault)
+        self.model.fault(attrs.evolve(fault, at=self.model.now))
+
+    @rule(action=armable)
+    def arm_backend_failure(self, action: str) -> None:
+        self.rig.backend.fail_on(action)
+        self.model.armed.add(action)
+
+    @rule(dt=st.sampled_from([0.0, 0.5, 1.0, 2.0, 5.0, 15.0]))
+    def tick(self, dt: float) -> None:
+        self.rig.clock.advance(dt)
+        self.model.now += dt
+        self.rig.engine.poll()
+        self.model.poll()
+
+    @rule(target=requests)
+    def retry(self) -> str:
+        return self.command("retry", {})
+
+    @rule(target=requests, removed=removed_lists)
+    def scale_down(self, removed: list[int]) -> str:
+        return self.command("scale_down", {"removed_dp_ranks": removed})
+
+    @rule(
+        target=requests,
+        instruction=st.sampled_from(["retry", "scale_down", "restart", ""]),
+        params=st.sampled_from([{"x": 1}, {"removed_dp_ranks": "3"}, {}, [3]]),
+    )
+    def malformed(self, instruction: str, params: Any) -> str:
+        return self.command(instruction, params)
+
+    @rule(request_id=requests)
+    def replay(self, request_id: str) -> None:
+        before = self.snapshot()
+        result = self.rig.engine.apply("retry", {}, request_id)
+        assert result == self.results[request_id]
+        assert self.snapshot() == before, "a replayed request acted again"
+
+    def command(self, instruction: str, params: Any) -> str:
+        self.counter += 1
+        request_id = f"req-{self.counter}"
+        serving = self.model.phase is not Phase.QUARANTINED
+        before = self.snapshot()
+        result = self.rig.engine.apply(instruction, params, request_id)
+        success, expected = self.model.command(instruction, params)
+        assert (result.request_id, result.success) == (request_id, success), result
+        assert expected in (result.reason or ""), (expected, result.reason)
+        if serving:
+            assert result.reason and self.snapshot() == before, "a rejection changed state"
+        self.results[request_id] = result
+        return request_id
+
+    # -- invariants ----------------------------------------------------------------------
+
+    @invariant()
+    def engine_matches_model(self) -> None:
+        status = self.rig.engine.status()
+        model = self.model
+        assert status.phase is model.phase, (status.phase, model.phase)
+        assert (status.removed_ranks, status.epoch) == (model.removed, model.epoch)
+        assert status.attempts == model.attempts <= self.bound
+        assert status.status is status.phase.health
+        assert (status.phase is Phase.DEAD) <= bool(status.ft_error)
+
+    @invariant()
+    def every_change_is_a_table_row(self) -> None:
+        changes = self.rig.changes
+        previous = changes[self.checked_changes - 1].dest if self.checked_changes else Phase.RUNNING
+        for change in changes[self.checked_changes :]:
+            assert change.source is previous and change.dest in successors(change.source)
+            assert previous is not Phase.DEAD, "dead must absorb"
+            previous = change.dest
+        self.checked_changes = len(changes)
+
+    @invariant()
+    def backend_actions_only_run_where_allowed(self) -> None:
+        assert not self.misplaced, self.misplaced
+
+    def teardown(self) -> None:
+        """Every episode ends, healthy or dead, within a bounded number of polls."""
+        if not hasattr(self, "rig"):
+            return
+        for _ in range(self.bound + 1):
+            self.rig.clock.advance(100.0)
+            self.rig.engine.poll()
+        assert self.rig.engine.phase in (Phase.RUNNING, Phase.HEALTHY, Phase.DEAD)
+        assert not self.misplaced, self.misplaced
+
+
+# The dev profile keeps its own small budget; every other profile (ci included) runs 500.
+_DEV = settings.get_current_profile_name() == "dev"
+EngineMachine.TestCase.settings = settings(
+    max_examples=settings().max_examples if _DEV else 500,
+    stateful_step_count=30,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow],
+)
+TestEngineStateful = EngineMachine.TestCase

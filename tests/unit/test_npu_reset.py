@@ -1,0 +1,187 @@
+"""Device reset order, the fault barrier (quarantine) and owned-group re-creation on the NPU."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from ftengine.clock import ManualClock
+from ftengine.engine import RecoveryEngine
+from ftengine.errors import BackendError, DeviceError
+from ftengine.faults import Fault, FaultKind, Phase
+from ftengine.policies import OrchestratorDriven
+from ftengine.weights.checkpoint_gen import make_checkpoint
+from ftengine.weights.index import CheckpointIndex
+from tests.fakes.npu_host import NpuRig, make_npu_rig
+from tests.fakes.npu_install import fake_torch_npu
+from tests.fakes.npu_state import Call, FakeDeviceError, FakeNpuState
+
+RESET = [
+    "npu.set_device",
+    "npu.stop_device",
+    "npu.restart_device",
+    "distributed.reinit_process_group",
+    "npu.synchronize",
+]
+DISPATCH, COMBINE = "npu_moe_distribute_dispatch_v2", "npu_moe_distribute_combine_v2"
+
+
+@pytest.fixture
+def npu_state() -> Iterator[FakeNpuState]:
+    with fake_torch_npu() as state:
+        yield state
+
+
+@pytest.fixture(scope="module")
+def index(tmp_path_factory: pytest.TempPathFactory) -> CheckpointIndex:
+    root: Path = tmp_path_factory.mktemp("npu-reset")
+    return CheckpointIndex.open(
+        make_checkpoint(root / "ckpt", layers=1, experts=8, hidden=32, intermediate=16)
+    )
+
+
+@pytest.fixture
+def rig(npu_state: FakeNpuState, index: CheckpointIndex) -> NpuRig:
+    """DP rank 1 of 4 on NPU 3, owning one DP-sync group; the call log starts empty."""
+    rig = make_npu_rig(index, dp_size=4, dp_rank=1, device_index=3, num_redundant=4)
+    rig.backend.groups.register("dp_sync")
+    npu_state.clear_calls()
+    return rig
+
+
+def device_error(state: FakeNpuState) -> None:
+    """The next dispatch fails like a poisoned stream (an HCCL op aborted by the timeout)."""
+    state.poison()
+    state.fail(DISPATCH, FakeDeviceError("EI0002: HCCL op timed out, stream poisoned"))
+
+
+def test_reset_runs_the_exact_sequence_then_recreates_owned_groups(
+    rig: NpuRig, npu_state: FakeNpuState
+) -> None:
+    old = rig.groups.created[-1]
+    rig.backend.reset_device()
+    assert npu_state.calls == [
+        Call("npu.set_device", (3,)),
+        Call("npu.stop_device", (3,)),
+        Call("npu.restart_device", (3,), {"rebuild_all_resource": False}),
+        Call("distributed.reinit_process_group", (None,), {"rebuild_link": False}),
+        Call("npu.synchronize"),
+    ]
+    assert rig.groups.destroyed == [old]
+    new = rig.groups.created[-1]
+    assert (new.ranks, new.backend) == ((0, 1, 2, 3), "gloo")
+    assert rig.backend.groups.get("dp_sync") is new
+
+
+def test_reset_clears_a_poisoned_device(rig: NpuRig, npu_state: FakeNpuState) -> None:
+    npu_state.poison()
+    rig.backend.reset_device()
+    assert not npu_state.poisoned and npu_state.stopped == set()
+    rig.backend.synchronize()
+
+
+def test_stop_device_failure_stops_the_sequence(rig: NpuRig, npu_state: FakeNpuState) -> None:
+    npu_state.stop_result = 1
+    with pytest.raises(DeviceError, match=r"stop_device\(3\) returned 1"):
+        rig.backend.reset_device()
+    assert npu_state.names() == RESET[:2]
+
+
+def test_a_step_failing_keeps_the_torch_npu_error_as_cause(
+    rig: NpuRig, npu_state: FakeNpuState
+) -> None:
+    error = RuntimeError("EL0004: device lost")
+    npu_state.fail("npu.restart_device", error)
+    with pytest.raises(DeviceError, match="reset failed at restart_device") as caught:
+        rig.backend.reset_device()
+    assert caught.value.__cause__ is error
+    assert npu_state.names() == RESET[:3]
+
+
+def test_first_device_error_resets_at_once_and_fences_later_calls(
+    rig: NpuRig, npu_state: FakeNpuState
+) -> None:
+    device_error(npu_state)
+    with pytest.raises(FakeDeviceError):
+        rig.host.step(rig.host.tokens(4))
+    # The reset ran inside the failing call, before anything else touched the stream.
+    assert npu_state.names() == [DISPATCH, *RESET]
+    assert not npu_state.poisoned
+    assert rig.backend.barrier.tripped and rig.backend.groups.stale
+    calls_before = len(npu_state.calls)
+    for _ in range(3):
+        out = rig.host.step(rig.host.tokens(4))
+        assert out.shape == (0, 32)
+    assert len(npu_state.calls) == calls_before  # device-free while quarantined
+    with pytest.raises(BackendError, match="stale"):
+        rig.backend.groups.get("dp_sync")
+
+
+def test_quarantine_after_the_barrier_does_not_reset_twice(
+    rig: NpuRig, npu_state: FakeNpuState
+) -> None:
+    device_error(npu_state)
+    with pytest.raises(FakeDeviceError):
+        rig.host.step(rig.host.tokens(4))
+    rig.backend.quarantine(Fault(FaultKind.DEVICE_ERROR, rank=1, info="FakeDeviceError"))
+    rig.backend.quarantine(Fault(FaultKind.DEVICE_ERROR, rank=1, info="FakeDeviceError"))
+    assert npu_state.names().count("npu.stop_device") == 1
+
+
+def test_quarantine_without_an_error_resets_locally_without_a_rendezvous(
+    rig: NpuRig, npu_state: FakeNpuState
+) -> None:
+    created = len(rig.groups.created)
+    rig.backend.quarantine(Fault(FaultKind.DEAD_PEER, info="ConnectionError"))
+    assert npu_state.names() == RESET
+    assert len(rig.groups.created) == created  # groups only marked stale
+    assert rig.host.step(rig.host.tokens(2)).numel() == 0
+
+
+def test_rebuild_recreates_groups_for_the_epoch_and_lets_calls_through(
+    rig: NpuRig, npu_state: FakeNpuState
+) -> None:
+    rig.backend.quarantine(Fault(FaultKind.TRANSIENT, rank=1))
+    rig.backend.rebuild_groups(frozenset({0, 1, 2, 3}), 1)
+    assert rig.backend.epoch == 1 and not rig.backend.groups.stale
+    npu_state.clear_calls()
+    out = rig.host.step(rig.host.tokens(4))
+    assert out.shape == (4, 32)
+    assert npu_state.names() == [DISPATCH, COMBINE]
+
+
+def test_a_failed_local_reset_is_retried_by_quarantine(
+    rig: NpuRig, npu_state: FakeNpuState
+) -> None:
+    device_error(npu_state)
+    npu_state.stop_result = 1
+    with pytest.raises(FakeDeviceError):
+        rig.host.step(rig.host.tokens(4))
+    assert rig.backend.barrier.tripped and not rig.backend.barrier.reset_done
+    rig.backend.synchronize()  # must not touch the poisoned stream
+    assert "npu.synchronize" not in npu_state.names()
+    npu_state.stop_result = 0
+    rig.backend.quarantine(Fault(FaultKind.DEVICE_ERROR, rank=1))
+    assert rig.backend.barrier.reset_done and not npu_state.poisoned
+
+
+def test_engine_retry_path_calls_the_device_in_order(rig: NpuRig, npu_state: FakeNpuState) -> None:
+    engine = RecoveryEngine(
+        OrchestratorDriven(), rig.backend, rank=1, world_size=4, clock=ManualClock()
+    )
+    device_error(npu_state)
+    with pytest.raises(FakeDeviceError):
+        rig.host.step(rig.host.tokens(4))
+    engine.report_fault(Fault(FaultKind.DEVICE_ERROR, rank=1, info="FakeDeviceError"))
+    assert engine.phase is Phase.QUARANTINED
+    result = engine.apply("retry", {}, "retry-1")
+    assert result.success, result.reason
+    assert engine.phase is Phase.HEALTHY
+    # barrier reset, then the retry's full reset, then the dummy batch through MC2
+    assert npu_state.names() == [DISPATCH, *RESET, *RESET, DISPATCH, COMBINE]
+    assert rig.backend.epoch == engine.epoch == 1
+    assert rig.host.dummy_batches == 1
+    # groups: the initial one, re-created by reset_device, re-created by rebuild_groups
+    assert len(rig.groups.created) == 3 and len(rig.groups.destroyed) == 2

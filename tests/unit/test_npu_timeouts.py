@@ -1,0 +1,140 @@
+"""ft_communication_abort_timeout → exact HCCL env values and set_op_timeout_ms argument."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from ftengine.backends.npu_config import NpuFtConfig
+from ftengine.backends.npu_runtime import NpuRuntime
+from ftengine.backends.npu_timeouts import OpTimeoutController, plan_op_timeout
+from ftengine.errors import ConfigError
+from ftengine.weights.checkpoint_gen import make_checkpoint
+from ftengine.weights.index import CheckpointIndex
+from tests.fakes.npu_host import make_npu_rig
+from tests.fakes.npu_install import fake_torch_npu
+from tests.fakes.npu_state import Call, FakeNpuState
+
+EVENT, EXEC = "HCCL_EVENT_TIMEOUT", "HCCL_EXEC_TIMEOUT"
+
+
+@pytest.fixture
+def npu_state() -> Iterator[FakeNpuState]:
+    with fake_torch_npu() as state:
+        yield state
+
+
+@pytest.fixture(scope="module")
+def index(tmp_path_factory: pytest.TempPathFactory) -> CheckpointIndex:
+    root: Path = tmp_path_factory.mktemp("npu-timeouts")
+    return CheckpointIndex.open(
+        make_checkpoint(root / "ckpt", layers=1, experts=4, hidden=32, intermediate=16)
+    )
+
+
+@pytest.mark.parametrize("seconds", [2, 3, 30, 120, 1800])
+def test_backend_start_up_derives_env_and_op_timeout(
+    npu_state: FakeNpuState, index: CheckpointIndex, seconds: int
+) -> None:
+    config = NpuFtConfig(communication_abort_timeout_s=seconds)
+    rig = make_npu_rig(index, config=config, environ={"PATH": "/bin"})
+    assert rig.environ == {"PATH": "/bin", EVENT: str(seconds), EXEC: str(seconds - 1)}
+    assert npu_state.of("npu.set_op_timeout_ms") == [
+        Call("npu.set_op_timeout_ms", (seconds * 1000,))
+    ]
+    assert rig.backend.timeouts.plan is not None
+    assert rig.backend.timeouts.plan.op_timeout_ms == seconds * 1000
+
+
+def test_zero_turns_everything_off(npu_state: FakeNpuState, index: CheckpointIndex) -> None:
+    rig = make_npu_rig(index, config=NpuFtConfig(communication_abort_timeout_s=0))
+    assert rig.environ == {}
+    assert npu_state.of("npu.set_op_timeout_ms") == []
+
+
+def test_users_exec_timeout_is_kept_as_in_the_seed_command(
+    npu_state: FakeNpuState, index: CheckpointIndex
+) -> None:
+    config = NpuFtConfig(communication_abort_timeout_s=30)
+    rig = make_npu_rig(index, config=config, environ={EXEC: "1"})
+    assert rig.environ == {EXEC: "1", EVENT: "30"}
+    assert npu_state.of("npu.set_op_timeout_ms") == [Call("npu.set_op_timeout_ms", (30000,))]
+
+
+@pytest.mark.parametrize("bad", [1, -1, -30, 2.5, True, "30", None, [30]])
+def test_bad_abort_timeouts_are_rejected_naming_the_key(bad: object) -> None:
+    with pytest.raises(ConfigError, match="ft_communication_abort_timeout"):
+        NpuFtConfig.from_additional_config({"ft_communication_abort_timeout": bad})
+
+
+def test_an_integral_float_is_accepted_by_the_backend_call(
+    npu_state: FakeNpuState, index: CheckpointIndex
+) -> None:
+    rig = make_npu_rig(index)
+    rig.backend.set_op_timeout(45.0)
+    assert rig.environ == {EVENT: "45", EXEC: "44"}
+    assert npu_state.of("npu.set_op_timeout_ms")[-1] == Call("npu.set_op_timeout_ms", (45000,))
+    with pytest.raises(ConfigError, match="whole number"):
+        rig.backend.set_op_timeout(0.5)
+
+
+@pytest.mark.parametrize(
+    ("env", "seconds"),
+    [
+        ({EVENT: "10"}, 30),  # derived EXEC 29 >= user EVENT 10
+        ({EXEC: "40"}, 30),  # derived EVENT 30 <= user EXEC 40
+        ({EVENT: "5", EXEC: "5"}, 0),  # both set by the user, no T
+        ({EVENT: "20", EXEC: "30"}, 60),  # both set by the user win over T
+    ],
+)
+def test_event_must_outlast_exec(env: dict[str, str], seconds: int) -> None:
+    with pytest.raises(ConfigError, match=f"{EVENT}=.* must be greater than {EXEC}="):
+        plan_op_timeout(seconds, env)
+
+
+def test_user_values_win_over_t_when_consistent() -> None:
+    plan = plan_op_timeout(60, {EVENT: "40", EXEC: "20"})
+    assert plan.env == {}
+    assert (plan.event_timeout_s, plan.exec_timeout_s, plan.op_timeout_ms) == (40, 20, 60000)
+
+
+@pytest.mark.parametrize("raw", ["abc", "1.5", "-3"])
+def test_non_integer_hccl_values_are_rejected_naming_the_variable(raw: str) -> None:
+    with pytest.raises(ConfigError, match=EXEC):
+        plan_op_timeout(30, {EXEC: raw})
+
+
+def test_reapplying_replaces_our_values_and_keeps_the_users(npu_state: FakeNpuState) -> None:
+    env = {"HCCL_CONNECT_TIMEOUT": "120"}
+    controller = OpTimeoutController(NpuRuntime.load(), env)
+    controller.apply(30)
+    controller.apply(10)
+    assert env == {"HCCL_CONNECT_TIMEOUT": "120", EVENT: "10", EXEC: "9"}
+    controller.apply(0)
+    assert env == {"HCCL_CONNECT_TIMEOUT": "120"}
+    calls = [call.args for call in npu_state.of("npu.set_op_timeout_ms")]
+    assert calls == [(30000,), (10000,), (0,)]
+
+
+def test_a_variable_the_user_changed_after_us_is_theirs(npu_state: FakeNpuState) -> None:
+    env: dict[str, str] = {}
+    controller = OpTimeoutController(NpuRuntime.load(), env)
+    controller.apply(30)
+    env[EXEC] = "3"
+    controller.apply(20)
+    assert env == {EVENT: "20", EXEC: "3"}
+
+
+def test_owned_gloo_groups_get_the_cpu_distributed_timeout(
+    npu_state: FakeNpuState, index: CheckpointIndex
+) -> None:
+    config = NpuFtConfig(cpu_distributed_timeout_s=30.0)
+    rig = make_npu_rig(index, dp_size=1, config=config)
+    rig.backend.groups.register("dp_sync")
+    rig.backend.groups.register("mc2_side", backend="hccl")
+    assert [(g.backend, g.timeout_s) for g in rig.groups.created] == [
+        ("gloo", 30.0),
+        ("hccl", None),
+    ]
