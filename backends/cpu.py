@@ -17,7 +17,7 @@ from torch._C._distributed_c10d import Store
 from ftengine.backends.base import RepairReport
 from ftengine.backends.cpu_comm import GlooGroup
 from ftengine.backends.cpu_experts import CpuExperts
-from ftengine.cluster.moe_comm import DistributedMoe
+from ftengine.backends.cpu_moe import DistributedMoe
 from ftengine.errors import BackendError, ConfigError
 from ftengine.faults import Fault
 from ftengine.placement.ranks import neutralize_dead_columns
@@ -156,7 +156,9 @@ class CpuBackend:
         for layer in range(self.experts.placement.num_layers):
             first = (group.rank + layer) % num_logical
             ids = torch.tensor([[(first + j) % num_logical for j in range(k)]])
-            out = self.moe(layer, hidden, ids, torch.full((1, k), 1.0 / k), torch.zeros(1))
+            out = self.moe(
+                layer, hidden, ids, torch.full((1, k), 1.0 / k), torch.zeros(1, dtype=torch.long)
+            )
             if not bool(torch.isfinite(out).all()):
                 raise BackendError(
                     f"dummy batch on rank {self.rank}: layer {layer} gave non-finite output"

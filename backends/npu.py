@@ -115,11 +115,24 @@ class NpuBackend:
         additional_config: Mapping[str, object] | None,
         host: NpuHost,
         topology: NpuTopology,
-        **kwargs: object,
+        *,
+        deployment: NpuDeployment | None = None,
+        runtime: NpuRuntime | None = None,
+        group_factory: GroupFactory | None = None,
+        environ: MutableMapping[str, str] | None = None,
+        device: torch.device | None = None,
     ) -> NpuBackend:
-        """Build from vLLM's ``additional_config`` (see ``npu_config``); kwargs as ``__init__``."""
-        config = NpuFtConfig.from_additional_config(additional_config)
-        return cls(host, topology, config=config, **kwargs)  # type: ignore[arg-type]
+        """Build from vLLM's ``additional_config`` (``npu_config``); the rest as ``__init__``."""
+        return cls(
+            host,
+            topology,
+            config=NpuFtConfig.from_additional_config(additional_config),
+            deployment=deployment,
+            runtime=runtime,
+            group_factory=group_factory,
+            environ=environ,
+            device=device,
+        )
 
     # What the host uses ----------------------------------------------------------------------
 
@@ -211,12 +224,17 @@ class NpuBackend:
             self.runtime.synchronize()
         self.elastic.update(dead_ep)
         self._dead_dp = dead
-        logger.info("npu ranks masked", extra={"dead_dp_ranks": sorted(dead)})
+        logger.info(
+            "npu ranks masked",
+            extra={"rank": self.topology.dp_rank, "epoch": self._epoch, "dead": sorted(dead)},
+        )
 
     def repair_experts(self, dead_ranks: frozenset[int]) -> RepairReport:
         """Plan the redistribution (same plan on every survivor), reload this rank's moves."""
         self._require_scale_down()
         dead_ep = dp_to_ep_ranks(dead_ranks, self.topology.tp_size)
+        if not dead_ep:
+            return RepairReport()  # nothing dead: every expert still has its replicas
         placement = self.host.placement()
         plan = plan_redistribution(placement, dead_ep)
         mine = plan.local_assignments(self.topology.ep_rank)

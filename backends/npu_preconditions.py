@@ -17,7 +17,9 @@ class NpuDeployment:
 
     ``model_runner``: "v1" or "v2"; ``num_redundant_experts``: EPLB's extra slots;
     ``tp_size``: tensor parallel size of the MoE layers; ``has_dispatch_v2``: whether
-    torch_npu offers ``npu_moe_distribute_dispatch_v2`` / ``combine_v2``.
+    torch_npu offers ``npu_moe_distribute_dispatch_v2`` / ``combine_v2``; ``device_type``:
+    "A2" or "A3" (the op docs list ``elastic_info`` as a reserved, unsupported argument on
+    Atlas A2, so the dead-rank mask needs A3).
     """
 
     model_runner: str = "v2"
@@ -27,6 +29,7 @@ class NpuDeployment:
     hierarchical_comm: bool = False
     tp_size: int = 1
     has_dispatch_v2: bool = True
+    device_type: str = "A3"
 
 
 def scale_down_problems(deployment: NpuDeployment) -> tuple[str, ...]:
@@ -57,6 +60,10 @@ def scale_down_problems(deployment: NpuDeployment) -> tuple[str, ...]:
         problems.append(
             "torch_npu lacks npu_moe_distribute_dispatch_v2 / combine_v2 (elastic_info): "
             "upgrade torch_npu and CANN"
+        )
+    if deployment.device_type != "A3":
+        problems.append(
+            f"MC2 elastic_info is only supported on Atlas A3, found {deployment.device_type!r}"
         )
     return tuple(problems)
 

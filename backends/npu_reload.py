@@ -73,11 +73,14 @@ class NpuReloadStats:
 
 
 def _stage(index: CheckpointIndex, assignments: list[Assignment]) -> tuple[ExpertSlots, int]:
-    """Read and transform the assigned experts into CPU ND staging, one staging slot each.
+    """Read and transform the assigned experts into CPU ND staging; staging slot k = assignment k.
 
-    Returns the staging and the bytes read from disk.
+    The weights module reads layer ``L``'s expert into staging ``[L, k]``. Every layer
+    dimension of the staging is a stride-0 view of one ``[n, ...]`` buffer, so it costs
+    ``n`` experts whatever the layer count; each ``[L, k]`` is written once, so the aliasing
+    across layers is harmless. Returns the staging and the bytes read from disk.
     """
-    staging = ExpertSlots.empty(
+    flat = ExpertSlots.empty(
         hidden=index.hidden_size,
         intermediate=index.intermediate_size,
         dtype=index.dtype,
@@ -87,7 +90,21 @@ def _stage(index: CheckpointIndex, assignments: list[Assignment]) -> tuple[Exper
         nz=False,
         fused_scales=False,
     )
-    staged = [(0, k, expert) for k, (_, _, expert) in enumerate(assignments)]
+    layers = index.num_layers
+
+    def widen(tensor: torch.Tensor | None) -> torch.Tensor | None:
+        return None if tensor is None else tensor.expand(layers, *tensor.shape[1:])
+
+    staging = attrs.evolve(
+        flat,
+        w13=flat.w13.expand(layers, *flat.w13.shape[1:]),
+        w2=flat.w2.expand(layers, *flat.w2.shape[1:]),
+        w13_scale=widen(flat.w13_scale),
+        w2_scale=widen(flat.w2_scale),
+        w13_offset=widen(flat.w13_offset),
+        w2_offset=widen(flat.w2_offset),
+    )
+    staged = [(layer, k, expert) for k, (layer, _, expert) in enumerate(assignments)]
     stats = load_experts_into_slots(index, staging, staged)
     return staging, stats.bytes_read
 
@@ -111,25 +128,31 @@ class NpuExpertReloader:
         self._device = device
 
     def _to_device(self, tensor: torch.Tensor, dst: torch.Tensor, nz: bool) -> torch.Tensor:
-        moved = tensor.to(device=self._device, dtype=dst.dtype, non_blocking=True)
+        # Blocking: the staging is freed when the reload returns, so no copy may outlive it.
+        moved = tensor.to(device=self._device, dtype=dst.dtype)
         return self._runtime.format_cast(moved, ACL_FORMAT_FRACTAL_NZ) if nz else moved
 
     def _write(
-        self, staging: ExpertSlots, k: int, dst: Mapping[str, torch.Tensor], nz: bool
+        self,
+        staging: ExpertSlots,
+        layer: int,
+        k: int,
+        dst: Mapping[str, torch.Tensor],
+        nz: bool,
     ) -> int:
         casts = 0
         for name in WEIGHT_FIELDS:
-            src = staging.w13[0, k] if name == "w13" else staging.w2[0, k]
+            src = staging.w13[layer, k] if name == "w13" else staging.w2[layer, k]
             dst[name].copy_(self._to_device(src, dst[name], nz))
             casts += int(nz)
         staged = staging.tensors()
         for name in SCALE_FIELDS:
             if name in dst and name in staged:
-                dst[name].copy_(self._to_device(staged[name][0, k], dst[name], False))
+                dst[name].copy_(self._to_device(staged[name][layer, k], dst[name], False))
         for name, source in INT64_SCALE_FIELDS.items():
             if name in dst and source in staged:
-                wide = layout.scale_to_int64(staged[source][0, k])
-                dst[name].copy_(wide.to(self._device, non_blocking=True))
+                wide = layout.scale_to_int64(staged[source][layer, k])
+                dst[name].copy_(wide.to(self._device))
         return casts
 
     def reload(
@@ -148,7 +171,7 @@ class NpuExpertReloader:
         staging, bytes_read = _stage(index, chosen)
         casts = 0
         for k, (layer, slot, _) in enumerate(chosen):
-            casts += self._write(staging, k, storage.slot(layer, slot), storage.nz)
+            casts += self._write(staging, layer, k, storage.slot(layer, slot), storage.nz)
         stats = NpuReloadStats(
             experts=len(chosen),
             bytes_read=bytes_read,

@@ -9,9 +9,10 @@ Backend order (ranks are original DP ranks, ``epoch`` grows by one on every rebu
   ``repair_experts(dead)`` -> ``run_dummy_batch`` (``dead`` cumulative).
 
 Thread model: faults arrive from watchdog threads (``report_fault``), commands from the
-control plane (``apply``), time from the host (``poll``). One lock guards the state and
-is never held across a recovery action, so a fault reported mid-recovery takes effect at
-once and the recovery stops before its next action. No hidden threads.
+control plane (``apply``), time from the host (``poll``). One lock guards the state. It is
+held through ``quarantine`` (which must not block on a peer) but never across a recovery
+action, so a fault reported mid-recovery takes effect at once and the recovery stops
+before its next action. No hidden threads.
 """
 
 from __future__ import annotations
@@ -202,7 +203,7 @@ class RecoveryEngine:
         self._fire(Trigger.FAULT, reason, continues=continues)
         if not continues:
             return
-        if phase is Phase.RETRYING and not self._quarantine(fault):
+        if phase in RECOVERING and not self._quarantine(fault):
             return
         self._schedule(decision, now)
 

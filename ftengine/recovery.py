@@ -3,7 +3,7 @@ which phase allows which action, and the plan one recovery run follows."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Literal
 
 import attrs
@@ -46,23 +46,18 @@ class RecoveryPlan:
     actions: tuple[str, ...]
 
 
+_CALLS: Mapping[str, Callable[[Backend, RecoveryPlan, int], RepairReport | None]] = {
+    "reset_device": lambda backend, plan, epoch: backend.reset_device(),
+    "mask_ranks": lambda backend, plan, epoch: backend.mask_ranks(plan.removed),
+    "rebuild_groups": lambda backend, plan, epoch: backend.rebuild_groups(plan.alive, epoch),
+    "repair_experts": lambda backend, plan, epoch: backend.repair_experts(plan.removed),
+    "run_dummy_batch": lambda backend, plan, epoch: backend.run_dummy_batch(),
+}
+
+
 def invoke(backend: Backend, action: str, plan: RecoveryPlan, epoch: int) -> RepairReport | None:
     """Call one of the plan's backend actions with the plan's arguments."""
-    if action == "reset_device":
-        backend.reset_device()
-    elif action == "mask_ranks":
-        backend.mask_ranks(plan.removed)
-    elif action == "rebuild_groups":
-        backend.rebuild_groups(plan.alive, epoch)
-    elif action == "repair_experts":
-        return backend.repair_experts(plan.removed)
-    elif action == "run_dummy_batch":
-        backend.run_dummy_batch()
-    else:
-        raise ValueError(
-            f"{action!r} is not a recovery action: expected one of {SCALE_DOWN_ACTIONS}"
-        )
-    return None
+    return _CALLS[action](backend, plan, epoch)
 
 
 def fault_text(fault: Fault) -> str:

@@ -186,8 +186,10 @@ class WorkerSentinel:
         """Hand a fault learnt by other means to the engine (it quarantines and decides)."""
         self.engine.report_fault(fault)
 
-    def peer_fault(self, kind: FaultKind, rank: int, info: str, step: int | None = None) -> None:
-        """Report that peer ``rank`` failed (e.g. a supervisor saw its process exit)."""
+    def peer_fault(
+        self, kind: FaultKind, rank: int | None, info: str, step: int | None = None
+    ) -> None:
+        """Report a fault learnt from outside, e.g. a supervisor saw peer ``rank`` exit."""
         self.report(Fault(kind=kind, rank=rank, step=step, info=info, at=self.clock.now()))
 
     def handle_ft_command(

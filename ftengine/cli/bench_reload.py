@@ -39,10 +39,10 @@ def register(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--redundant", type=int, default=32, help="redundant expert slots")
     parser.add_argument("--dead-rank", type=int, default=1)
     parser.add_argument("--worker-rank", type=int, default=0, help="the survivor measured")
-    parser.add_argument("--workers", type=int, default=1, help="reload thread pool size")
+    parser.add_argument("--workers", type=int, default=2, help="reload thread pool size")
     parser.add_argument("--threads", type=int, default=1, help="torch threads per child")
     parser.add_argument("--shards", type=int, default=4)
-    parser.add_argument("--repeat", type=int, default=3, help="timed runs; the best counts")
+    parser.add_argument("--repeat", type=int, default=5, help="timed runs; the best counts")
     parser.add_argument("--timeout", type=float, default=900.0, help="seconds per child")
     parser.set_defaults(func=run)
 

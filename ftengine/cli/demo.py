@@ -4,11 +4,15 @@ it recover (scale down), checked against a fault-free reference. Exits 0 only if
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
-import random
+import os
 import sys
+import tempfile
 import time
+from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 from rich.console import Console
@@ -19,11 +23,14 @@ from ftengine.control.launch import (
     add_checkpoint_args,
     add_cluster_args,
     checkpoint_dir,
+    checkpoint_vocab,
     cluster_config,
+    fixed_prompts,
     size_from_args,
 )
 from ftengine.control.live import NullReporter, PlainReporter, Reporter, RichReporter, Watcher
-from ftengine.control.scenario import ScenarioResult, ScenarioSettings, run_scenario
+from ftengine.control.scenario import SCENARIO, ScenarioResult, ScenarioSettings, run_scenario
+from ftengine.errors import FTEngineError
 
 COMMAND = "demo"
 DEMO_SIZE = CheckpointSize(layers=2, experts=8, hidden=64, intermediate=64, vocab=256)
@@ -43,12 +50,6 @@ def register(parser: argparse.ArgumentParser) -> None:
     parser.set_defaults(func=run)
 
 
-def demo_prompts(count: int, vocab: int, seed: int = 1234) -> list[list[int]]:
-    """``count`` fixed prompts of 3 to 8 token ids below ``vocab``."""
-    rng = random.Random(seed)
-    return [[rng.randrange(vocab) for _ in range(3 + i % 6)] for i in range(count)]
-
-
 def _reporter(args: argparse.Namespace, t0: float) -> Reporter:
     if args.json:
         return NullReporter()
@@ -58,46 +59,82 @@ def _reporter(args: argparse.Namespace, t0: float) -> Reporter:
     return PlainReporter(sys.stdout, t0)
 
 
+@contextlib.contextmanager
+def _worker_stderr(path: Path, redirect: bool) -> Iterator[None]:
+    """While workers are spawned, point fd 2 at ``path`` so that their log lines do not tear
+    the live display (workers inherit fd 2); this process's stderr is restored after."""
+    if not redirect:
+        yield
+        return
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with path.open("ab") as log:
+        os.dup2(log.fileno(), 2)
+    try:
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+
+
 def run(args: argparse.Namespace) -> int:
     """Make a checkpoint, compute the reference, launch, run the scenario, report."""
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(message)s")
-    from ftengine.cluster import Cluster, compare_outputs, reference_generate
-
     t0 = time.monotonic()
     reporter = _reporter(args, t0)
-    settings = ScenarioSettings(victim=args.victim, policy=args.policy, max_tokens=args.max_tokens)
-    prompts = demo_prompts(args.prompts, args.vocab)
-    timings: dict[str, float] = {}
-    with checkpoint_dir(args.checkpoint, size_from_args(args)) as checkpoint:
-        reporter.note(time.monotonic(), f"checkpoint ready: {checkpoint}")
-        reference = reference_generate(checkpoint, prompts, args.max_tokens)
-        reporter.note(time.monotonic(), f"reference computed for {len(prompts)} prompts")
-        start = time.monotonic()
-        cluster = Cluster.launch(cluster_config(args, checkpoint))
-        timings["launch_s"] = time.monotonic() - start
-        reporter.note(time.monotonic(), f"cluster of {args.dp_size} workers up ({args.policy})")
-        watcher = Watcher(cluster, reporter).start()
-        try:
-            result = run_scenario(
-                cluster,
-                prompts,
-                reference,
-                settings=settings,
-                reporter=reporter,
-                compare=compare_outputs,
-                t0=t0,
-            )
-        finally:
-            watcher.stop()
-            reporter.close()
-            cluster.shutdown()
-    timings["total_s"] = time.monotonic() - t0
-    report = {**result.to_dict(), "timings": {**result.timings, **timings}}
+    try:
+        with checkpoint_dir(args.checkpoint, size_from_args(args)) as checkpoint:
+            result, launch_s = _run_on(args, checkpoint, reporter, t0)
+    except FTEngineError as exc:
+        reporter.close()
+        error = f"{type(exc).__name__}: {exc}"
+        if args.json:
+            print(json.dumps({"scenario": SCENARIO, "ok": False, "error": error}), flush=True)
+        else:
+            print(f"ftengine demo: FAIL: {error}", file=sys.stderr)
+        return 1
+    timings = {**result.timings, "launch_s": launch_s, "total_s": time.monotonic() - t0}
+    report = {**result.to_dict(), "timings": timings}
     if args.json:
         print(json.dumps(report), flush=True)
     else:
         _print_summary(result, report)
     return 0 if result.ok else 1
+
+
+def _run_on(
+    args: argparse.Namespace, checkpoint: Path, reporter: Reporter, t0: float
+) -> tuple[ScenarioResult, float]:
+    """Reference, launch, scenario on ``checkpoint``; returns (result, launch seconds)."""
+    from ftengine.cluster import Cluster, compare_outputs, reference_generate
+
+    prompts = fixed_prompts(args.prompts, checkpoint_vocab(checkpoint))
+    reporter.note(time.monotonic(), f"checkpoint ready: {checkpoint}")
+    reference = reference_generate(checkpoint, prompts, args.max_tokens)
+    reporter.note(time.monotonic(), f"reference computed for {len(prompts)} prompts")
+    start = time.monotonic()
+    rich = isinstance(reporter, RichReporter)
+    log = Path(tempfile.gettempdir()) / f"ftengine-demo-workers-{os.getpid()}.log"
+    with _worker_stderr(log, rich):
+        cluster = Cluster.launch(cluster_config(args, checkpoint))
+    launch_s = time.monotonic() - start
+    reporter.note(time.monotonic(), f"cluster of {args.dp_size} workers up ({args.policy})")
+    if rich:
+        reporter.note(time.monotonic(), f"worker logs: {log}")
+    watcher = Watcher(cluster, reporter).start()
+    try:
+        settings = ScenarioSettings(
+            victim=args.victim, policy=args.policy, max_tokens=args.max_tokens
+        )
+        result = run_scenario(
+            cluster, prompts, reference, settings=settings, reporter=reporter,
+            compare=compare_outputs, t0=t0, flush=watcher.poll,
+        )  # fmt: skip
+    finally:
+        watcher.stop()
+        reporter.close()
+        cluster.shutdown()
+    return result, launch_s
 
 
 def _print_summary(result: ScenarioResult, report: dict[str, Any]) -> None:

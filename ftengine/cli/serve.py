@@ -89,14 +89,21 @@ def _serve(args: argparse.Namespace, sock: socket.socket, checkpoint: Path, key:
     cluster = Cluster.launch(cluster_config(args, checkpoint))
     try:
         app = create_app(cluster, api_key=key)
+        stop_observer = app.state.plane.observe_every(0.25)
         server = uvicorn.Server(
             uvicorn.Config(app, log_level=args.log_level.lower(), lifespan="off")
         )
         port = sock.getsockname()[1]
         if args.port_file is not None:
-            args.port_file.write_text(f"{port}\n")
+            # Written whole then renamed, so a reader never sees a partial port number.
+            partial = args.port_file.with_suffix(".partial")
+            partial.write_text(f"{port}\n")
+            partial.replace(args.port_file)
         print(f"ftengine serve: http://{args.host}:{port} (pid {os.getpid()})", flush=True)
-        server.run(sockets=[sock])
+        try:
+            server.run(sockets=[sock])
+        finally:
+            stop_observer()
     finally:
         cluster.shutdown()
     return 0

@@ -20,6 +20,8 @@ if TYPE_CHECKING:
     from ftengine.cluster.supervisor import Cluster
 
 SERVING = (Phase.RUNNING, Phase.HEALTHY)
+# Step errors that only say a peer misbehaved (the rank itself is not the culprit).
+PEER_ERROR_TYPES = frozenset({"PeerDead", "CollectiveTimeout", "NotServing"})
 HUNG_GRACE_S = 2.0  # after a peer's op timeout, how much longer a silent rank may take
 
 
@@ -126,7 +128,7 @@ class StepRunner:
         outcomes = {w.rank: _failure(w, replies.get(w.rank)) for w in workers}
         failed = {rank: why for rank, why in outcomes.items() if why is not None}
         if failed:
-            self._abort(step, workers, failed, requests)
+            self._abort(step, workers, replies, failed, requests)
         by_id = {r.request_id: r for r in requests}
         for reply in replies.values():
             for out in reply.outputs:
@@ -164,23 +166,45 @@ class StepRunner:
         self,
         step: int,
         workers: list[WorkerHandle],
+        replies: dict[int, StepReply],
         failed: dict[int, str],
         requests: list[_Request],
     ) -> None:
         detail = "; ".join(f"rank {rank}: {why}" for rank, why in sorted(failed.items()))
         self._cluster.record("step_failed", min(failed), f"step {step}: {detail}")
-        # A rank that finished the step while a live peer failed must stop serving too: the
-        # survivors recover together, so every one of them has to be UNHEALTHY. (A peer
-        # whose process died is announced by the supervisor's exit watch instead.)
-        live_culprits = [w.rank for w in workers if w.rank in failed and w.alive]
-        if live_culprits:
-            fault = PeerFault(FaultKind.TRANSIENT, live_culprits[0], f"peer failed step {step}")
-            for worker in workers:
-                if worker.rank not in failed and worker.alive:
-                    worker.send(fault)
+        if all(w.alive for w in workers):
+            self._announce_transient(step, workers, replies, failed)
         for r in requests:
             self._release.setdefault(r.rank, []).append(r.request_id)
         raise RequestAborted(f"step {step} failed ({detail}); all in-flight requests were aborted")
+
+    def _announce_transient(
+        self,
+        step: int,
+        workers: list[WorkerHandle],
+        replies: dict[int, StepReply],
+        failed: dict[int, str],
+    ) -> None:
+        """Every rank is alive after a failed step: tell the others it was a transient fault.
+
+        A peer only saw a closed connection or a timeout (which reads like a dead or hung
+        peer); the supervisor knows nobody died, so the survivors recover together by retry.
+        A step that lost a process is announced by the exit watch instead.
+        """
+        local = [
+            rank
+            for rank in sorted(failed)
+            if rank in replies and replies[rank].error_type not in PEER_ERROR_TYPES
+        ]
+        culprit = local[0] if local else None
+        notice = PeerFault(
+            FaultKind.TRANSIENT,
+            culprit,
+            f"step {step} failed on ranks {sorted(failed)} and every rank is alive",
+        )
+        for worker in workers:
+            if worker.rank not in local:
+                worker.send(notice)
 
 
 def _failure(worker: WorkerHandle, reply: StepReply | None) -> str | None:

@@ -3,9 +3,9 @@ do not depend on batching or on which rank hosts an expert.
 
 Every dense op (embedding, norms, attention, router, head) runs per request on exactly
 the shapes a single-process run uses; experts run one token row at a time and the top-k
-outputs are summed in a fixed k order, all in float32. So a distributed run, with any
-placement and any batch mix, reproduces the single-process reference bit for bit on the
-same machine (the documented tolerance in ``reference.py`` only covers BLAS variation).
+outputs are summed in a fixed k order, all in float32 (``ftengine.backends.cpu_moe``).
+So a distributed run, with any placement and any batch mix, reproduces the single-process
+reference bit for bit on one machine (``reference.LOGITS_ATOL`` only covers BLAS variation).
 """
 
 from __future__ import annotations
@@ -16,7 +16,6 @@ from typing import Any, Protocol
 
 import attrs
 import torch
-import torch.nn.functional as F
 
 from ftengine.errors import ConfigError
 
@@ -187,29 +186,6 @@ def route(router: Tensor, hidden: Tensor, top_k: int) -> tuple[Tensor, Tensor]:
     probs = torch.softmax(hidden @ router.T, dim=-1)
     weights, ids = torch.topk(probs, top_k, dim=-1)
     return ids, weights / weights.sum(dim=-1, keepdim=True)
-
-
-def expert_ffn(x: Tensor, w13: Tensor, w2: Tensor) -> Tensor:
-    """One expert on rows ``x [n, H]``, one row at a time (batch-shape independent).
-
-    ``w13 [H, 2I]`` holds gate columns then up columns; ``w2 [I, H]``. Returns ``[n, H]``.
-    """
-    inter = w2.shape[0]
-    rows = []
-    for i in range(x.shape[0]):
-        a = x[i : i + 1] @ w13
-        rows.append((F.silu(a[:, :inter]) * a[:, inter:]) @ w2)
-    if not rows:
-        return x.new_zeros((0, w2.shape[1]))
-    return torch.cat(rows)
-
-
-def combine_topk(outputs: Tensor, weights: Tensor) -> Tensor:
-    """Weighted sum of ``outputs [T, k, H]`` by ``weights [T, k]`` in fixed k order."""
-    acc = outputs[:, 0] * weights[:, 0:1]
-    for j in range(1, outputs.shape[1]):
-        acc = acc + outputs[:, j] * weights[:, j : j + 1]
-    return acc
 
 
 def forward_step(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from ftengine.errors import ConfigError
+from ftengine.faults import FaultKind
 from ftengine.policies import AutoRecovery, OrchestratorDriven, Policy
 
 
@@ -10,11 +11,14 @@ def build_policy(name: str, recovery_timeout_s: float) -> Policy:
     """``"orchestrator"``: wait up to ``recovery_timeout_s`` for a command (vLLM's default).
 
     ``"auto"``: retry transient faults and scale down peers the supervisor confirmed
-    dead; whatever AutoRecovery abstains on (a peer fault not yet attributed to a rank)
-    waits for that confirmation or a command, up to ``recovery_timeout_s``.
+    dead. A collective error only says *some* peer closed or stopped answering, so those
+    (``DEAD_PEER`` / ``HUNG_PEER`` without a rank) wait for the supervisor's verdict — a
+    dead rank, or "transient, everyone is alive" — or a command, up to
+    ``recovery_timeout_s``; retrying at once would rebuild a group with a dead member.
     """
     if name == "orchestrator":
         return OrchestratorDriven(recovery_timeout=recovery_timeout_s)
     if name == "auto":
-        return AutoRecovery() | OrchestratorDriven(recovery_timeout=recovery_timeout_s)
+        auto = AutoRecovery(retry_kinds=frozenset({FaultKind.TRANSIENT, FaultKind.DEVICE_ERROR}))
+        return auto | OrchestratorDriven(recovery_timeout=recovery_timeout_s)
     raise ConfigError(f"unknown cluster policy {name!r}: expected 'orchestrator' or 'auto'")

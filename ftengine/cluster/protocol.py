@@ -78,10 +78,12 @@ class FtReply:
 
 @attrs.frozen
 class PeerFault:
-    """The supervisor saw peer ``rank`` fail (its process exited, it stopped beating)."""
+    """The supervisor's verdict on a fault: peer ``rank`` died (its process exited or was
+    fenced), or a step failed while every rank stayed alive (``TRANSIENT``; ``rank`` is the
+    rank that raised, None if none did)."""
 
     kind: FaultKind
-    rank: int
+    rank: int | None
     info: str
 
 

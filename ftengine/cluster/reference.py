@@ -16,9 +16,9 @@ from pathlib import Path
 import attrs
 import torch
 
+from ftengine.backends.cpu_moe import LocalMoe
 from ftengine.cluster.generation import Generation
 from ftengine.cluster.model import DenseWeights, ModelConfig, RequestState, forward_step
-from ftengine.cluster.moe_comm import LocalMoe
 from ftengine.weights.index import CheckpointIndex
 from ftengine.weights.reload import load_experts_into_slots
 from ftengine.weights.slots import ExpertSlots

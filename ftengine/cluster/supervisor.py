@@ -30,7 +30,6 @@ from ftengine.cluster.faults_inject import FaultSpec
 from ftengine.cluster.generation import Generation, StepRunner
 from ftengine.cluster.handles import WorkerHandle, describe_exit
 from ftengine.cluster.protocol import (
-    FtCommand,
     FtReply,
     Heartbeat,
     PeerFault,
@@ -41,6 +40,7 @@ from ftengine.cluster.protocol import (
     StepReply,
     WorkerFailed,
 )
+from ftengine.cluster.relay import CommandRelay
 from ftengine.cluster.worker import WorkerSpec, worker_main
 from ftengine.commands import CommandResult
 from ftengine.errors import FTEngineError
@@ -76,12 +76,12 @@ class Cluster:
         self._changed = threading.Condition(self._lock)
         self._workers: list[WorkerHandle] = []
         self._events: list[ClusterEvent] = []
-        self._ft_replies: dict[str, dict[int, FtReply]] = {}
         self._stopping = threading.Event()
         self._closed = False
         self._serial = threading.Lock()  # one step or one command at a time
         self._store = TCPStore(config.host, 0, None, True, wait_for_workers=False)
         self._runner = StepRunner(self)
+        self._relay = CommandRelay(self)
         self._threads: list[threading.Thread] = []
 
     # -- launch -------------------------------------------------------------------------
@@ -173,12 +173,13 @@ class Cluster:
             worker.last_heartbeat = time.monotonic()
         elif isinstance(message, StatusUpdate):
             worker.status = message.status
+            self._adopt_removals()
         elif isinstance(message, PhaseEvent):
             worker.phases.append(message)
         elif isinstance(message, StepReply):
             self._runner.file_reply(message)
         elif isinstance(message, FtReply):
-            self._ft_replies.setdefault(message.request_id, {})[message.rank] = message
+            self._relay.file_reply(message)
         elif isinstance(message, Ready):
             worker.ready = True
             worker.pid = message.pid
@@ -186,6 +187,17 @@ class Cluster:
         elif isinstance(message, WorkerFailed):
             worker.failure = message.error
             logger.error("worker %d failed: %s", worker.rank, message.error)
+
+    def _adopt_removals(self) -> None:
+        """Mark dead ranks removed once every live engine removed them (auto scale-down)."""
+        live = [w for w in self._workers if w.live]
+        if not live or any(w.status is None for w in live):
+            return
+        agreed = set.intersection(*(set(w.status["removed_ranks"]) for w in live if w.status))
+        for worker in self._workers:
+            if worker.rank in agreed and not worker.alive and not worker.removed:
+                worker.removed = True
+                self._event("removed", worker.rank, "every live engine scaled it away")
 
     def _monitor_loop(self) -> None:
         while not self._stopping.is_set():
@@ -331,42 +343,12 @@ class Cluster:
         self._check_open()
         with self._serial:
             self._event("command", None, f"{instruction} {dict(params)} ({request_id})")
-            result = self._apply(instruction, params, request_id)
+            result = self._relay.apply(instruction, params, request_id)
             self._event("command_done", None, f"{request_id}: {result.success} {result.reason}")
             return result
 
-    def _apply(
-        self, instruction: str, params: Mapping[str, object], request_id: str
-    ) -> CommandResult:
-        with self._lock:
-            dead = [w for w in self._workers if not w.alive and not w.removed]
-        if instruction == "retry" and dead:
-            ranks = [w.rank for w in dead]
-            return CommandResult(
-                request_id,
-                False,
-                f"engine {ranks[0]} status is DEAD ({dead[0].exit_info}): retry cannot revive it;"
-                f" send scale_down with removed_dp_ranks {ranks}",
-            )
-        removed = _removed_ranks(params) if instruction == "scale_down" else frozenset()
-        for rank in sorted(removed):
-            if 0 <= rank < self.dp_size:
-                self._fence_and_wait(rank, f"removed by scale_down {request_id}")
-        with self._lock:
-            targets = [w for w in self._workers if w.live and w.rank not in removed]
-            self._ft_replies[request_id] = {}
-        for worker in targets:
-            worker.send(FtCommand(instruction, dict(params), request_id))
-        replies = self._collect_ft(request_id, targets)
-        failures = [f"engine {r}: {reason}" for r, reason in replies.items() if reason is not None]
-        if not failures and instruction == "scale_down":
-            with self._lock:
-                for w in self._workers:
-                    if w.rank in removed:
-                        w.removed = True
-        return CommandResult(request_id, not failures, "; ".join(failures) or None)
-
-    def _fence_and_wait(self, rank: int, reason: str) -> None:
+    def retire(self, rank: int, reason: str) -> None:
+        """Fence ``rank`` for a scale-down and wait for its exit (not announced as a fault)."""
         worker = self._worker(rank)
         with self._lock:
             # Marked first so that its exit is not announced as a new fault after recovery.
@@ -374,27 +356,6 @@ class Cluster:
         self.fence(rank, reason)
         worker.process.join(timeout=10.0)
         self._on_exit(worker)
-
-    def _collect_ft(self, request_id: str, targets: list[WorkerHandle]) -> dict[int, str | None]:
-        deadline = time.monotonic() + self.config.command_timeout_s
-        with self._changed:
-            while True:
-                got = self._ft_replies[request_id]
-                pending = [w for w in targets if w.rank not in got and w.alive]
-                if not pending or time.monotonic() >= deadline:
-                    break
-                self._changed.wait(0.05)
-            out: dict[int, str | None] = {}
-            for w in targets:
-                reply = got.get(w.rank)
-                if reply is not None:
-                    out[w.rank] = None if reply.success else (reply.reason or "failed")
-                elif not w.alive:
-                    out[w.rank] = f"worker process {w.exit_info} during the command"
-                else:
-                    out[w.rank] = f"no answer within {self.config.command_timeout_s:.0f}s"
-            del self._ft_replies[request_id]
-        return out
 
     def shutdown(self) -> None:
         """Stop every worker (Shutdown, then SIGKILL for stragglers), threads and the store."""
@@ -443,13 +404,6 @@ class Cluster:
     def _check_open(self) -> None:
         if self._closed:
             raise ClusterError("the cluster was shut down; launch a new one")
-
-
-def _removed_ranks(params: Mapping[str, object]) -> frozenset[int]:
-    ranks = params.get("removed_dp_ranks")
-    if not isinstance(ranks, list | tuple):
-        return frozenset()
-    return frozenset(r for r in ranks if isinstance(r, int) and not isinstance(r, bool))
 
 
 def _signal(pid: int, sig: int) -> None:

@@ -43,6 +43,7 @@ from ftengine.errors import FTEngineError
 
 _UNAUTHORIZED = (401, ("missing or wrong bearer key (only when the server has a key)", ErrorBody))
 _BAD_INPUT = (422, ("bad input; nothing changed", ErrorBody))
+_UNAVAILABLE = (503, ("the cluster cannot answer now (shut down or failing)", ErrorBody))
 
 
 def create_app(
@@ -135,6 +136,7 @@ def _add_fault_tolerance_routes(
                 409: ("another command is running, or request_id reused differently", ErrorBody),
                 _UNAUTHORIZED[0]: _UNAUTHORIZED[1],
                 _BAD_INPUT[0]: _BAD_INPUT[1],
+                _UNAVAILABLE[0]: _UNAVAILABLE[1],
             }
         ),
     )
@@ -145,7 +147,9 @@ def _add_fault_tolerance_routes(
     @app.get(
         "/v1/fault_tolerance/status",
         summary="vLLM-shaped status plus phase, removed ranks, epoch and timeline per engine",
-        responses=responses({200: ("every engine's status", StatusBody)}),
+        responses=responses(
+            {200: ("every engine's status", StatusBody), _UNAVAILABLE[0]: _UNAVAILABLE[1]}
+        ),
     )
     def status() -> Response:
         return Response(msgspec.json.encode(plane.status()), media_type="application/json")
@@ -180,6 +184,7 @@ def _add_probe_routes(app: FastAPI, plane: ControlPlane) -> None:
         "/metrics",
         summary="Prometheus metrics (text exposition format)",
         response_class=PlainTextResponse,
+        responses=responses({_UNAVAILABLE[0]: _UNAVAILABLE[1]}),
     )
     def metrics() -> Response:
         return Response(plane.scrape(), media_type=CONTENT_TYPE_LATEST)

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import json
+import random
 import shutil
 import tempfile
 from collections.abc import Iterator
@@ -94,6 +96,17 @@ def size_from_args(args: argparse.Namespace) -> CheckpointSize:
         quant="w8a8_dynamic" if args.quant == "w8a8_dynamic" else "none",
         seed=args.seed,
     )
+
+
+def fixed_prompts(count: int, vocab: int, seed: int = 1234) -> list[list[int]]:
+    """``count`` reproducible prompts of 3 to 8 token ids below ``vocab``."""
+    rng = random.Random(seed)
+    return [[rng.randrange(vocab) for _ in range(3 + i % 6)] for i in range(count)]
+
+
+def checkpoint_vocab(path: Path) -> int:
+    """The vocabulary size in a checkpoint's ``config.json`` (prompts must stay below it)."""
+    return int(json.loads((path / "config.json").read_text())["vocab_size"])
 
 
 def make_checkpoint_at(path: Path, size: CheckpointSize) -> Path:

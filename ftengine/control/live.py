@@ -148,8 +148,9 @@ class RichReporter:
 
     def close(self) -> None:
         with self._lock:
-            self._live.update(self._render())
-            self._live.stop()
+            if self._live.is_started:
+                self._live.update(self._render())
+                self._live.stop()
 
     def _add(self, text: Text) -> None:
         with self._lock:

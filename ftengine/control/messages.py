@@ -125,6 +125,7 @@ class HealthBody(msgspec.Struct, kw_only=True):
     live_engines: list[int]
     unhealthy_engines: list[int]
     running_request_id: str | None = None
+    detail: str | None = None
 
 
 SCHEMA_STRUCTS: tuple[type[msgspec.Struct], ...] = (

@@ -5,7 +5,9 @@ health and metrics answers from one cluster. ``ftengine.control.app`` maps it on
 from __future__ import annotations
 
 import logging
+import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 import msgspec
@@ -26,6 +28,7 @@ from ftengine.control.messages import (
 from ftengine.control.metrics import ControlMetrics
 from ftengine.control.protocol import ClusterHandle
 from ftengine.control.snapshot import ClusterView, StatusShapeError
+from ftengine.errors import FTEngineError
 from ftengine.faults import HealthStatus
 
 logger = logging.getLogger(__name__)
@@ -93,8 +96,13 @@ class ControlPlane:
 
     def health(self) -> HealthBody:
         """Healthy only when every live engine is HEALTHY and no command is running."""
-        view = self.view()
         running = self.ledger.running
+        try:
+            view = self.view()
+        except FTEngineError as exc:
+            detail = f"cluster status unavailable: {type(exc).__name__}: {exc}"
+            return HealthBody(healthy=False, live_engines=[], unhealthy_engines=[],
+                              running_request_id=running, detail=detail)  # fmt: skip
         unhealthy = [engine.id for engine in view.live if engine.status is not HealthStatus.HEALTHY]
         return HealthBody(
             healthy=view.healthy and running is None,
@@ -107,6 +115,27 @@ class ControlPlane:
         """Prometheus text, brought up to date with the cluster's status first."""
         self.metrics.observe(self.view())
         return self.metrics.render()
+
+    def observe_every(self, interval_s: float) -> Callable[[], None]:
+        """Feed metrics from a status poll every ``interval_s`` on a daemon thread, so that no
+        fault episode goes unseen between scrapes; returns the function that stops it."""
+        stop = threading.Event()
+
+        def loop() -> None:
+            while not stop.wait(interval_s):
+                try:
+                    self.metrics.observe(self.view())
+                except FTEngineError:
+                    logger.exception("metrics poll failed; retrying in %.2fs", interval_s)
+
+        thread = threading.Thread(target=loop, name="ftengine-metrics", daemon=True)
+        thread.start()
+
+        def halt() -> None:
+            stop.set()
+            thread.join(timeout=5.0)
+
+        return halt
 
     def generate(self, request: GenerateRequest) -> GenerateResponse:
         """Run one generation on the cluster (blocking)."""

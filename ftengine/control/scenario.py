@@ -14,8 +14,9 @@ import attrs
 
 from ftengine.control.breakdown import BreakdownRow, breakdown, interruption_s
 from ftengine.control.live import Reporter, Watchable
-from ftengine.control.snapshot import ClusterView
+from ftengine.control.snapshot import ClusterView, Episode
 from ftengine.control.traffic import TrafficStream
+from ftengine.errors import FTEngineError
 from ftengine.faults import HealthStatus
 
 SCENARIO = "sigkill-scale-down"
@@ -140,21 +141,47 @@ class _Run:
         settings: ScenarioSettings,
         reporter: Reporter,
         compare: Compare,
+        flush: Callable[[], None],
     ) -> None:
         self.cluster = cluster
         self.settings = settings
         self.reporter = reporter
         self.compare = compare
+        self.flush = flush
         self.checks: list[Check] = []
         self.outputs: dict[str, object] = {}
 
+    def note(self, text: str) -> None:
+        self.flush()
+        self.reporter.note(time.monotonic(), text)
+
     def check(self, name: str, ok: bool, detail: str = "") -> bool:
         self.checks.append(Check(name, ok, detail))
-        mark = "ok " if ok else "FAIL"
-        self.reporter.note(
-            time.monotonic(), f"check [{mark}] {name}{': ' + detail if detail else ''}"
-        )
+        self.note(f"check [{'ok ' if ok else 'FAIL'}] {name}{': ' + detail if detail else ''}")
         return ok
+
+    def survivor_episodes(self, view: ClusterView) -> list[Episode]:
+        episodes = [view.engine(rank).episode for rank in self.survivors(view)]
+        return [episode for episode in episodes if episode is not None]
+
+    def fault_and_recover(
+        self, stream: TrafficStream
+    ) -> tuple[float, ClusterView | None, float | None]:
+        """Kill the victim, see detection, recover; (fault time, healthy view, first correct)."""
+        settings = self.settings
+        self.note(f"SIGKILL rank {settings.victim}")
+        fault_at = time.monotonic()
+        self.cluster.kill(settings.victim, signal.SIGKILL)
+        detected = wait_until(self.cluster, self.detected, settings.detect_timeout_s)
+        self.check("survivors UNHEALTHY, victim DEAD", detected is not None, _summary(detected))
+        if detected is not None and settings.policy == "orchestrator":
+            self.commands()
+        healthy = wait_until(self.cluster, self.healthy, settings.recover_timeout_s)
+        self.check("survivors healthy", healthy is not None, _summary(healthy))
+        recovered_at = _recovered_at(self.survivor_episodes(healthy)) if healthy else None
+        first = _first_correct(stream, fault_at, recovered_at, settings.first_token_timeout_s)
+        self.check("correct answers resume", first is not None, f"{len(stream.samples)} requests")
+        return fault_at, healthy, first
 
     def survivors(self, view: ClusterView) -> list[int]:
         return [e.id for e in view.engines if e.id != self.settings.victim]
@@ -175,24 +202,26 @@ class _Run:
         )
 
     def compare_outputs(
-        self, name: str, got: Sequence[GenerationLike], want: Sequence[GenerationLike]
+        self, name: str, prompts: Sequence[Sequence[int]], want: Sequence[GenerationLike]
     ) -> bool:
+        try:
+            got = self.cluster.generate_batch(prompts, self.settings.max_tokens)
+        except FTEngineError as exc:
+            return self.check(name, False, f"generation failed: {type(exc).__name__}: {exc}")
         check = self.compare(got, want)
         self.outputs[name] = check.to_dict()
         return self.check(name, bool(check.match), f"{check.to_dict()}")
 
     def commands(self) -> None:
         victim = self.settings.victim
-        self.reporter.note(time.monotonic(), "orchestrator: retry (the victim must refuse)")
+        self.note("orchestrator: retry (the victim must refuse)")
         retry = self.cluster.apply("retry", {}, "demo-retry-1")
         self.check(
             "retry rejected by the dead engine",
             not retry.success and "status is DEAD" in (retry.reason or ""),
             str(retry.reason),
         )
-        self.reporter.note(
-            time.monotonic(), f"orchestrator: scale_down removed_dp_ranks=[{victim}]"
-        )
+        self.note(f"orchestrator: scale_down removed_dp_ranks=[{victim}]")
         scale = self.cluster.apply(
             "scale_down", {"removed_dp_ranks": [victim]}, "demo-scale-down-1"
         )
@@ -208,12 +237,13 @@ def run_scenario(
     reporter: Reporter,
     compare: Compare,
     t0: float,
+    flush: Callable[[], None] = lambda: None,
 ) -> ScenarioResult:
     """Run the scenario on a launched cluster; ``reference`` is the fault-free output of
-    ``prompts`` and ``t0`` the monotonic time the demo started (phases are relative to it)."""
-    run = _Run(cluster, settings, reporter, compare)
-    before = cluster.generate_batch(prompts, settings.max_tokens)
-    run.compare_outputs("outputs match before the fault", before, reference)
+    ``prompts`` and ``t0`` the monotonic time the demo started (phases are relative to it).
+    ``flush`` is called before each note so that watched phase changes print in order."""
+    run = _Run(cluster, settings, reporter, compare, flush)
+    run.compare_outputs("outputs match before the fault", prompts, reference)
     expected = [list(generation.token_ids) for generation in reference]
     stream = TrafficStream(
         cluster.generate, [list(p) for p in prompts], expected, max_tokens=settings.max_tokens
@@ -221,43 +251,25 @@ def run_scenario(
     stream.start()
     try:
         time.sleep(settings.warmup_s)  # let the stream show steady traffic before the fault
-        reporter.note(time.monotonic(), f"SIGKILL rank {settings.victim}")
-        fault_at = time.monotonic()
-        cluster.kill(settings.victim, signal.SIGKILL)
-        detected = wait_until(cluster, run.detected, settings.detect_timeout_s)
-        run.check("survivors UNHEALTHY, victim DEAD", detected is not None, _summary(detected))
-        if detected is not None and settings.policy == "orchestrator":
-            run.commands()
-        healthy = wait_until(cluster, run.healthy, settings.recover_timeout_s)
-        run.check("survivors healthy", healthy is not None, _summary(healthy))
-        recovered_at = _recovered_at(healthy, run.survivors(healthy)) if healthy else None
-        first = _first_correct(stream, fault_at, recovered_at, settings.first_token_timeout_s)
-        run.check("correct answers resume", first is not None, f"{len(stream.samples)} requests")
+        fault_at, healthy, first = run.fault_and_recover(stream)
     finally:
         stream.stop()
-    after = cluster.generate_batch(prompts, settings.max_tokens)
-    run.compare_outputs("outputs match after recovery", after, reference)
-    episodes = [e.episode for e in (healthy.engines if healthy else ()) if e.id != settings.victim]
-    survivors = [episode for episode in episodes if episode is not None]
-    rows = breakdown(survivors, fault_at=fault_at, first_correct_at=first)
+    run.compare_outputs("outputs match after recovery", prompts, reference)
+    survivors = [] if healthy is None else run.survivor_episodes(healthy)
     samples = stream.samples
     timings = {
-        "detect_s": min((e.started for e in survivors), default=None),
-        "recovered_s": recovered_at,
+        "detect_s": _since(fault_at, min((e.started for e in survivors), default=None)),
+        "recovered_s": _since(fault_at, _recovered_at(survivors)),
         "interruption_s": interruption_s(fault_at, first),
         "stream_requests": float(len(samples)),
         "stream_failed_requests": float(sum(1 for s in samples if not s.correct)),
     }
-    for key in ("detect_s", "recovered_s"):
-        value = timings[key]
-        timings[key] = None if value is None else value - fault_at
-    removed = sorted(healthy.removed_ranks) if healthy else []
     return ScenarioResult(
         settings=settings,
         checks=tuple(run.checks),
-        removed_ranks=tuple(removed),
+        removed_ranks=tuple(sorted(healthy.removed_ranks) if healthy else ()),
         phases=phase_history(cluster, t0),
-        rows=tuple(rows),
+        rows=tuple(breakdown(survivors, fault_at=fault_at, first_correct_at=first)),
         timings=timings,
         outputs=run.outputs,
     )
@@ -289,10 +301,15 @@ def _summary(view: ClusterView | None) -> str:
     return ", ".join(f"{e.id}:{e.status.name}/{e.phase}" for e in view.engines)
 
 
-def _recovered_at(view: ClusterView, survivors: Sequence[int]) -> float | None:
-    ended = [view.engine(rank).episode for rank in survivors]
-    times = [episode.ended for episode in ended if episode is not None and episode.ended]
-    return max(times) if times and len(times) == len(ended) else None
+def _recovered_at(episodes: Sequence[Episode]) -> float | None:
+    """When the last survivor finished recovering (None if one has not)."""
+    ended = [episode.ended for episode in episodes]
+    done = [at for at in ended if at is not None]
+    return max(done) if done and len(done) == len(ended) else None
+
+
+def _since(start: float, at: float | None) -> float | None:
+    return None if at is None else at - start
 
 
 def _first_correct(

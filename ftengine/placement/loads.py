@@ -47,19 +47,29 @@ def zipf_load(
     *,
     exponent: float = 1.0,
     seed: int = 0,
-    tokens_per_layer: float = 1.0e6,
+    top_k: int = 8,
+    tokens: int = 4096,
 ) -> torch.Tensor:
-    """Zipf-skewed load: the k-th hottest expert gets ``1 / k**exponent`` of the weight.
+    """Token counts of a router with zipf-skewed expert popularity.
 
-    Each layer ranks its experts by an independent seeded permutation, so hot experts
-    differ between layers. Each layer's loads sum to ``tokens_per_layer``.
+    In each layer the k-th most popular expert (an independent seeded permutation per
+    layer) has weight ``1 / k**exponent``; each of ``tokens`` tokens picks ``top_k``
+    distinct experts with probability proportional to those weights, as a top-k MoE
+    router does (so no expert gets more than ``1 / top_k`` of the routed slots). With
+    ``top_k = 1`` the counts follow the raw zipf shares.
     """
+    if not 1 <= top_k <= num_logical:
+        raise PlacementError(f"top_k must be in [1, {num_logical}], got {top_k}")
     generator = torch.Generator().manual_seed(seed)
     weights = 1.0 / torch.arange(1, num_logical + 1, dtype=torch.float64) ** exponent
-    weights = weights / weights.sum() * tokens_per_layer
     load = torch.empty(num_layers, num_logical, dtype=torch.float64)
     for layer in range(num_layers):
-        load[layer, torch.randperm(num_logical, generator=generator)] = weights
+        popularity = torch.empty_like(weights)
+        popularity[torch.randperm(num_logical, generator=generator)] = weights
+        picks = torch.multinomial(
+            popularity.expand(tokens, -1), top_k, replacement=False, generator=generator
+        )
+        load[layer] = torch.bincount(picks.flatten(), minlength=num_logical).to(torch.float64)
     return load
 
 

@@ -80,10 +80,11 @@ def free_donor_slots(state: PlanState, needed: torch.Tensor, incoming: torch.Ten
     """
     rows = state.rows
     loads = state.rank_loads()
+    cap = replica_load_cap(state.load, state.counts, needed)
     for step in range(int(needed.max()) if needed.numel() else 0):
         active = needed > step
         reserve = incoming[:, min(step, incoming.shape[1] - 1)]
-        slot, expert, share, rise = _pick_donor(state, loads, reserve)
+        slot, expert, share, rise = _pick_donor(state, loads, reserve, cap)
         rows_now, slot_now, expert_now = rows[active], slot[active], expert[active]
         state.slots[rows_now, slot_now] = EMPTY
         state.counts[rows_now, expert_now] -= 1
@@ -96,8 +97,30 @@ def free_donor_slots(state: PlanState, needed: torch.Tensor, incoming: torch.Ten
         loads[rows_now, rank_now] += reserve[active]
 
 
+def replica_load_cap(load: torch.Tensor, counts: torch.Tensor, needed: torch.Tensor) -> torch.Tensor:
+    """Per layer, the least possible max load per replica after ``needed`` donations.
+
+    Greedily donating from the expert whose load per replica stays lowest minimises the
+    maximum (each expert's successive costs grow), so its result is the cap ``[layers, 1]``.
+    Any donation order that keeps every expert at or under the cap can still finish.
+    """
+    counts = counts.clone()
+    rows = torch.arange(counts.shape[0])
+    after = load / (counts - 1).clamp(min=1).to(load.dtype)
+    for step in range(int(needed.max()) if needed.numel() else 0):
+        active = needed > step
+        cost = torch.where(counts >= 2, after, _INF)
+        donor = cost.argmin(dim=1)[active]
+        counts[rows[active], donor] -= 1
+        after[rows[active], donor] = load[rows[active], donor] / (
+            (counts[rows[active], donor] - 1).clamp(min=1).to(load.dtype)
+        )
+    per_replica = torch.where(counts > 0, load / counts.clamp(min=1).to(load.dtype), 0.0)
+    return per_replica.max(dim=1, keepdim=True).values
+
+
 def _pick_donor(
-    state: PlanState, loads: torch.Tensor, reserve: torch.Tensor
+    state: PlanState, loads: torch.Tensor, reserve: torch.Tensor, cap: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Per layer: the slot to free, its expert, that replica's load and the others' rise."""
     held = state.slots.clamp(min=0)
@@ -106,14 +129,14 @@ def _pick_donor(
     share = expert_load / count
     rise = expert_load / (count - 1).clamp(min=1) - share
     on_rank = loads[:, state.slot_rank]
-    donor = (state.slots >= 0) & (count >= 2)
-    raised = torch.where(donor, on_rank + rise, torch.full_like(on_rank, -_INF))
+    donor = (state.slots >= 0) & (count >= 2) & (share + rise <= cap)
+    raised = torch.where(donor, on_rank + rise, -_INF)
     others = _peak_of_other_replicas(state.slots, raised, state.counts.shape[1])
     own = on_rank - share + reserve.unsqueeze(1)
-    score = torch.where(donor, torch.maximum(others, own), torch.full_like(others, _INF))
+    score = torch.where(donor, torch.maximum(others, own), _INF)
     best = score.min(dim=1, keepdim=True).values
     tied = donor & (score == best)
-    slot = torch.where(tied, on_rank, torch.full_like(on_rank, -_INF)).argmax(dim=1)
+    slot = torch.where(tied, on_rank, -_INF).argmax(dim=1)
     rows = state.rows
     return slot, state.slots[rows, slot], share[rows, slot], rise[rows, slot]
 
@@ -153,7 +176,7 @@ def place_orphans(state: PlanState, orphans: torch.Tensor) -> None:
         active = per_layer > step
         expert = order[:, step]
         on_rank = loads[:, state.slot_rank]
-        slot = torch.where(free, on_rank, torch.full_like(on_rank, _INF)).argmin(dim=1)
+        slot = torch.where(free, on_rank, _INF).argmin(dim=1)
         rows_now, slot_now, expert_now = rows[active], slot[active], expert[active]
         state.slots[rows_now, slot_now] = expert_now
         free[rows_now, slot_now] = False

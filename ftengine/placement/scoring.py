@@ -137,10 +137,12 @@ def zero_reload_bound(num_logical: int, num_physical: int, ep_size: int, k: int)
     ``z <= min(W, floor(2R / L))`` (0 if ``R < L``), reached by the failure-aware layout;
     it is ``W`` (100 %) once ``P >= 2E``.
 
-    k = 2: a valid, not always tight bound. Of ``E`` experts, ``t`` may have >= 3 replicas,
-    ``d`` exactly 2, ``s`` one (``d + 2t <= R``). Each pair of ranks holds at most ``L``
-    doubled experts, so >= ``ceil(d / L)`` pairs break; a rank holding a single breaks
-    every pair it is in. Minimise the broken pairs over ``t``.
+    k = 2: a valid, not always tight bound. A pair that needs no reload has ``2L`` slots
+    whose experts all live elsewhere too, which takes ``R >= 2L``; such pairs are among
+    the single-failure-safe ranks, so at most ``C(z, 2)``. Of ``E`` experts, ``t`` may
+    have >= 3 replicas, ``d`` exactly 2, ``s`` one (``d + 2t <= R``); each pair of ranks
+    holds at most ``L`` doubled experts, so >= ``ceil(d / L)`` pairs break, and a rank
+    holding a single breaks every pair it is in. Minimise the broken pairs over ``t``.
     """
     if k not in (1, 2):
         raise ValueError(f"k must be 1 or 2, got {k}")
@@ -148,9 +150,11 @@ def zero_reload_bound(num_logical: int, num_physical: int, ep_size: int, k: int)
     redundant = num_physical - num_logical
     if ep_size < k + 1:
         return 0.0
+    zero_ranks = min(ep_size, (2 * redundant) // local) if redundant >= local else 0
     if k == 1:
-        zero_ranks = min(ep_size, (2 * redundant) // local) if redundant >= local else 0
         return zero_ranks / ep_size
+    if redundant < 2 * local:
+        return 0.0
     pairs = math.comb(ep_size, 2)
     least_broken = pairs
     for triples in range(min(num_logical, redundant // 2) + 1):
@@ -159,4 +163,4 @@ def zero_reload_bound(num_logical: int, num_physical: int, ep_size: int, k: int)
         single_ranks = min(ep_size, -(-singles // local))
         broken_by_singles = pairs - math.comb(ep_size - single_ranks, 2)
         least_broken = min(least_broken, max(broken_by_singles, -(-doubles // local)))
-    return 1.0 - least_broken / pairs
+    return min(math.comb(zero_ranks, 2), pairs - least_broken) / pairs

@@ -266,7 +266,8 @@ def make_checkpoint(
     ``hidden`` is H, ``intermediate`` the per-expert I; ``dtype`` one of bfloat16, float16,
     float32; ``quant`` "none" or "w8a8_dynamic" (int8 experts, float32 scales on disk);
     ``fused_gate_up`` writes ``gate_up_proj`` [2I, H] instead of gate/up; ``manifest``
-    adds a sha256 manifest. config.json is written last, so its presence marks completion.
+    adds a sha256 manifest. Raises ConfigError for impossible sizes or a non-empty ``path``
+    (unless ``overwrite``).
     """
     if dtype not in _DTYPES or quant not in _QUANTS:
         raise ConfigError(
@@ -302,17 +303,28 @@ def make_checkpoint(
         sum(sizes),
         manifest,
     )
-    index = {"metadata": {"total_size": sum(sizes)}, "weight_map": dict(sorted(weight_map.items()))}
+    generator = {"seed": seed, "quant": quant, "shards": shards, "manifest": manifest}
+    _write_metadata(root, weight_map, digests if manifest else None, sum(sizes), quant)
+    # config.json last: its presence marks a complete checkpoint.
+    (root / CONFIG_NAME).write_text(json.dumps(_config(shape, dtype, generator), indent=2))
+    return root
+
+
+def _write_metadata(
+    root: Path,
+    weight_map: dict[str, str],
+    digests: dict[str, str] | None,
+    total: int,
+    quant: Quant,
+) -> None:
+    """The index json, the W8A8 description and (with ``digests``) the sha256 manifest."""
+    index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
     (root / INDEX_NAME).write_text(json.dumps(index, indent=2))
     if quant == "w8a8_dynamic":
         _write_quant_description(root, weight_map)
-    if manifest:
+    if digests is not None:
         files = {file: file_sha256(root / file) for file in sorted(set(weight_map.values()))}
         Manifest(digests, files).save(root)
-    generator = {"seed": seed, "quant": quant, "shards": shards, "manifest": manifest}
-    config = _config(shape, dtype, generator)
-    (root / CONFIG_NAME).write_text(json.dumps(config, indent=2))
-    return root
 
 
 def _write_quant_description(root: Path, weight_map: dict[str, str]) -> None:

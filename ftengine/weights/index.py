@@ -109,12 +109,12 @@ class CheckpointIndex:
     """
 
     path: Path
-    config: Mapping[str, Any]
+    config: Mapping[str, Any] = attrs.field(repr=False)
     quant: Quant
-    tensors: Mapping[str, TensorInfo]
-    files: Mapping[Path, FileHeader]
-    missing: Mapping[str, Path] = attrs.field(factory=dict)
-    experts: Mapping[ExpertKey, str] = attrs.field(factory=dict)
+    tensors: Mapping[str, TensorInfo] = attrs.field(repr=False)
+    files: Mapping[Path, FileHeader] = attrs.field(repr=False)
+    missing: Mapping[str, Path] = attrs.field(factory=dict, repr=False)
+    experts: Mapping[ExpertKey, str] = attrs.field(factory=dict, repr=False)
 
     @classmethod
     def open(cls, path: str | Path) -> CheckpointIndex:

@@ -47,9 +47,9 @@ class BenchSetup:
     redundant: int = 32
     dead_rank: int = 1
     worker_rank: int = 0
-    workers: int = 1
+    workers: int = 2
     threads: int = 1
-    repeat: int = 3
+    repeat: int = 5
     shards: int = 4
     seed: int = 0
 
@@ -223,9 +223,11 @@ def _measure_selective(
         started = time.perf_counter()
         raw_read(index, names)
         raw_times.append(time.perf_counter() - started)
-    times = [first.seconds]
+    times, serial = [first.seconds], []
     for _ in range(setup.repeat - 1):
         times.append(load_experts_into_slots(index, slots, reload, workers=setup.workers).seconds)
+    for _ in range(setup.repeat):
+        serial.append(load_experts_into_slots(index, slots, reload, workers=1).seconds)
     return {
         "experts_reloaded": first.experts,
         "bytes_needed": first.bytes_needed,
@@ -233,6 +235,7 @@ def _measure_selective(
         "peak_rss_delta_bytes": meter.delta,
         "rss_method": meter.method,
         "reload_s": min(times),
+        "reload_serial_s": min(serial),
         "raw_read_s": min(raw_times),
         "in_place": before == slots.data_ptrs(),
     }
@@ -374,6 +377,11 @@ def run_bench(
         if progress is not None:
             progress("writing checkpoint", done, total)
 
+    if not plan_worker_reload(setup)[1]:
+        raise BenchError(
+            f"losing rank {setup.dead_rank} gives rank {setup.worker_rank} nothing to reload "
+            "(every expert keeps a replica or lands elsewhere); pick another --dead-rank"
+        )
     path, reused = prepare_checkpoint(setup, root, writing)
     index = CheckpointIndex.open(path)
     warm_page_cache(index)

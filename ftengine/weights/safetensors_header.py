@@ -157,15 +157,3 @@ def read_header(file: Path) -> FileHeader:
             "re-create or re-download it"
         )
     return FileHeader(file, data_start, data_end, tensors)
-
-
-def check_file_size(file: Path, data_end: int) -> None:
-    """Raise WeightLoadError unless ``file`` still holds at least ``data_end`` bytes."""
-    try:
-        size = file.stat().st_size
-    except OSError as exc:
-        raise WeightLoadError(f"{file}: cannot stat ({exc})") from exc
-    if size < data_end:
-        raise WeightLoadError(
-            f"{file}: truncated: needs {data_end} bytes, has {size}; re-create or re-download it"
-        )

@@ -22,24 +22,45 @@ from ftengine.weights.index import CheckpointIndex, Quant
 from ftengine.weights.nz import from_fractal_nz, nz_shape, to_fractal_nz
 
 
-@attrs.frozen
+@attrs.frozen(kw_only=True)
 class SlotWeights:
     """One expert's tensors as read from disk, ready to be written into a slot.
 
-    ``gate``/``up`` [I, H] or ``gate_up`` [2I, H]; ``down`` [H, I]. W8A8 adds per-channel
-    ``*_scale`` / ``*_offset`` ([out, 1]); for a fused checkpoint the gate entries hold
-    the fused tensors and the up entries are None.
+    ``gate``/``up`` [I, H] and ``down`` [H, I]. W8A8 adds per-channel ``*_scale`` /
+    ``*_offset`` ([out, 1]). For a fused checkpoint ``gate`` (and its scale and offset)
+    hold the fused gate_up [2I, H] and the up entries are None.
     """
 
     gate: torch.Tensor
-    up: torch.Tensor | None
     down: torch.Tensor
+    up: torch.Tensor | None = None
     gate_scale: torch.Tensor | None = None
     up_scale: torch.Tensor | None = None
     down_scale: torch.Tensor | None = None
     gate_offset: torch.Tensor | None = None
     up_offset: torch.Tensor | None = None
     down_offset: torch.Tensor | None = None
+
+
+def _quant_fields(
+    hidden: int, intermediate: int, dtype: torch.dtype
+) -> dict[str, tuple[int, torch.dtype]]:
+    """W8A8 per-slot storage: field -> (length, dtype), per REFERENCE §6."""
+    return {
+        "w13_scale": (2 * intermediate, torch.float32),
+        "w2_scale": (hidden, dtype),
+        "w13_offset": (2 * intermediate, dtype),
+        "w2_offset": (hidden, dtype),
+        "w13_scale_int64": (2 * intermediate, torch.int64),
+        "w2_scale_int64": (hidden, torch.int64),
+    }
+
+
+def _fill_w13(dst: torch.Tensor, weights: SlotWeights) -> None:
+    if weights.up is None:
+        layout.write_w13_fused(dst, weights.gate)
+    else:
+        layout.write_w13(dst, weights.gate, weights.up)
 
 
 _STORAGE_FIELDS = (
@@ -58,19 +79,19 @@ _STORAGE_FIELDS = (
 class ExpertSlots:
     """Device-layout expert storage of one worker (see the module docstring for shapes)."""
 
-    w13: torch.Tensor
-    w2: torch.Tensor
+    w13: torch.Tensor = attrs.field(repr=False)
+    w2: torch.Tensor = attrs.field(repr=False)
     hidden: int
     intermediate: int
     dtype: torch.dtype
     quant: Quant = "none"
     nz: bool = False
-    w13_scale: torch.Tensor | None = None
-    w2_scale: torch.Tensor | None = None
-    w13_offset: torch.Tensor | None = None
-    w2_offset: torch.Tensor | None = None
-    w13_scale_int64: torch.Tensor | None = None
-    w2_scale_int64: torch.Tensor | None = None
+    w13_scale: torch.Tensor | None = attrs.field(default=None, repr=False)
+    w2_scale: torch.Tensor | None = attrs.field(default=None, repr=False)
+    w13_offset: torch.Tensor | None = attrs.field(default=None, repr=False)
+    w2_offset: torch.Tensor | None = attrs.field(default=None, repr=False)
+    w13_scale_int64: torch.Tensor | None = attrs.field(default=None, repr=False)
+    w2_scale_int64: torch.Tensor | None = attrs.field(default=None, repr=False)
 
     @classmethod
     def allocate(
@@ -125,15 +146,13 @@ class ExpertSlots:
         def zeros(shape: tuple[int, ...], kind: torch.dtype) -> torch.Tensor:
             return torch.zeros((*lead, *shape), dtype=kind, device=device)
 
-        extra: dict[str, torch.Tensor] = {}
+        extra = {}
         if quant == "w8a8_dynamic":
-            extra["w13_scale"] = zeros((2 * intermediate,), torch.float32)
-            extra["w2_scale"] = zeros((hidden,), dtype)
-            extra["w13_offset"] = zeros((2 * intermediate,), dtype)
-            extra["w2_offset"] = zeros((hidden,), dtype)
-            if fused_scales:
-                extra["w13_scale_int64"] = zeros((2 * intermediate,), torch.int64)
-                extra["w2_scale_int64"] = zeros((hidden,), torch.int64)
+            extra = {
+                name: zeros((size,), kind)
+                for name, (size, kind) in _quant_fields(hidden, intermediate, dtype).items()
+                if fused_scales or not name.endswith("_int64")
+            }
         return cls(
             w13=zeros(w13_shape, wdtype),
             w2=zeros(w2_shape, wdtype),
@@ -211,20 +230,16 @@ class ExpertSlots:
             self._write_scales(layer, slot, weights)
 
     def _write_weights(self, layer: int, slot: int, weights: SlotWeights) -> None:
-        if self.nz:
-            w13 = (
-                layout.to_w13(weights.gate, weights.up)
-                if weights.up is not None
-                else layout.to_w2(weights.gate)  # a fused [2I, H] transposes like down
-            )
-            to_fractal_nz(w13, out=self.w13[layer, slot])
-            to_fractal_nz(layout.to_w2(weights.down), out=self.w2[layer, slot])
+        if not self.nz:
+            _fill_w13(self.w13[layer, slot], weights)
+            layout.write_w2(self.w2[layer, slot], weights.down)
             return
-        if weights.up is None:
-            layout.write_w13_fused(self.w13[layer, slot], weights.gate)
-        else:
-            layout.write_w13(self.w13[layer, slot], weights.gate, weights.up)
-        layout.write_w2(self.w2[layer, slot], weights.down)
+        # NZ is a second layout pass over an ND copy: the CPU reference favours clarity here;
+        # the NPU path casts on device instead.
+        w13 = self.w13.new_empty((self.hidden, 2 * self.intermediate))
+        _fill_w13(w13, weights)
+        to_fractal_nz(w13, out=self.w13[layer, slot])
+        to_fractal_nz(layout.to_w2(weights.down), out=self.w2[layer, slot])
 
     def _write_scales(self, layer: int, slot: int, weights: SlotWeights) -> None:
         if self.w13_scale is None or self.w2_scale is None:

@@ -200,3 +200,20 @@ def make_npu_rig(
     )
     host.attach(backend)
     return NpuRig(backend, host, groups, env)
+
+
+class SentinelHooks:
+    """``WorkerHooks`` of the fake host, for driving the NPU backend through a WorkerSentinel."""
+
+    def __init__(self, host: FakeNpuHost) -> None:
+        self.host = host
+        self.cleaned = 0
+
+    def clean_state(self) -> None:
+        self.cleaned += 1
+
+    def run_dummy_batch(self) -> None:
+        self.host.run_dummy_batch()
+
+    def expert_layers(self) -> Sequence[object]:
+        return [self.host.slots]

@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 
 from ftengine.cluster import (
+    INJECT_ENV_VAR,
     Cluster,
     FaultSpec,
     Generation,
@@ -126,7 +127,15 @@ def test_1_injected_fault_retry_recovers_all_ranks(
     assert result.success, result.reason
     assert all(e["status"] == HEALTHY and e["epoch"] == 1 for e in engines(cluster).values())
     assert_matches(cluster, reference)
-    TIMINGS["1 raise+retry"] = {"detect_after_abort": detect, "recover": recover}
+    # Peers learn of rank 3's fault through their op timeout: the last one quarantines
+    # within op_timeout (+ slack) of rank 3 itself.
+    quarantined = [
+        next(e.at for e in events if e.dest == "quarantined")
+        for events in cluster.phase_changes().values()
+    ]
+    spread = max(quarantined) - min(quarantined)
+    assert spread <= cluster.config.op_timeout_s + 1.0
+    TIMINGS["1 raise+retry"] = {"peers_detect": spread, "recover": recover, "wait": detect}
 
 
 @pytest.mark.timeout(120)
@@ -170,6 +179,25 @@ def test_5_sigstop_is_detected_fenced_and_scaled_down(
     recover = time.monotonic() - start
     assert_matches(cluster, reference)
     TIMINGS["5 sigstop"] = {"detect": detect, "fenced": fenced, "recover": recover}
+
+
+@pytest.mark.timeout(120)
+def test_5b_hung_main_thread_from_env_var_is_fenced_and_scaled_down(
+    launch: Launcher, reference: list[Generation], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv(INJECT_ENV_VAR, "rank=2,step=4,kind=hang")
+    cluster = launch()
+    traffic = Traffic(cluster)
+    # The hung rank keeps beating (only its main thread is stuck): its peers' op timeout
+    # finds it, then the supervisor fences it for not answering the step.
+    assert isinstance(traffic.stopped(), RequestAborted)
+    wait_statuses(cluster, {2: DEAD} | dict.fromkeys((0, 1, 3), UNHEALTHY), 10.0)
+    assert any(
+        e.kind == "fence" and e.rank == 2 and "no reply" in e.detail for e in cluster.events()
+    )
+    result = cluster.apply("scale_down", {"removed_dp_ranks": [2]}, "s5b-scale-down")
+    assert result.success, result.reason
+    assert_matches(cluster, reference)
 
 
 @pytest.mark.timeout(120)
@@ -223,8 +251,23 @@ def test_8_auto_recovery_scales_down_without_commands(
     state = engines(cluster)
     assert all(state[r]["removed_ranks"] == [3] and state[r]["epoch"] == 1 for r in (0, 1, 2))
     assert all(state[r]["last_ft_request_id"] is None for r in (0, 1, 2))
+    assert cluster.removed_ranks == {3}
     assert_matches(cluster, reference)
     TIMINGS["8 auto"] = {"kill_to_healthy": time.monotonic() - killed, "wait": recovered}
+
+
+@pytest.mark.timeout(120)
+def test_8b_auto_recovery_retries_a_transient_fault_without_commands(
+    launch: Launcher, reference: list[Generation]
+) -> None:
+    cluster = launch(policy="auto", inject_fault="rank=1,step=3,kind=raise")
+    traffic = Traffic(cluster)
+    assert isinstance(traffic.stopped(), RequestAborted)
+    recovered = wait_statuses(cluster, dict.fromkeys(range(4), HEALTHY), 30.0)
+    state = engines(cluster)
+    assert all(state[r]["epoch"] == 1 and state[r]["removed_ranks"] == [] for r in range(4))
+    assert_matches(cluster, reference)
+    TIMINGS["8b auto retry"] = {"abort_to_healthy": recovered}
 
 
 @pytest.mark.timeout(150)

@@ -325,7 +325,7 @@ class EngineMachine(RuleBasedStateMachine):
 _DEV = settings.get_current_profile_name() == "dev"
 EngineMachine.TestCase.settings = settings(
     max_examples=settings().max_examples if _DEV else 500,
-    stateful_step_count=30,
+    stateful_step_count=50,
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow],
 )

@@ -7,7 +7,7 @@ and records every call so tests can prove that bad input changed nothing.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import attrs
@@ -15,6 +15,39 @@ import attrs
 from ftengine.clock import ManualClock
 from ftengine.errors import BackendError
 from ftengine.faults import Phase
+
+
+@attrs.frozen
+class Change:
+    """Same fields as ``ftengine.cluster.protocol.PhaseEvent``."""
+
+    source: str
+    dest: str
+    at: float
+    reason: str
+
+
+@attrs.frozen
+class Event:
+    """Same fields as ``ftengine.cluster.ClusterEvent``."""
+
+    at: float
+    kind: str
+    rank: int | None
+    detail: str
+
+
+@attrs.frozen
+class Generated:
+    """Same fields as ``ftengine.cluster.Generation``."""
+
+    token_ids: tuple[int, ...]
+    final_logits: tuple[float, ...] = ()
+
+
+def continuation(prompt: list[int], max_tokens: int) -> list[int]:
+    """What the stand-in generates for ``prompt``."""
+    return [(prompt[-1] + i + 1) % 1000 for i in range(max_tokens)]
 
 
 @attrs.frozen
@@ -63,6 +96,9 @@ class StandInCluster:
         self.last_request: str | None = None
         self.ft_error: str | None = None
         self.during_recovery: Callable[[], None] = lambda: None
+        self.changes: dict[int, list[Change]] = {rank: [] for rank in range(world_size)}
+        self.exits: list[Event] = []
+        self.killed: list[tuple[int, int]] = []
 
     # -- faults ---------------------------------------------------------------------------
 
@@ -74,8 +110,10 @@ class StandInCluster:
 
     def kill(self, rank: int, sig: int = 9) -> None:
         """``rank`` dies: it is DEAD, every other live engine quarantines (dead peer)."""
+        self.killed.append((rank, sig))
         self.phases[rank] = Phase.DEAD
         self.fault_info[rank] = f"killed by signal {sig}"
+        self.exits.append(Event(self.clock.now(), "exit", rank, f"killed by signal {sig}"))
         for engine in self._live():
             self._fault(engine, "dead_peer", rank)
 
@@ -124,7 +162,19 @@ class StandInCluster:
         if not live or any(self.phases[r] not in (Phase.RUNNING, Phase.HEALTHY) for r in live):
             raise BackendError("cluster is recovering; no healthy DP rank to serve")
         self.generated.append(list(prompt_token_ids))
-        return [(prompt_token_ids[-1] + i + 1) % 1000 for i in range(max_tokens)]
+        return continuation(prompt_token_ids, max_tokens)
+
+    def generate_batch(self, prompts: Sequence[Sequence[int]], max_tokens: int) -> list[Generated]:
+        return [Generated(tuple(self.generate(list(p), max_tokens))) for p in prompts]
+
+    def phase_changes(self) -> dict[int, list[Change]]:
+        return {rank: list(changes) for rank, changes in self.changes.items()}
+
+    def events(self) -> list[Event]:
+        return list(self.exits)
+
+    def live_ranks(self) -> frozenset[int]:
+        return frozenset(r for r in self._live() if r not in self.removed)
 
     # -- helpers --------------------------------------------------------------------------
 
@@ -170,6 +220,9 @@ class StandInCluster:
 
     def _phase(self, rank: int, dest: Phase, reason: str) -> None:
         self.clock.advance(1.0)
+        self.changes[rank].append(
+            Change(self.phases[rank].value, dest.value, self.clock.now(), reason)
+        )
         self.phases[rank] = dest
         entry = {"phase": dest.value, "at": self.clock.now(), "reason": reason}
         self._episode(rank)["phases"].append(entry)

@@ -10,7 +10,7 @@ import pytest
 from ftengine.clock import ManualClock
 from ftengine.engine import RecoveryEngine
 from ftengine.errors import BackendError, DeviceError
-from ftengine.faults import Fault, FaultKind, Phase
+from ftengine.faults import Fault, FaultKind, HealthStatus, Phase
 from ftengine.policies import OrchestratorDriven
 from ftengine.weights.checkpoint_gen import make_checkpoint
 from ftengine.weights.index import CheckpointIndex
@@ -175,7 +175,7 @@ def test_engine_retry_path_calls_the_device_in_order(rig: NpuRig, npu_state: Fak
     with pytest.raises(FakeDeviceError):
         rig.host.step(rig.host.tokens(4))
     engine.report_fault(Fault(FaultKind.DEVICE_ERROR, rank=1, info="FakeDeviceError"))
-    assert engine.phase is Phase.QUARANTINED
+    assert engine.health is HealthStatus.UNHEALTHY
     result = engine.apply("retry", {}, "retry-1")
     assert result.success, result.reason
     assert engine.phase is Phase.HEALTHY

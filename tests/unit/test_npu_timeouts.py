@@ -45,7 +45,12 @@ def test_backend_start_up_derives_env_and_op_timeout(
         Call("npu.set_op_timeout_ms", (seconds * 1000,))
     ]
     assert rig.backend.timeouts.plan is not None
-    assert rig.backend.timeouts.plan.op_timeout_ms == seconds * 1000
+    plan = rig.backend.timeouts.plan
+    assert (plan.event_timeout_s, plan.exec_timeout_s, plan.op_timeout_ms) == (
+        seconds,
+        seconds - 1,
+        seconds * 1000,
+    )
 
 
 def test_zero_turns_everything_off(npu_state: FakeNpuState, index: CheckpointIndex) -> None:

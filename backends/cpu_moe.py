@@ -13,8 +13,8 @@ from collections.abc import Callable
 from typing import Protocol
 
 import torch
+import torch.nn.functional as F
 
-from ftengine.cluster.model import combine_topk, expert_ffn
 from ftengine.errors import PlacementError
 
 Tensor = torch.Tensor
@@ -37,6 +37,29 @@ class ExpertStore(Protocol):
     def w13(self, layer: int, slot: int) -> Tensor: ...
 
     def w2(self, layer: int, slot: int) -> Tensor: ...
+
+
+def expert_ffn(x: Tensor, w13: Tensor, w2: Tensor) -> Tensor:
+    """One expert on rows ``x [n, H]``, one row at a time (batch-shape independent).
+
+    ``w13 [H, 2I]`` holds gate columns then up columns; ``w2 [I, H]``. Returns ``[n, H]``.
+    """
+    inter = w2.shape[0]
+    rows = []
+    for i in range(x.shape[0]):
+        a = x[i : i + 1] @ w13
+        rows.append((F.silu(a[:, :inter]) * a[:, inter:]) @ w2)
+    if not rows:
+        return x.new_zeros((0, w2.shape[1]))
+    return torch.cat(rows)
+
+
+def combine_topk(outputs: Tensor, weights: Tensor) -> Tensor:
+    """Weighted sum of ``outputs [T, k, H]`` by ``weights [T, k]`` in fixed k order."""
+    acc = outputs[:, 0] * weights[:, 0:1]
+    for j in range(1, outputs.shape[1]):
+        acc = acc + outputs[:, j] * weights[:, j : j + 1]
+    return acc
 
 
 def choose_replicas(

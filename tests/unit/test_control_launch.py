@@ -1,0 +1,48 @@
+"""Shared CLI plumbing: flags map onto ClusterConfig; an existing checkpoint is reused."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from ftengine.control.launch import (
+    CheckpointSize,
+    add_checkpoint_args,
+    add_cluster_args,
+    checkpoint_dir,
+    cluster_config,
+    size_from_args,
+)
+
+
+def _parse(*argv: str) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    add_checkpoint_args(parser, CheckpointSize(layers=3))
+    add_cluster_args(parser)
+    return parser.parse_args(list(argv))
+
+
+def test_flags_map_onto_the_cluster_config(tmp_path: Path) -> None:
+    args = _parse(
+        "--dp-size", "3", "--policy", "auto", "--op-timeout", "1.5", "--heartbeat", "0.5",
+        "--recovery-timeout", "9", "--inject-fault", "rank=1,step=4,kind=raise",
+    )  # fmt: skip
+    config = cluster_config(args, tmp_path, heartbeat_misses=3)
+    assert (config.checkpoint, config.dp_size, config.policy) == (tmp_path, 3, "auto")
+    assert (config.op_timeout_s, config.heartbeat_s, config.recovery_timeout_s) == (1.5, 0.5, 9.0)
+    assert config.heartbeat_misses == 3
+    assert str(config.inject_fault) == "rank=1,step=4,kind=raise"
+
+
+def test_size_flags_default_to_the_given_size() -> None:
+    assert size_from_args(_parse()) == CheckpointSize(layers=3)
+    size = size_from_args(_parse("--experts", "4", "--quant", "w8a8_dynamic"))
+    assert (size.layers, size.experts, size.quant) == (3, 4, "w8a8_dynamic")
+
+
+def test_an_existing_checkpoint_is_reused_untouched(tmp_path: Path) -> None:
+    (tmp_path / "config.json").write_text("{}")
+    with checkpoint_dir(tmp_path, CheckpointSize()) as path:
+        assert path == tmp_path
+    assert [p.name for p in tmp_path.iterdir()] == ["config.json"]
+    assert (tmp_path / "config.json").read_text() == "{}"

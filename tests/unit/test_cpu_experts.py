@@ -1,0 +1,77 @@
+"""A CPU worker's experts: initial slots, elastic_info masking and in-place repair from disk."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ftengine.backends.cpu_experts import CpuExperts
+from ftengine.errors import WeightLoadError
+from ftengine.weights.checkpoint_gen import make_checkpoint
+from ftengine.weights.index import CheckpointIndex
+from ftengine.weights.reload import load_experts_into_slots
+from ftengine.weights.slots import ExpertSlots
+
+
+@pytest.fixture(scope="module")
+def index(tmp_path_factory: pytest.TempPathFactory) -> CheckpointIndex:
+    path = make_checkpoint(
+        tmp_path_factory.mktemp("experts") / "ckpt",
+        layers=2,
+        experts=4,
+        hidden=16,
+        intermediate=8,
+        vocab=32,
+        heads=2,
+        kv_heads=1,
+    )
+    return CheckpointIndex.open(path)
+
+
+def logical_w13(index: CheckpointIndex, layer: int, expert: int) -> torch.Tensor:
+    slots = ExpertSlots.allocate(index, index.num_layers, 1)
+    load_experts_into_slots(index, slots, [(layer, 0, expert)])
+    return slots.w13_float(layer, 0)
+
+
+def test_initial_slots_follow_the_default_placement(index: CheckpointIndex) -> None:
+    # 4 logical + 4 redundant on 4 ranks: rank 1 holds experts 2 and 3.
+    experts = CpuExperts.load(index, rank=1, world=4, num_redundant=4)
+    assert experts.local_slots == 2
+    assert experts.own_assignments() == [(0, 0, 2), (0, 1, 3), (1, 0, 2), (1, 1, 3)]
+    assert torch.equal(experts.w13(1, 1), logical_w13(index, 1, 3))
+    assert [layer.local_logical for layer in experts.layers()] == [(2, 3), (2, 3)]
+
+
+def test_masking_densifies_routing_ids(index: CheckpointIndex) -> None:
+    experts = CpuExperts.load(index, rank=0, world=4, num_redundant=4)
+    ids = torch.tensor([[0, 4], [5, 1]])
+    assert torch.equal(experts.densify(ids), ids)  # nothing masked: identity
+    experts.mask(frozenset({1}))
+    assert experts.elastic.tensor.tolist()[:4] == [1, 3, 0, 6]
+    assert experts.densify(ids).tolist() == [[0, 2], [3, 1]]
+
+
+def test_repair_rehosts_lost_experts_in_place(index: CheckpointIndex) -> None:
+    survivors = {
+        rank: CpuExperts.load(index, rank=rank, world=4, num_redundant=4) for rank in (0, 2)
+    }
+    ptrs = {rank: e.slots.data_ptrs() for rank, e in survivors.items()}
+    reports = {rank: e.repair(frozenset({1, 3})) for rank, e in survivors.items()}
+    # Experts 2 and 3 lost every replica in both layers: four reloads in all, no more.
+    assert sum(r.reloads for r in reports.values()) == 4
+    assert all(r.reload_lower_bound == 4 for r in reports.values())
+    for rank, experts in survivors.items():
+        assert experts.slots.data_ptrs() == ptrs[rank]
+        for layer, slot, logical in experts.own_assignments():
+            assert torch.equal(experts.w13(layer, slot), logical_w13(index, layer, logical))
+    hosted = {
+        (layer, logical) for e in survivors.values() for layer, _, logical in e.own_assignments()
+    }
+    assert hosted == {(layer, e) for layer in (0, 1) for e in range(4)}
+
+
+def test_injected_reload_failure_raises_weight_load_error(index: CheckpointIndex) -> None:
+    experts = CpuExperts.load(index, rank=0, world=4, num_redundant=4)
+    with pytest.raises(WeightLoadError, match="injected reload_error on rank 0"):
+        experts.repair(frozenset({1, 3}), fail=True)

@@ -1,0 +1,94 @@
+"""The NPU backend behind the shared WorkerSentinel: DP=4 scale-downs and a retry on rank 0."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from ftengine.clock import ManualClock
+from ftengine.context import RedundancyFacts
+from ftengine.faults import FaultKind, HealthStatus, Phase
+from ftengine.policies import OrchestratorDriven
+from ftengine.sentinel import WorkerSentinel
+from ftengine.weights.checkpoint_gen import make_checkpoint
+from ftengine.weights.index import CheckpointIndex
+from tests.fakes.npu_host import NpuRig, SentinelHooks, make_npu_rig
+from tests.fakes.npu_install import fake_torch_npu
+from tests.fakes.npu_state import FakeDeviceError, FakeNpuState
+
+DISPATCH = "npu_moe_distribute_dispatch_v2"
+
+
+@pytest.fixture
+def npu_state() -> Iterator[FakeNpuState]:
+    with fake_torch_npu() as state:
+        yield state
+
+
+@pytest.fixture(scope="module")
+def index(tmp_path_factory: pytest.TempPathFactory) -> CheckpointIndex:
+    root: Path = tmp_path_factory.mktemp("npu-sentinel")
+    return CheckpointIndex.open(
+        make_checkpoint(root / "ckpt", layers=2, experts=8, hidden=32, intermediate=16)
+    )
+
+
+def sentinel_for(rig: NpuRig) -> tuple[WorkerSentinel, SentinelHooks]:
+    placement = rig.host.placement()
+    hooks = SentinelHooks(rig.host)
+    sentinel = WorkerSentinel(
+        OrchestratorDriven(),
+        rig.backend,
+        hooks,
+        rank=0,
+        world_size=4,
+        clock=ManualClock(),
+        redundancy=RedundancyFacts(
+            ep_size=4, local_slots=placement.local_slots, num_logical=placement.num_logical
+        ),
+    )
+    return sentinel, hooks
+
+
+def test_scale_down_of_rank_3_then_rank_2(npu_state: FakeNpuState, index: CheckpointIndex) -> None:
+    rig = make_npu_rig(index, dp_size=4, dp_rank=0, num_redundant=8)
+    sentinel, hooks = sentinel_for(rig)
+    for dead, epoch, info in (({3}, 1, [1, 3, 0, 12, 0, 1, 2, -1]), ({2, 3}, 2, [1, 2, 0, 8])):
+        sentinel.peer_fault(
+            FaultKind.DEAD_PEER, rank=max(dead - rig.backend.dead_dp_ranks), info="EOF"
+        )
+        assert sentinel.health is HealthStatus.UNHEALTHY
+        assert rig.host.step(rig.host.tokens(2)).numel() == 0  # fenced until recovered
+        npu_state.clear_calls()
+        result = sentinel.handle_ft_command(
+            "scale_down", {"removed_dp_ranks": sorted(dead)}, f"sd{epoch}"
+        )
+        assert result.success, result.reason
+        assert (sentinel.phase, sentinel.engine.epoch) == (Phase.HEALTHY, epoch)
+        assert rig.backend.elastic.tensor.tolist()[: len(info)] == info
+        (dispatch,) = npu_state.of(DISPATCH)  # the dummy batch went through MC2
+        ids = dispatch.kwargs["expert_ids"]
+        assert isinstance(ids, torch.Tensor) and int(ids.max()) < info[3]
+    assert hooks.cleaned == 2
+    assert rig.backend.dead_dp_ranks == frozenset({2, 3})
+    out = rig.host.step(rig.host.tokens(3))
+    assert out.shape == (3, 32)
+
+
+def test_device_error_then_retry(npu_state: FakeNpuState, index: CheckpointIndex) -> None:
+    rig = make_npu_rig(index, dp_size=4, dp_rank=0, num_redundant=8)
+    sentinel, _ = sentinel_for(rig)
+    npu_state.poison()
+    npu_state.fail(DISPATCH, FakeDeviceError("EZ9999: device error, stream poisoned"))
+    with pytest.raises(FakeDeviceError) as caught:
+        rig.host.step(rig.host.tokens(2))
+    fault = sentinel.on_fault(caught.value, step=7)
+    assert (fault.kind, fault.step) == (FaultKind.TRANSIENT, 7)
+    assert npu_state.names().count("npu.stop_device") == 1  # reset once, by the barrier
+    result = sentinel.handle_ft_command("retry", {}, "retry-1")
+    assert result.success, result.reason
+    assert sentinel.health is HealthStatus.HEALTHY
+    assert rig.host.step(rig.host.tokens(2)).shape == (2, 32)

@@ -1,0 +1,29 @@
+"""The README's state diagram matches the table, and the custom-policy example runs."""
+
+from __future__ import annotations
+
+import re
+import runpy
+from pathlib import Path
+
+import pytest
+
+from ftengine.fsm import TABLE, mermaid_rows, render_mermaid
+
+ROOT = Path(__file__).resolve().parents[2]
+BLOCK = re.compile(r"<!-- fsm:begin -->\n```mermaid\n(.*?)\n```\n<!-- fsm:end -->", re.DOTALL)
+
+
+def test_the_readme_diagram_is_the_generated_one_and_reads_back_as_the_table() -> None:
+    found = BLOCK.search((ROOT / "README.md").read_text())
+    assert found, "README.md needs the diagram between <!-- fsm:begin --> and <!-- fsm:end -->"
+    diagram = found.group(1)
+    assert mermaid_rows(diagram) == frozenset(TABLE), "diagram and table disagree"
+    assert diagram == render_mermaid(), "regenerate it with `ftengine fsm --mermaid`"
+
+
+def test_the_custom_policy_example_runs(capsys: pytest.CaptureFixture[str]) -> None:
+    runpy.run_path(str(ROOT / "examples" / "custom_policy.py"), run_name="__main__")
+    out = capsys.readouterr().out.splitlines()
+    assert "t=0.5s quarantined -> retrying: policy retry" in out
+    assert out[-2:] == ["scale_down: success=True", "final: phase=healthy removed=[3]"]

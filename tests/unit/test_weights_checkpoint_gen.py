@@ -1,0 +1,152 @@
+"""The checkpoint generator: a complete tiny Qwen3-MoE model, sharded, W8A8 done for real."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from safetensors import safe_open
+
+from ftengine.errors import ConfigError
+from ftengine.weights.checkpoint_gen import make_checkpoint, quantize_per_channel_int8
+from ftengine.weights.index import CheckpointIndex
+from ftengine.weights.integrity import Manifest, verify_files
+
+SIZES = {"layers": 2, "experts": 4, "hidden": 32, "intermediate": 16}
+
+
+def _make(path: Path, **options: Any) -> Path:
+    """A tiny checkpoint of the module's sizes (``options`` go to make_checkpoint)."""
+    return make_checkpoint(path, **{**SIZES, **options})
+
+
+def _all_tensors(root: Path) -> dict[str, torch.Tensor]:
+    out: dict[str, torch.Tensor] = {}
+    for file in sorted(root.glob("*.safetensors")):
+        with safe_open(str(file), framework="pt") as handle:
+            out.update({name: handle.get_tensor(name).clone() for name in handle.offset_keys()})
+    return out
+
+
+def test_config_and_every_contract_tensor(tmp_path: Path) -> None:
+    root = _make(tmp_path / "ck", vocab=64, heads=4, kv_heads=2, top_k=2)
+    config = json.loads((root / "config.json").read_text())
+    assert config["hidden_size"] == 32
+    assert config["moe_intermediate_size"] == 16
+    assert config["num_experts"] == 4
+    assert config["num_experts_per_tok"] == 2
+    assert config["num_hidden_layers"] == 2
+    assert config["num_attention_heads"] == 4
+    assert config["num_key_value_heads"] == 2
+    assert config["head_dim"] == 8
+    assert config["vocab_size"] == 64
+    assert config["rms_norm_eps"] > 0
+    assert config["torch_dtype"] == "bfloat16"
+    tensors = _all_tensors(root)
+    expected = {"model.embed_tokens.weight": (64, 32), "model.norm.weight": (32,)}
+    expected["lm_head.weight"] = (64, 32)
+    for layer in range(2):
+        p = f"model.layers.{layer}"
+        expected[f"{p}.input_layernorm.weight"] = (32,)
+        expected[f"{p}.post_attention_layernorm.weight"] = (32,)
+        expected[f"{p}.self_attn.q_proj.weight"] = (32, 32)
+        expected[f"{p}.self_attn.k_proj.weight"] = (16, 32)
+        expected[f"{p}.self_attn.v_proj.weight"] = (16, 32)
+        expected[f"{p}.self_attn.o_proj.weight"] = (32, 32)
+        expected[f"{p}.mlp.gate.weight"] = (4, 32)
+        for e in range(4):
+            expected[f"{p}.mlp.experts.{e}.gate_proj.weight"] = (16, 32)
+            expected[f"{p}.mlp.experts.{e}.up_proj.weight"] = (16, 32)
+            expected[f"{p}.mlp.experts.{e}.down_proj.weight"] = (32, 16)
+    assert {name: tuple(t.shape) for name, t in tensors.items()} == expected
+    assert all(t.dtype == torch.bfloat16 for t in tensors.values())
+    assert torch.equal(tensors["model.norm.weight"], torch.ones(32, dtype=torch.bfloat16))
+
+
+def test_shards_and_index_json(tmp_path: Path) -> None:
+    root = _make(tmp_path / "ck", shards=3)
+    files = sorted(p.name for p in root.glob("*.safetensors"))
+    assert files == [f"model-0000{k}-of-00003.safetensors" for k in (1, 2, 3)]
+    index = json.loads((root / "model.safetensors.index.json").read_text())
+    on_disk = {}
+    for file in files:
+        with safe_open(str(root / file), framework="pt") as handle:
+            on_disk.update({name: file for name in handle.offset_keys()})
+    assert index["weight_map"] == on_disk
+    assert index["metadata"]["total_size"] == sum(t.nbytes for t in _all_tensors(root).values())
+
+
+def test_values_depend_on_seed_not_on_sharding(tmp_path: Path) -> None:
+    one = _all_tensors(_make(tmp_path / "a", shards=1, seed=5))
+    four = _all_tensors(_make(tmp_path / "b", shards=4, seed=5))
+    other = _all_tensors(_make(tmp_path / "c", shards=1, seed=6))
+    assert one.keys() == four.keys()
+    assert all(torch.equal(one[name], four[name]) for name in one)
+    name = "model.layers.1.mlp.experts.2.up_proj.weight"
+    assert not torch.equal(one[name], other[name])
+
+
+def test_w8a8_is_real_per_channel_symmetric_int8(tmp_path: Path) -> None:
+    q = _all_tensors(_make(tmp_path / "q", quant="w8a8_dynamic"))
+    f = _all_tensors(_make(tmp_path / "f", dtype="float32"))
+    stem = "model.layers.0.mlp.experts.1.down_proj"
+    weight, scale = q[f"{stem}.weight"], q[f"{stem}.weight_scale"]
+    assert weight.dtype == torch.int8 and weight.shape == (32, 16)
+    assert scale.shape == (32, 1) and scale.dtype == torch.float32
+    assert torch.count_nonzero(q[f"{stem}.weight_offset"]) == 0
+    # Every row uses the full int8 range on its largest element and rounds within scale/2.
+    assert torch.equal(weight.abs().amax(dim=1), torch.full((32,), 127, dtype=torch.int8))
+    error = (weight.float() * scale - f[f"{stem}.weight"]).abs()
+    assert bool((error <= scale / 2 + 1e-7).all())
+    # Non-expert tensors stay in the model dtype.
+    assert q["model.layers.0.self_attn.q_proj.weight"].dtype == torch.bfloat16
+
+
+def test_quant_description_marks_experts(tmp_path: Path) -> None:
+    root = _make(tmp_path / "q", quant="w8a8_dynamic")
+    description = json.loads((root / "quant_model_description.json").read_text())
+    assert description["model_quant_type"] == "W8A8_DYNAMIC"
+    assert description["model.layers.0.mlp.experts.3.gate_proj.weight"] == "W8A8_DYNAMIC"
+    assert description["model.layers.0.mlp.experts.3.gate_proj.weight_scale"] == "W8A8_DYNAMIC"
+    assert description["model.layers.0.mlp.gate.weight"] == "FLOAT"
+    assert description["lm_head.weight"] == "FLOAT"
+    assert CheckpointIndex.open(root).quant == "w8a8_dynamic"
+
+
+def test_quantize_helper_bounds() -> None:
+    w = torch.tensor([[1.0, -2.0, 0.5], [0.0, 0.0, 0.0]])
+    q, scale = quantize_per_channel_int8(w)
+    assert q[0].tolist() == [64, -127, 32]
+    assert scale[0, 0] == pytest.approx(2.0 / 127)
+    assert q[1].tolist() == [0, 0, 0]  # an all-zero row stays zero, no division by zero
+
+
+def test_fused_gate_up_option(tmp_path: Path) -> None:
+    fused = _all_tensors(_make(tmp_path / "f", fused_gate_up=True))
+    split = _all_tensors(_make(tmp_path / "s"))
+    assert fused["model.layers.0.mlp.experts.0.gate_up_proj.weight"].shape == (32, 32)
+    assert "model.layers.0.mlp.experts.0.gate_proj.weight" not in fused
+    assert "model.layers.0.mlp.experts.0.gate_proj.weight" in split
+
+
+def test_manifest_is_written_and_verifies(tmp_path: Path) -> None:
+    root = _make(tmp_path / "m", manifest=True)
+    manifest = Manifest.load(root)
+    assert manifest is not None
+    assert set(manifest.tensors) == set(_all_tensors(root))
+    verify_files(root, manifest)
+
+
+def test_refuses_to_overwrite_and_rejects_bad_sizes(tmp_path: Path) -> None:
+    _make(tmp_path / "ck")
+    with pytest.raises(ConfigError, match="already holds a checkpoint"):
+        _make(tmp_path / "ck")
+    _make(tmp_path / "ck", overwrite=True, shards=1)
+    assert len(list((tmp_path / "ck").glob("*.safetensors"))) == 1
+    with pytest.raises(ConfigError, match="must be positive"):
+        make_checkpoint(tmp_path / "bad", layers=0, experts=4, hidden=8, intermediate=4)
+    with pytest.raises(ConfigError, match="dtype must be one of"):
+        _make(tmp_path / "bad", dtype="int4")

@@ -1,0 +1,121 @@
+"""The reload benchmark's pieces: the dead-rank plan, peak-RSS meter, checkpoint reuse, JSON."""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from pathlib import Path
+
+import pytest
+import torch
+
+from ftengine.cli import main
+from ftengine.errors import PlacementError
+from ftengine.weights.index import Quant
+from ftengine.weights.peak_rss import PeakRss
+from ftengine.weights.reload_bench import BenchSetup, plan_worker_reload, prepare_checkpoint
+
+FIELDS = (
+    "expert_bytes_total",
+    "bytes_needed",
+    "bytes_read",
+    "peak_rss_delta_bytes",
+    "naive_peak_rss_delta_bytes",
+    "reload_s",
+    "naive_reload_s",
+    "raw_read_s",
+    "in_place",
+)
+
+
+@pytest.mark.parametrize("dead", [1, 2])
+def test_plan_rehosts_every_orphan_once_on_spare_slots(dead: int) -> None:
+    base = BenchSetup(size_mb=1, dead_rank=dead, layers=2)
+    slots, e = base.local_slots, base.experts
+    row = list(range(e)) + [i % e for i in range(base.redundant)]
+    survivors = [r for r in range(base.dp) if r != dead]
+    moves: dict[tuple[int, int], int] = {}
+    for rank in survivors:
+        setup = BenchSetup(size_mb=1, dead_rank=dead, worker_rank=rank, layers=2)
+        initial, reload = plan_worker_reload(setup)
+        assert initial == [
+            (lay, s, row[rank * slots + s]) for lay in range(2) for s in range(slots)
+        ]
+        for layer, slot, expert in reload:
+            moves[(layer, rank * slots + slot)] = expert
+    for layer in range(2):
+        live = {p: row[p] for p in range(len(row)) if p // slots != dead}
+        orphans = set(range(e)) - set(live.values())
+        assert orphans, "ranks 1 and 2 hold the only copy of some experts"
+        mine = {p: x for (lay, p), x in moves.items() if lay == layer}
+        assert Counter(mine.values()) == Counter(orphans)  # each orphan exactly once
+        donors = Counter(live[p] for p in mine)
+        replicas = Counter(live.values())
+        assert all(replicas[x] > n for x, n in donors.items())  # donors keep a replica
+        live.update(mine)
+        assert set(live.values()) == set(range(e))
+
+
+def test_plan_is_deterministic_and_refuses_a_dead_worker() -> None:
+    setup = BenchSetup(size_mb=1)
+    assert plan_worker_reload(setup) == plan_worker_reload(setup)
+    # Rank 3 only holds redundant copies: losing it orphans nothing.
+    assert plan_worker_reload(BenchSetup(size_mb=1, dead_rank=3))[1] == []
+    with pytest.raises(PlacementError, match="must survive"):
+        plan_worker_reload(BenchSetup(size_mb=1, dead_rank=0, worker_rank=0))
+    with pytest.raises(PlacementError, match="not enough spare slots"):
+        plan_worker_reload(BenchSetup(size_mb=1, experts=64, redundant=0))
+
+
+def test_peak_rss_sees_a_transient_allocation() -> None:
+    size = 64 * 2**20
+    with PeakRss() as meter:
+        block = torch.ones(size, dtype=torch.uint8)  # touched pages
+        del block
+    assert meter.method in ("vmhwm", "sampled")
+    assert meter.delta >= size * 0.9
+
+
+def test_model_shape_tracks_the_requested_size() -> None:
+    quants: tuple[Quant, ...] = ("none", "w8a8_dynamic")
+    for quant in quants:
+        setup = BenchSetup(size_mb=1024, quant=quant)
+        shape = setup.model_shape()
+        per_byte = 1 if quant == "w8a8_dynamic" else 2
+        experts = shape.layers * shape.experts * 3 * shape.hidden * shape.intermediate * per_byte
+        assert 0.85 < experts / 2**30 < 1.15
+        assert shape.hidden % 64 == 0 and shape.intermediate * 2 == shape.hidden
+
+
+def test_checkpoint_is_reused_only_when_identical(tmp_path: Path) -> None:
+    setup = BenchSetup(size_mb=0.5, layers=1)
+    _, reused = prepare_checkpoint(setup, tmp_path / "ck")
+    assert not reused
+    _, reused = prepare_checkpoint(setup, tmp_path / "ck")
+    assert reused
+    _, reused = prepare_checkpoint(BenchSetup(size_mb=0.5, layers=1, seed=1), tmp_path / "ck")
+    assert not reused
+
+
+def test_cli_json_has_every_issue_field(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    args = ["--size-mb", "2", "--layers", "1", "--repeat", "1", "--timeout", "120"]
+    code = main(["bench", "reload", "--json", *args, "--checkpoint", str(tmp_path / "ck")])
+    assert code == 0
+    result = json.loads(capsys.readouterr().out)
+    for field in FIELDS:
+        assert field in result, field
+    assert result["in_place"] is True
+    assert result["matches_naive"] is True
+    assert result["bytes_needed"] < result["expert_bytes_total"]
+    assert result["bytes_read"] >= result["bytes_needed"]
+    assert result["naive_peak_rss_delta_bytes"] > result["peak_rss_delta_bytes"]
+    assert set(result["targets_met"]) == {"bytes_read", "peak_rss", "speedup", "reload_vs_raw_read"}
+
+
+def test_cli_refuses_a_dead_rank_that_orphans_nothing(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    args = ["--size-mb", "1", "--layers", "1", "--dead-rank", "3"]
+    code = main(["bench", "reload", *args, "--checkpoint", str(tmp_path / "ck")])
+    assert code == 1
+    assert "nothing to reload" in capsys.readouterr().err
