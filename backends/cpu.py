@@ -10,6 +10,7 @@ EP rank = DP rank).
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 
 import torch
 from torch._C._distributed_c10d import Store
@@ -47,7 +48,7 @@ class CpuBackend:
         experts: CpuExperts,
         op_timeout_s: float,
         rendezvous_timeout_s: float,
-        reload_fails: object = None,
+        reload_fails: Callable[[], bool] | None = None,
     ) -> None:
         if not 0 <= rank < world_size:
             raise ConfigError(f"rank must be in [0, {world_size}), found {rank}")
@@ -143,7 +144,7 @@ class CpuBackend:
         self.experts.mask(self.dead)
 
     def repair_experts(self, dead_ranks: frozenset[int]) -> RepairReport:
-        fail = bool(callable(self._reload_fails) and self._reload_fails())
+        fail = self._reload_fails is not None and self._reload_fails()
         return self.experts.repair(frozenset(dead_ranks), fail=fail)
 
     def run_dummy_batch(self) -> None:

@@ -38,7 +38,7 @@ def translate_gloo_error(exc: BaseException, what: str) -> BackendError:
     if _PEER_GONE.search(text):
         return PeerDead(f"{what}: a peer closed its connection ({text})")
     if _TIMEOUT.search(text):
-        return CollectiveTimeout(f"{what}: a peer did not answer within the op timeout ({text})")
+        return CollectiveTimeout(f"{what}: a peer did not answer in time ({text})")
     return BackendError(f"{what} failed: {text}")
 
 

@@ -16,7 +16,7 @@ import attrs
 import torch
 
 from ftengine.backends.base import RepairReport
-from ftengine.errors import WeightLoadError
+from ftengine.errors import PlacementError, WeightLoadError
 from ftengine.placement.elastic import ElasticInfo, densify_routing_ids
 from ftengine.placement.maps import ExpertPlacement
 from ftengine.placement.planner import apply_plan, plan_redistribution
@@ -117,6 +117,7 @@ class CpuExperts:
         dead_ep = dp_to_ep_ranks(dead_dp_ranks, 1)
         plan = plan_redistribution(self.placement, dead_ep)
         apply_plan(self.placement, plan)
+        self._check_routable(dead_ep)
         start = self.rank * self.local_slots
         mine = [
             (move.layer, move.slot - start, move.logical_expert)
@@ -135,6 +136,21 @@ class CpuExperts:
             bytes_reloaded=bytes_read,
             reloaded=tuple((layer, expert) for layer, _, expert in mine),
         )
+
+    def _check_routable(self, dead_ep: frozenset[int]) -> None:
+        """Every replica the router can pick must be live: a stale map would send tokens
+        to a dead rank, so refuse to finish the repair instead."""
+        p = self.placement
+        width = p.logical_to_physical_map.shape[2]
+        valid = torch.arange(width)[None, None, :] < p.logical_replica_count[:, :, None]
+        picked = p.logical_to_physical_map[valid]
+        on_dead = [int(s) for s in picked.tolist() if s < 0 or s // self.local_slots in dead_ep]
+        if on_dead or bool((p.logical_replica_count <= 0).any()):
+            raise PlacementError(
+                f"after re-hosting the experts of EP ranks {sorted(dead_ep)}, the routing maps "
+                f"still name dead or empty slots {sorted(set(on_dead))[:8]} or experts with no "
+                "replica; the placement update is inconsistent"
+            )
 
     def _reload(self, assignments: Iterable[tuple[int, int, int]]) -> int:
         todo = list(assignments)

@@ -14,7 +14,7 @@ from rich.table import Table
 
 from ftengine.cli.checkpoint import phase_progress
 from ftengine.errors import FTEngineError
-from ftengine.weights.checkpoint_gen import remove_checkpoint
+from ftengine.weights.checkpoint_gen import is_generated_checkpoint, remove_checkpoint
 from ftengine.weights.index import Quant
 from ftengine.weights.reload_bench import BenchSetup, run_bench
 
@@ -39,7 +39,7 @@ def register(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--redundant", type=int, default=32, help="redundant expert slots")
     parser.add_argument("--dead-rank", type=int, default=1)
     parser.add_argument("--worker-rank", type=int, default=0, help="the survivor measured")
-    parser.add_argument("--workers", type=int, default=2, help="reload thread pool size")
+    parser.add_argument("--workers", type=int, default=1, help="reload thread pool size")
     parser.add_argument("--threads", type=int, default=1, help="torch threads per child")
     parser.add_argument("--shards", type=int, default=4)
     parser.add_argument("--repeat", type=int, default=5, help="timed runs; the best counts")
@@ -84,7 +84,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"ftengine bench reload: {exc}", file=sys.stderr)
         return 1
     finally:
-        if args.remove and root.exists():
+        if args.remove and is_generated_checkpoint(root):
             remove_checkpoint(root)
     if args.json:
         print(json.dumps(result, indent=2))

@@ -65,7 +65,7 @@ def run(args: argparse.Namespace) -> int:
         top_k=args.top_k,
     )
     try:
-        report = evaluate(scenario, repeats=args.repeats)
+        report = evaluate(scenario, repeats=args.repeats).to_dict()
     except FTEngineError as exc:
         print(f"ftengine plan: error: {exc}", file=sys.stderr)
         return 2

@@ -61,7 +61,7 @@ class ClusterEvent:
     """Something the supervisor saw or did, at monotonic time ``at`` (seconds)."""
 
     at: float
-    kind: str  # "exit", "fence", "peer_fault", "command", "command_done", "step_failed"
+    kind: str  # exit, fence, peer_fault, removed, command, command_done, step_failed
     rank: int | None
     detail: str
 

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+import torch
+
 from ftengine.errors import PlacementError
-from ftengine.placement.maps import EMPTY, ExpertPlacement, derive_logical_maps, slot_map_digest
+from ftengine.placement.maps import EMPTY, ExpertPlacement, slot_map_digest, write_logical_rows
 from ftengine.placement.threads import one_intra_op_thread
 
 if TYPE_CHECKING:
@@ -33,9 +35,28 @@ def apply_plan(placement: ExpertPlacement, plan: RedistributionPlan) -> None:
         )
     with one_intra_op_thread():
         dead_slots = placement.rank_slots(plan.dead_ep_ranks).to(p2l.device)
-        p2l.index_fill_(1, dead_slots, EMPTY)
         table = plan.table.to(p2l.device)
-        p2l[table[:, 0], table[:, 1]] = table[:, 2]
-        l2p, counts = derive_logical_maps(p2l, placement.num_logical, placement.max_replicas)
-        placement.logical_to_physical_map.copy_(l2p)
-        placement.logical_replica_count.copy_(counts)
+        touched = _touched_rows(placement, dead_slots, table)
+        updated = p2l.clone()
+        updated.index_fill_(1, dead_slots, EMPTY)
+        updated[table[:, 0], table[:, 1]] = table[:, 2]
+        # Checks every row fits before writing anything; only then the slot map changes.
+        write_logical_rows(
+            updated, placement.logical_to_physical_map, placement.logical_replica_count, touched
+        )
+        p2l.copy_(updated)
+
+
+def _touched_rows(
+    placement: ExpertPlacement, dead_slots: torch.Tensor, table: torch.Tensor
+) -> torch.Tensor:
+    """bool ``[layers, num_logical]``: experts that lose or gain a slot in this plan."""
+    p2l = placement.physical_to_logical_map
+    layers = placement.num_layers
+    touched = torch.zeros(layers, placement.num_logical + 1, dtype=torch.bool, device=p2l.device)
+    lost = p2l[:, dead_slots]
+    touched.scatter_(1, torch.where(lost < 0, placement.num_logical, lost), True)
+    replaced = p2l[table[:, 0], table[:, 1]]
+    touched[table[:, 0], torch.where(replaced < 0, placement.num_logical, replaced)] = True
+    touched[table[:, 0], table[:, 2]] = True
+    return touched[:, : placement.num_logical]

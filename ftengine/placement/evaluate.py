@@ -88,8 +88,51 @@ def time_elastic_info(
     return micros, in_place
 
 
-def evaluate(scenario: Scenario, *, repeats: int = 1) -> dict[str, object]:
-    """Run the scenario; every number the ``plan`` command and the benchmark report."""
+@attrs.frozen
+class Report:
+    """Everything measured for one scenario (``ftengine plan --json`` prints ``to_dict()``).
+
+    Times are medians in ms (plan, apply) and microseconds (elastic_info). Balancedness is
+    vLLM's ``sum mean / sum max`` of per-rank load over live ranks; ``*_before_failure``
+    and the zero-reload scores describe the initial placement.
+    """
+
+    layers: int
+    experts: int
+    ep: int
+    redundant: int
+    local_slots: int
+    dead: tuple[int, ...]
+    placement: str
+    load: str
+    extra_reloads: int
+    seed: int
+    reloads: int
+    reload_lower_bound: int
+    extra_reloads_used: int
+    balancedness_before_failure: float
+    balancedness: float
+    balancedness_fresh_rebalance: float
+    balancedness_vs_fresh: float
+    fresh_rebalance_reloads: int
+    plan_ms: float
+    apply_ms: float
+    elastic_info_us: float
+    elastic_info_in_place: bool
+    maps_in_place: bool
+    single_rank_zero_reload_fraction: float
+    single_rank_zero_reload_bound: float
+    two_rank_zero_reload_fraction: float
+    two_rank_zero_reload_bound: float
+    plan_digest: str
+
+    def to_dict(self) -> dict[str, object]:
+        """JSON-ready mapping of every field."""
+        return attrs.asdict(self)
+
+
+def evaluate(scenario: Scenario, *, repeats: int = 1) -> Report:
+    """Run the scenario: plan, apply (in place), elastic_info, scores and the baseline."""
     load = build_load(scenario)
     placement = make_placement(
         scenario.placement,
@@ -99,61 +142,47 @@ def evaluate(scenario: Scenario, *, repeats: int = 1) -> dict[str, object]:
         scenario.ep,
         load,
     )
-    before = _scores(placement, load)
-    plan = plan_redistribution(
-        placement, scenario.dead, load=load, extra_reloads=scenario.extra_reloads
-    )
-    plan_ms = median_ms(
-        lambda: plan_redistribution(
-            placement, scenario.dead, load=load, extra_reloads=scenario.extra_reloads
-        ),
-        repeats,
-    )
+    before = _balance(placement.physical_to_logical_map, load, placement, ())
+    scores = _failure_scores(placement)
+    fresh_p2l, fresh_reloads = fresh_rebalance(placement, scenario.dead, load)
+    plan, plan_ms = _time_plan(scenario, placement, load, repeats)
     apply_ms, maps_in_place = _time_apply(placement, plan, repeats)
     placement.validate(require_every_expert=True)
     elastic_us, in_place = time_elastic_info(scenario.ep, placement.local_slots, scenario.dead)
-    fresh_p2l, fresh_reloads = fresh_rebalance(placement, scenario.dead, load)
     after = _balance(placement.physical_to_logical_map, load, placement, scenario.dead)
     fresh = _balance(fresh_p2l, load, placement, scenario.dead)
-    return {
-        **_describe(scenario, placement),
-        "reloads": plan.reloads,
-        "reload_lower_bound": plan.lower_bound,
-        "extra_reloads_used": plan.reloads - plan.lower_bound,
-        "balancedness_before_failure": before["balancedness"],
-        "balancedness": after,
-        "balancedness_fresh_rebalance": fresh,
-        "balancedness_vs_fresh": after / fresh if fresh > 0 else 0.0,
-        "fresh_rebalance_reloads": fresh_reloads,
-        "plan_ms": plan_ms,
-        "apply_ms": apply_ms,
-        "elastic_info_us": elastic_us,
-        "elastic_info_in_place": in_place,
-        "maps_in_place": maps_in_place,
-        **{key: value for key, value in before.items() if key != "balancedness"},
-        "plan_digest": plan.digest(),
-    }
+    return Report(
+        layers=scenario.layers,
+        experts=scenario.experts,
+        ep=scenario.ep,
+        redundant=scenario.redundant,
+        local_slots=placement.local_slots,
+        dead=tuple(sorted(scenario.dead)),
+        placement=scenario.placement,
+        load=scenario.load,
+        extra_reloads=scenario.extra_reloads,
+        seed=scenario.seed,
+        reloads=plan.reloads,
+        reload_lower_bound=plan.lower_bound,
+        extra_reloads_used=plan.reloads - plan.lower_bound,
+        balancedness_before_failure=before,
+        balancedness=after,
+        balancedness_fresh_rebalance=fresh,
+        balancedness_vs_fresh=after / fresh if fresh > 0 else 0.0,
+        fresh_rebalance_reloads=fresh_reloads,
+        plan_ms=plan_ms,
+        apply_ms=apply_ms,
+        elastic_info_us=elastic_us,
+        elastic_info_in_place=in_place,
+        maps_in_place=maps_in_place,
+        plan_digest=plan.digest(),
+        **scores,
+    )
 
 
-def _describe(scenario: Scenario, placement: ExpertPlacement) -> dict[str, object]:
-    return {
-        "layers": scenario.layers,
-        "experts": scenario.experts,
-        "ep": scenario.ep,
-        "redundant": scenario.redundant,
-        "local_slots": placement.local_slots,
-        "dead": sorted(scenario.dead),
-        "placement": scenario.placement,
-        "load": scenario.load,
-        "extra_reloads": scenario.extra_reloads,
-        "seed": scenario.seed,
-    }
-
-
-def _scores(placement: ExpertPlacement, load: torch.Tensor) -> dict[str, float]:
+def _failure_scores(placement: ExpertPlacement) -> dict[str, float]:
     shape = (placement.num_logical, placement.num_physical, placement.ep_size)
     return {
-        "balancedness": _balance(placement.physical_to_logical_map, load, placement, ()),
         "single_rank_zero_reload_fraction": zero_reload_fraction(placement, 1),
         "single_rank_zero_reload_bound": zero_reload_bound(*shape, 1),
         "two_rank_zero_reload_fraction": zero_reload_fraction(placement, 2),
@@ -176,17 +205,36 @@ def _balance(
     )
 
 
+def _time_plan(
+    scenario: Scenario, placement: ExpertPlacement, load: torch.Tensor, repeats: int
+) -> tuple[RedistributionPlan, float]:
+    """The plan and its median planning time (after one untimed warm-up run)."""
+    plan = plan_redistribution(
+        placement, scenario.dead, load=load, extra_reloads=scenario.extra_reloads
+    )
+    elapsed = median_ms(
+        lambda: plan_redistribution(
+            placement, scenario.dead, load=load, extra_reloads=scenario.extra_reloads
+        ),
+        repeats,
+    )
+    return plan, elapsed
+
+
 def _time_apply(
     placement: ExpertPlacement, plan: RedistributionPlan, repeats: int
 ) -> tuple[float, bool]:
     """Median apply time (copies, then ``placement`` itself) and whether storage was kept."""
-    samples = []
-    for _ in range(max(repeats - 1, 0)):
-        copy = placement.clone()
-        samples.append(median_ms(lambda copy=copy: apply_plan(copy, plan), 1))
+    samples = [_apply_once(placement.clone(), plan) for _ in range(max(repeats - 1, 0))]
     pointers = _pointers(placement)
-    samples.append(median_ms(lambda: apply_plan(placement, plan), 1))
+    samples.append(_apply_once(placement, plan))
     return statistics.median(samples), _pointers(placement) == pointers
+
+
+def _apply_once(placement: ExpertPlacement, plan: RedistributionPlan) -> float:
+    start = time.perf_counter()
+    apply_plan(placement, plan)
+    return (time.perf_counter() - start) * 1e3
 
 
 def _pointers(placement: ExpertPlacement) -> tuple[int, int, int]:

@@ -97,7 +97,9 @@ def free_donor_slots(state: PlanState, needed: torch.Tensor, incoming: torch.Ten
         loads[rows_now, rank_now] += reserve[active]
 
 
-def replica_load_cap(load: torch.Tensor, counts: torch.Tensor, needed: torch.Tensor) -> torch.Tensor:
+def replica_load_cap(
+    load: torch.Tensor, counts: torch.Tensor, needed: torch.Tensor
+) -> torch.Tensor:
     """Per layer, the least possible max load per replica after ``needed`` donations.
 
     Greedily donating from the expert whose load per replica stays lowest minimises the
@@ -127,9 +129,11 @@ def _pick_donor(
     count = state.counts.gather(1, held).to(state.load.dtype)
     expert_load = state.load.gather(1, held)
     share = expert_load / count
-    rise = expert_load / (count - 1).clamp(min=1) - share
+    # The same division as replica_load_cap's, so the cap comparison is exact.
+    after = expert_load / (count - 1).clamp(min=1)
+    rise = after - share
     on_rank = loads[:, state.slot_rank]
-    donor = (state.slots >= 0) & (count >= 2) & (share + rise <= cap)
+    donor = (state.slots >= 0) & (count >= 2) & (after <= cap)
     raised = torch.where(donor, on_rank + rise, -_INF)
     others = _peak_of_other_replicas(state.slots, raised, state.counts.shape[1])
     own = on_rank - share + reserve.unsqueeze(1)

@@ -34,15 +34,17 @@ def slot_loads(p2l: torch.Tensor, load: torch.Tensor, counts: torch.Tensor) -> t
 
 
 def rank_sums(values: torch.Tensor, local_slots: int) -> torch.Tensor:
-    """Sum ``[..., ranks * local_slots]`` over each rank's slots, in slot order: ``[..., ranks]``."""
-    grouped = values.unflatten(-1, (-1, local_slots))
+    """Sum ``[..., ranks * local_slots]`` per rank, adding slots in order: ``[..., ranks]``."""
+    grouped = values.reshape(*values.shape[:-1], -1, local_slots)
     total = grouped[..., 0].clone()
     for index in range(1, local_slots):
         total += grouped[..., index]
     return total
 
 
-def rank_loads(p2l: torch.Tensor, load: torch.Tensor, num_logical: int, local_slots: int) -> torch.Tensor:
+def rank_loads(
+    p2l: torch.Tensor, load: torch.Tensor, num_logical: int, local_slots: int
+) -> torch.Tensor:
     """Load of every EP rank, float64 ``[layers, ep_size]`` (dead ranks hold -1 slots: 0)."""
     counts = replica_counts(p2l, num_logical)
     return rank_sums(slot_loads(p2l, load, counts), local_slots)

@@ -20,13 +20,24 @@ def check_consistent(placement: ExpertPlacement, *, require_every_expert: bool =
     ``logical_replica_count`` counts each row, and that each row lists exactly the slots
     ``physical_to_logical_map`` gives that expert.
     """
-    p2l = placement.physical_to_logical_map
+    _check_shapes(placement)
+    _check_rows(placement)
+    _check_against_slot_map(placement)
+    counts = placement.logical_replica_count
+    if require_every_expert and bool((counts == 0).any()):
+        layer, expert = _first(counts == 0)
+        raise PlacementError(
+            f"layer {layer}, expert {expert} has no replica (of {placement.num_layers} "
+            "layers); every logical expert needs at least one live slot"
+        )
+
+
+def _check_rows(placement: ExpertPlacement) -> None:
+    """Slot ids in range, rows packed, counts matching the rows."""
     l2p = placement.logical_to_physical_map
     counts = placement.logical_replica_count
-    layers, num_logical = placement.num_layers, placement.num_logical
-    _check_shapes(placement)
-    if bool(((l2p < EMPTY) | (l2p >= placement.num_physical)).any()):
-        out_of_range = ((l2p < EMPTY) | (l2p >= placement.num_physical)).any(dim=2)
+    out_of_range = ((l2p < EMPTY) | (l2p >= placement.num_physical)).any(dim=2)
+    if bool(out_of_range.any()):
         layer, expert = _first(out_of_range)
         raise _row_error(layer, expert, f"holds a slot outside [0, {placement.num_physical})")
     valid = l2p >= 0
@@ -43,12 +54,20 @@ def check_consistent(placement: ExpertPlacement, *, require_every_expert: bool =
             f"lists {int(listed[layer, expert])} slots but logical_replica_count says "
             f"{int(counts[layer, expert])}",
         )
-    canonical, canonical_counts = derive_logical_maps(p2l, num_logical, l2p.shape[2])
-    # Compare as sets: sort each row's slots ascending, padding last.
+
+
+def _check_against_slot_map(placement: ExpertPlacement) -> None:
+    """Each row lists exactly the slots the slot map gives its expert (in any order)."""
+    l2p = placement.logical_to_physical_map
+    canonical, canonical_counts = derive_logical_maps(
+        placement.physical_to_logical_map, placement.num_logical, l2p.shape[2]
+    )
     pad = placement.num_physical
-    given = torch.where(valid, l2p, torch.full_like(l2p, pad)).sort(dim=2).values
-    given = torch.where(given == pad, torch.full_like(given, EMPTY), given)
-    differs = (given != canonical).any(dim=2) | (canonical_counts != counts)
+    given = torch.where(l2p >= 0, l2p, pad).sort(dim=2).values
+    given = torch.where(given == pad, EMPTY, given)
+    differs = (given != canonical).any(dim=2) | (
+        canonical_counts != placement.logical_replica_count
+    )
     if bool(differs.any()):
         layer, expert = _first(differs)
         raise _row_error(
@@ -56,12 +75,6 @@ def check_consistent(placement: ExpertPlacement, *, require_every_expert: bool =
             expert,
             f"lists slots {_slots(given[layer, expert])} but physical_to_logical_map places "
             f"it in slots {_slots(canonical[layer, expert])}",
-        )
-    if require_every_expert and bool((counts == 0).any()):
-        layer, expert = _first(counts == 0)
-        raise PlacementError(
-            f"layer {layer}, expert {expert} has no replica (of {layers} layers); "
-            "every logical expert needs at least one live slot"
         )
 
 

@@ -336,9 +336,21 @@ def _write_quant_description(root: Path, weight_map: dict[str, str]) -> None:
     (root / QUANT_DESCRIPTION_NAME).write_text(json.dumps(description, indent=2))
 
 
+def is_generated_checkpoint(path: str | Path) -> bool:
+    """Whether ``path`` holds a checkpoint this module wrote (its config.json says so)."""
+    config = Path(path) / CONFIG_NAME
+    try:
+        return GENERATOR_KEY in json.loads(config.read_text())
+    except (OSError, ValueError, TypeError):
+        return False
+
+
 def remove_checkpoint(path: str | Path) -> None:
-    """Delete a generated checkpoint directory (only if it looks like one)."""
+    """Delete a checkpoint directory written by ``make_checkpoint`` (and nothing else)."""
     root = Path(path)
-    if not (root / CONFIG_NAME).exists() and not (root / INDEX_NAME).exists():
-        raise ConfigError(f"{root} has no {CONFIG_NAME} or {INDEX_NAME}; refusing to delete it")
+    if not is_generated_checkpoint(root):
+        raise ConfigError(
+            f"{root} is not an ftengine-generated checkpoint (no {GENERATOR_KEY!r} in "
+            f"{CONFIG_NAME}); refusing to delete it"
+        )
     shutil.rmtree(root)

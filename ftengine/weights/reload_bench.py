@@ -24,8 +24,13 @@ import attrs
 import torch
 from safetensors import safe_open
 
-from ftengine.errors import FTEngineError, PlacementError, WeightLoadError
-from ftengine.weights.checkpoint_gen import GENERATOR_KEY, ModelShape, make_checkpoint
+from ftengine.errors import ConfigError, FTEngineError, PlacementError
+from ftengine.weights.checkpoint_gen import (
+    GENERATOR_KEY,
+    ModelShape,
+    is_generated_checkpoint,
+    make_checkpoint,
+)
 from ftengine.weights.index import CheckpointIndex, Quant
 from ftengine.weights.peak_rss import PeakRss
 from ftengine.weights.reload import Assignment, load_experts_into_slots
@@ -47,7 +52,7 @@ class BenchSetup:
     redundant: int = 32
     dead_rank: int = 1
     worker_rank: int = 0
-    workers: int = 2
+    workers: int = 1
     threads: int = 1
     repeat: int = 5
     shards: int = 4
@@ -98,17 +103,20 @@ def prepare_checkpoint(
     """Build the checkpoint at ``root`` unless an identical one is there: (path, reused)."""
     shape = setup.model_shape()
     wanted = {"seed": setup.seed, "quant": setup.quant, "shards": setup.shards, "manifest": False}
-    try:
+    if root.exists() and any(root.iterdir()):
+        if not is_generated_checkpoint(root):
+            raise ConfigError(
+                f"{root} is not empty and not an ftengine-generated checkpoint; refusing to "
+                "overwrite it, pass an empty or new --checkpoint directory"
+            )
         index = CheckpointIndex.open(root)
-        same = index.config.get(GENERATOR_KEY) == wanted and (
-            index.hidden_size,
-            index.num_experts,
-            index.num_layers,
-        ) == (shape.hidden, shape.experts, shape.layers)
-    except WeightLoadError:
-        same = False
-    if same:
-        return root, True
+        built = (index.hidden_size, index.num_experts, index.num_layers)
+        if index.config.get(GENERATOR_KEY) == wanted and built == (
+            shape.hidden,
+            shape.experts,
+            shape.layers,
+        ):
+            return root, True
     make_checkpoint(
         root,
         layers=shape.layers,

@@ -82,9 +82,9 @@ class FileHeader:
     tensors: Mapping[str, TensorInfo]
 
 
-def _item_size(code: str) -> int | None:
-    dtype = DTYPES.get(code)
-    return None if dtype is None else torch.empty((), dtype=dtype).element_size()
+_ITEM_SIZES: Mapping[str, int] = {
+    code: torch.empty((), dtype=dtype).element_size() for code, dtype in DTYPES.items()
+}
 
 
 def _parse_entry(file: Path, name: str, entry: object, data_start: int) -> TensorInfo:
@@ -99,7 +99,7 @@ def _parse_entry(file: Path, name: str, entry: object, data_start: int) -> Tenso
             f"{file}: header entry {name!r} lacks a valid dtype/shape/data_offsets ({exc}); "
             "the file is corrupt, re-create or re-download it"
         ) from exc
-    item = _item_size(dtype)
+    item = _ITEM_SIZES.get(dtype)
     numel = 1
     for dim in shape:
         numel *= dim

@@ -14,6 +14,7 @@ from fastapi.testclient import TestClient
 
 from ftengine.control.app import create_app
 from ftengine.control.messages import FaultToleranceRequest, GenerateRequest
+from ftengine.errors import BackendError
 from tests.unit.control_standin import Jobs, StandInCluster
 
 _TYPES: dict[str, tuple[type, ...]] = {
@@ -218,3 +219,24 @@ def test_the_schema_checker_itself_catches_mismatches(api: Checked) -> None:
     body = {"instruction": "retry", "request_id": "r", "x": 1}
     assert schema_errors(body, request, api.schema) == ["$: unexpected 'x'"]
     assert schema_errors({"instruction": "go", "request_id": "r"}, request, api.schema) != []
+
+
+class ShutDown(StandInCluster):
+    """A cluster that was shut down: every call raises, as ``Cluster`` does."""
+
+    def status(self) -> dict[str, Any]:
+        raise BackendError("the cluster was shut down; launch a new one")
+
+
+def test_a_cluster_that_is_gone_answers_documented_503s() -> None:
+    api = Checked()
+    api.app = create_app(ShutDown(), spawn=api.jobs)
+    api.client = TestClient(api.app)
+    health = api.call("GET", "/health")
+    assert health.status_code == 503 and "shut down" in health.json()["detail"]
+    for method, path in (("GET", "/v1/fault_tolerance/status"), ("GET", "/metrics")):
+        answer = api.call(method, path)
+        assert answer.status_code == 503 and "shut down" in answer.json()["detail"]
+    body = {"instruction": "retry", "params": {}, "request_id": "r"}
+    assert api.call("POST", "/v1/fault_tolerance/apply", json=body).status_code == 503
+    assert api.jobs.queue == []

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from ftengine.backends.cpu_experts import CpuExperts
-from ftengine.errors import WeightLoadError
+from ftengine.errors import PlacementError, WeightLoadError
 from ftengine.weights.checkpoint_gen import make_checkpoint
 from ftengine.weights.index import CheckpointIndex
 from ftengine.weights.reload import load_experts_into_slots
@@ -75,3 +75,13 @@ def test_injected_reload_failure_raises_weight_load_error(index: CheckpointIndex
     experts = CpuExperts.load(index, rank=0, world=4, num_redundant=4)
     with pytest.raises(WeightLoadError, match="injected reload_error on rank 0"):
         experts.repair(frozenset({1, 3}), fail=True)
+
+
+def test_repair_refuses_to_finish_with_maps_that_still_route_to_dead_slots(
+    index: CheckpointIndex, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    experts = CpuExperts.load(index, rank=0, world=4, num_redundant=4)
+    # A placement update that forgot the logical maps: slots emptied, routing untouched.
+    monkeypatch.setattr("ftengine.backends.cpu_experts.apply_plan", lambda placement, plan: None)
+    with pytest.raises(PlacementError, match="still name dead or empty slots"):
+        experts.repair(frozenset({3}))

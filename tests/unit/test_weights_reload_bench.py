@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from ftengine.cli import main
-from ftengine.errors import PlacementError
+from ftengine.errors import ConfigError, PlacementError
+from ftengine.weights.checkpoint_gen import remove_checkpoint
 from ftengine.weights.index import Quant
 from ftengine.weights.peak_rss import PeakRss
 from ftengine.weights.reload_bench import BenchSetup, plan_worker_reload, prepare_checkpoint
@@ -97,10 +98,23 @@ def test_checkpoint_is_reused_only_when_identical(tmp_path: Path) -> None:
     assert not reused
 
 
+def test_a_foreign_directory_is_never_overwritten_or_removed(tmp_path: Path) -> None:
+    foreign = tmp_path / "model"
+    foreign.mkdir()
+    (foreign / "config.json").write_text("{}")
+    (foreign / "model.safetensors").write_bytes(b"precious")
+    with pytest.raises(ConfigError, match="refusing to overwrite"):
+        prepare_checkpoint(BenchSetup(size_mb=0.5, layers=1), foreign)
+    with pytest.raises(ConfigError, match="refusing to delete"):
+        remove_checkpoint(foreign)
+    assert (foreign / "model.safetensors").read_bytes() == b"precious"
+
+
 def test_cli_json_has_every_issue_field(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    args = ["--size-mb", "2", "--layers", "1", "--repeat", "1", "--timeout", "120"]
+    args = ["--size-mb", "2", "--layers", "1", "--repeat", "1", "--timeout", "120", "--remove"]
     code = main(["bench", "reload", "--json", *args, "--checkpoint", str(tmp_path / "ck")])
     assert code == 0
+    assert not (tmp_path / "ck").exists()  # --remove deleted what the run built
     result = json.loads(capsys.readouterr().out)
     for field in FIELDS:
         assert field in result, field

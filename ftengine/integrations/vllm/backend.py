@@ -1,0 +1,71 @@
+"""The backend a vLLM worker's engine drives: the device backend plus the worker's own steps.
+
+The device backend (NPU) masks ranks and rebuilds the groups it owns; the vLLM worker also
+has a gloo DP group and an all2all manager of its own, which are brought along here in
+the engine's order (``mask_ranks`` -> ``rebuild_groups`` -> ...).
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+
+from ftengine.backends.base import Backend, RepairReport
+from ftengine.faults import Fault
+from ftengine.placement.ranks import dp_to_ep_ranks
+
+
+class WorkerSteps(Protocol):
+    """The vLLM-side steps (``VllmWorkerHooks`` implements them)."""
+
+    def mask_all2all(self, dead_ep_ranks: frozenset[int], mask: torch.Tensor | None) -> None: ...
+
+    def rebuild_dp_group(self, alive_dp_ranks: frozenset[int], epoch: int) -> None: ...
+
+
+class VllmWorkerBackend:
+    """``device`` plus ``steps``: after the device masks ranks, the all2all manager gets the
+    dead EP ranks and ``mask`` (the device's mask tensor, e.g. the NPU ``elastic_info``);
+    after the device rebuilds its groups, the worker's DP group is rebuilt. Ranks are
+    original DP ranks; ``tp_size`` maps them to EP ranks."""
+
+    def __init__(
+        self,
+        device: Backend,
+        steps: WorkerSteps,
+        *,
+        tp_size: int = 1,
+        mask: torch.Tensor | None = None,
+    ) -> None:
+        self.device = device
+        self.steps = steps
+        self.tp_size = tp_size
+        self.mask = mask
+        self.name = device.name
+
+    def set_op_timeout(self, seconds: float) -> None:
+        self.device.set_op_timeout(seconds)
+
+    def quarantine(self, fault: Fault) -> None:
+        self.device.quarantine(fault)
+
+    def reset_device(self) -> None:
+        self.device.reset_device()
+
+    def rebuild_groups(self, alive_ranks: frozenset[int], epoch: int) -> None:
+        self.device.rebuild_groups(alive_ranks, epoch)
+        self.steps.rebuild_dp_group(alive_ranks, epoch)
+
+    def mask_ranks(self, dead_ranks: frozenset[int]) -> None:
+        self.device.mask_ranks(dead_ranks)
+        self.steps.mask_all2all(dp_to_ep_ranks(dead_ranks, self.tp_size), self.mask)
+
+    def repair_experts(self, dead_ranks: frozenset[int]) -> RepairReport:
+        return self.device.repair_experts(dead_ranks)
+
+    def run_dummy_batch(self) -> None:
+        self.device.run_dummy_batch()
+
+    def synchronize(self) -> None:
+        self.device.synchronize()

