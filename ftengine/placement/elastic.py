@@ -86,6 +86,7 @@ class ElasticInfo:
         self._host = _host_buffer(HEADER + 2 * world, self._device)
         self._tensor = torch.zeros(HEADER + 2 * world, dtype=torch.int32, device=self._device)
         self._dead: frozenset[int] = frozenset()
+        self._copy_in_flight = False
 
     @property
     def tensor(self) -> torch.Tensor:
@@ -108,8 +109,12 @@ class ElasticInfo:
         values = elastic_info_values(
             self.world, dead, self.local_slots, self.shared_expert_rank_num
         )
+        if self._copy_in_flight:
+            # The last asynchronous copy may still read the host buffer: wait before reuse.
+            torch.accelerator.synchronize(self._device)
         self._host.copy_(torch.tensor(values, dtype=torch.int32))
         self._tensor.copy_(self._host, non_blocking=self.pinned)
+        self._copy_in_flight = self.pinned
         self._dead = dead
 
     def table1(self) -> torch.Tensor:

@@ -11,7 +11,9 @@ from collections.abc import Iterable
 
 import torch
 
+from ftengine.errors import PreconditionFailed
 from ftengine.placement.maps import ExpertPlacement
+from ftengine.placement.ranks import check_ep_ranks
 
 
 def replicate(load: torch.Tensor, num_slots: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -74,9 +76,14 @@ def fresh_rebalance(
     ``i`` gets pack ``i``) and the reloads it needs: for each live rank, the new experts
     that rank did not already hold (slots within a rank are matched up for free).
     """
-    dead = frozenset(dead_ep_ranks)
+    dead = check_ep_ranks(dead_ep_ranks, placement.ep_size)
     alive = [r for r in range(placement.ep_size) if r not in dead]
     local = placement.local_slots
+    if len(alive) * local < placement.num_logical:
+        raise PreconditionFailed(
+            f"{len(alive)} surviving ranks x {local} slots cannot hold "
+            f"{placement.num_logical} experts"
+        )
     packed = greedy_rebalance(load, len(alive), local)
     live_slots = placement.rank_slots(frozenset(alive))
     p2l = torch.full_like(placement.physical_to_logical_map.cpu(), -1)

@@ -1,30 +1,30 @@
 """The selective-reload benchmark: one DP worker re-hosting a dead rank's experts.
 
-A checkpoint of about N MB is built (or reused); a DP=4 worker's slot storage is filled
-with its initial experts; the reload plan for one dead rank is computed (vLLM's rule,
-REFERENCE §3: each expert left without a replica takes a spare slot, round-robin over the
-survivors); then, each in a fresh child process so their memory does not mix, the
-selective reload (plus a raw read of the same tensors) and the naive "load every expert,
-then select" baseline are timed and their peak RSS measured.
+A checkpoint of about N MB is built (or reused); the placement planner
+(``ftengine.placement``) plans the scale-down from vLLM's default placement after one
+rank dies; the survivor with the most reloads (or the one asked for) is measured. Each
+loader runs in a fresh child process (``bench_measure``) so their memory does not mix,
+from a cold page cache (as after a real fault) and, for comparison, a warm one.
 """
 
 from __future__ import annotations
 
-import gc
-import hashlib
 import math
-import multiprocessing
-import time
-from collections.abc import Callable, Iterable
-from multiprocessing.connection import Connection
+from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import attrs
-import torch
-from safetensors import safe_open
 
-from ftengine.errors import ConfigError, FTEngineError, PlacementError
+from ftengine.errors import ConfigError, PlacementError
+from ftengine.placement import ExpertPlacement, plan_redistribution
+from ftengine.weights.bench_measure import (
+    BenchError,
+    Cache,
+    ChildJob,
+    ProgressFn,
+    run_child,
+)
 from ftengine.weights.checkpoint_gen import (
     GENERATOR_KEY,
     ModelShape,
@@ -32,17 +32,29 @@ from ftengine.weights.checkpoint_gen import (
     make_checkpoint,
 )
 from ftengine.weights.index import CheckpointIndex, Quant
-from ftengine.weights.peak_rss import PeakRss
-from ftengine.weights.reload import Assignment, load_experts_into_slots
-from ftengine.weights.slots import ExpertSlots, SlotWeights
+from ftengine.weights.reload import Assignment
 
-ProgressFn = Callable[[str, int, int], None]
-"""Called with (phase, bytes done, bytes total)."""
+__all__ = [
+    "BenchError",
+    "BenchSetup",
+    "WorkerPlan",
+    "plan_worker_reload",
+    "prepare_checkpoint",
+    "run_bench",
+    "summarize",
+]
+
+COLD_CACHED_MAX = 0.05
+"""Largest fraction of the shards still cached after an eviction that still counts as cold."""
 
 
 @attrs.frozen
 class BenchSetup:
-    """What to build and measure; sizes default to the issue's DP=4 scenario."""
+    """What to build and measure; sizes default to the issue's DP=4 scenario.
+
+    ``worker_rank`` None measures the survivor with the most reloads. ``caches`` are the
+    page-cache states measured; the first is the headline, the others are reported beside.
+    """
 
     size_mb: float
     quant: Quant = "none"
@@ -51,12 +63,13 @@ class BenchSetup:
     experts: int = 64
     redundant: int = 32
     dead_rank: int = 1
-    worker_rank: int = 0
+    worker_rank: int | None = None
     workers: int = 1
     threads: int = 1
     repeat: int = 5
     shards: int = 4
     seed: int = 0
+    caches: tuple[Cache, ...] = ("cold", "warm")
 
     @property
     def local_slots(self) -> int:
@@ -71,30 +84,43 @@ class BenchSetup:
         return ModelShape(self.layers, self.experts, hidden, hidden // 2, 512, 4, 2, hidden // 4, 2)
 
 
-def plan_worker_reload(setup: BenchSetup) -> tuple[list[Assignment], list[Assignment]]:
-    """(initial assignments of the worker, reload assignments after ``dead_rank`` dies)."""
-    e, slots, ep = setup.experts, setup.local_slots, setup.dp
-    if (e + setup.redundant) % ep or not 0 <= setup.dead_rank < ep:
-        raise PlacementError(f"need (experts + redundant) % dp == 0 and a dead rank < dp: {setup}")
-    row = list(range(e)) + [i % e for i in range(setup.redundant)]
-    alive = [r for r in range(ep) if r != setup.dead_rank]
-    if setup.worker_rank not in alive:
-        raise PlacementError(f"worker rank {setup.worker_rank} must survive, dead: {setup}")
-    live = [p for p in range(len(row)) if p // slots != setup.dead_rank]
-    counts = [sum(1 for p in live if row[p] == x) for x in range(e)]
-    orphans = [x for x in range(e) if counts[x] == 0]
-    moves: dict[int, int] = {}
-    for p in sorted(live, key=lambda p: (p % slots, alive.index(p // slots))):
-        if orphans and counts[row[p]] > 1:
-            counts[row[p]] -= 1
-            moves[p] = orphans.pop(0)
-    if orphans:
-        raise PlacementError(f"not enough spare slots for experts {orphans}: {setup}")
-    base = setup.worker_rank * slots
-    initial = [(lay, s, row[base + s]) for lay in range(setup.layers) for s in range(slots)]
-    mine = [(p - base, x) for p, x in sorted(moves.items()) if p // slots == setup.worker_rank]
-    reload = [(lay, s, x) for lay in range(setup.layers) for s, x in mine]
-    return initial, reload
+@attrs.frozen
+class WorkerPlan:
+    """The measured survivor: its EP rank, its experts before the fault and its reloads.
+
+    Assignments are (layer, local slot, logical expert).
+    """
+
+    rank: int
+    initial: tuple[Assignment, ...]
+    reload: tuple[Assignment, ...]
+
+
+def plan_worker_reload(setup: BenchSetup) -> WorkerPlan:
+    """Plan the scale-down after ``dead_rank`` dies with the placement planner.
+
+    Raises PlacementError if the measured worker is the dead rank, PreconditionFailed if
+    the survivors cannot hold every expert.
+    """
+    placement = ExpertPlacement.default(setup.layers, setup.experts, setup.redundant, setup.dp)
+    plan = plan_redistribution(placement, [setup.dead_rank])
+    survivors = [r for r in range(setup.dp) if r != setup.dead_rank]
+    rank = setup.worker_rank
+    if rank is None:
+        rank = max(survivors, key=lambda r: (len(plan.local_assignments(r)), -r))
+    elif rank not in survivors:
+        raise PlacementError(
+            f"worker rank {rank} must survive the loss of rank {setup.dead_rank} "
+            f"(survivors: {survivors}); pick another --worker-rank"
+        )
+    base = rank * setup.local_slots
+    p2l = placement.physical_to_logical_map[:, base : base + setup.local_slots].tolist()
+    initial = tuple(
+        (layer, slot, int(expert))
+        for layer, row in enumerate(p2l)
+        for slot, expert in enumerate(row)
+    )
+    return WorkerPlan(rank, initial, plan.local_assignments(rank))
 
 
 def prepare_checkpoint(
@@ -134,217 +160,71 @@ def prepare_checkpoint(
     return root, False
 
 
-def warm_page_cache(index: CheckpointIndex, chunk: int = 16 * 2**20) -> None:
-    """Read every shard once in chunks so all measured runs start from a warm page cache."""
-    for file in index.files:
-        with file.open("rb") as fh:
-            while fh.read(chunk):
-                pass
-
-
-def _slot_digest(slots: ExpertSlots) -> str:
-    digest = hashlib.sha256()
-    for name, tensor in sorted(slots.tensors().items()):
-        digest.update(name.encode())
-        digest.update(tensor.contiguous().reshape(-1).view(torch.uint8).numpy().data)
-    return digest.hexdigest()
-
-
-def raw_read(index: CheckpointIndex, names: Iterable[str]) -> int:
-    """Plain safetensors read of ``names`` into fresh memory, no transform; returns bytes."""
-    by_file: dict[Path, list[str]] = {}
-    for name in names:
-        by_file.setdefault(index.info(name).file, []).append(name)
-    total = 0
-    for file, wanted in sorted(by_file.items()):
-        with safe_open(str(file), framework="pt", device="cpu") as handle:
-            # clone(): with the mmap backend get_tensor alone reads nothing.
-            loaded = [handle.get_tensor(name).clone() for name in wanted]
-            total += sum(t.nbytes for t in loaded)
-            del loaded
-    return total
-
-
-def naive_reload(
-    index: CheckpointIndex,
-    slots: ExpertSlots,
-    assignments: list[Assignment],
-    progress: Callable[[int, int], None] | None = None,
-) -> None:
-    """The seed's first version: load every expert to host memory, then pick the needed ones."""
-    everything: dict[str, torch.Tensor] = {}
-    total, done = index.expert_bytes_total, 0
-    for file in sorted(index.files):
-        names = [n for n in index.experts.values() if index.tensors[n].file == file]
-        with safe_open(str(file), framework="pt", device="cpu") as handle:
-            for name in names:
-                everything[name] = handle.get_tensor(name).clone()
-                done += everything[name].nbytes
-                if progress is not None:
-                    progress(done, total)
-    fields = {"gate_proj": "gate", "up_proj": "up", "gate_up_proj": "gate", "down_proj": "down"}
-    suffixes = {"weight": "", "weight_scale": "_scale", "weight_offset": "_offset"}
-    for layer, slot, expert in assignments:
-        parts: dict[str, Any] = {}
-        for (lay, exp, proj, param), name in index.experts.items():
-            if (lay, exp) == (layer, expert):
-                parts[fields[proj] + suffixes[param]] = everything[name]
-        slots.write_slot(layer, slot, SlotWeights(**parts))
-
-
-class BenchError(FTEngineError, RuntimeError):
-    """A benchmark child process failed or ran past its time limit."""
-
-
-def _needed_names(index: CheckpointIndex, assignments: list[Assignment]) -> list[str]:
-    wanted = {(layer, expert) for layer, _, expert in assignments}
-    return sorted(name for key, name in index.experts.items() if key[:2] in wanted)
-
-
-def _throttled(conn: Connection, phase: str) -> Callable[[int, int], None]:
-    last = [0.0]
-
-    def send(done: int, total: int) -> None:
-        now = time.monotonic()
-        if now - last[0] >= 0.1 or done >= total:
-            last[0] = now
-            conn.send(("progress", phase, done, total))
-
-    return send
-
-
-def _measure_selective(
-    index: CheckpointIndex,
-    slots: ExpertSlots,
-    reload: list[Assignment],
-    setup: BenchSetup,
-    conn: Connection,
-) -> dict[str, Any]:
-    before = slots.data_ptrs()
-    with PeakRss() as meter:
-        first = load_experts_into_slots(
-            index, slots, reload, workers=setup.workers, progress=_throttled(conn, "reload")
-        )
-    names = _needed_names(index, reload)
-    raw_times = []
-    for _ in range(setup.repeat):
-        started = time.perf_counter()
-        raw_read(index, names)
-        raw_times.append(time.perf_counter() - started)
-    times, serial = [first.seconds], []
-    for _ in range(setup.repeat - 1):
-        times.append(load_experts_into_slots(index, slots, reload, workers=setup.workers).seconds)
-    for _ in range(setup.repeat):
-        serial.append(load_experts_into_slots(index, slots, reload, workers=1).seconds)
-    return {
-        "experts_reloaded": first.experts,
-        "bytes_needed": first.bytes_needed,
-        "bytes_read": first.bytes_read,
-        "peak_rss_delta_bytes": meter.delta,
-        "rss_method": meter.method,
-        "reload_s": min(times),
-        "reload_serial_s": min(serial),
-        "raw_read_s": min(raw_times),
-        "in_place": before == slots.data_ptrs(),
-    }
-
-
-def _measure_naive(
-    index: CheckpointIndex,
-    slots: ExpertSlots,
-    reload: list[Assignment],
-    setup: BenchSetup,
-    conn: Connection,
-) -> dict[str, Any]:
-    times = []
-    with PeakRss() as meter:
-        started = time.perf_counter()
-        naive_reload(index, slots, reload, progress=_throttled(conn, "naive load"))
-        times.append(time.perf_counter() - started)
-    for _ in range(setup.repeat - 1):
-        gc.collect()
-        started = time.perf_counter()
-        naive_reload(index, slots, reload)
-        times.append(time.perf_counter() - started)
-    return {"naive_peak_rss_delta_bytes": meter.delta, "naive_reload_s": min(times)}
-
-
-def _child(mode: str, setup_fields: dict[str, Any], path: str, conn: Connection) -> None:
-    """Child-process entry: fill the worker's slots, then measure ``mode``; report on ``conn``."""
-    try:
-        setup = BenchSetup(**setup_fields)
-        # One intra-op thread by default: on a shared host an OpenMP team waiting for a busy
-        # core distorts small copies by orders of magnitude; all three loaders get the same.
-        torch.set_num_threads(setup.threads)
-        index = CheckpointIndex.open(path)
-        initial, reload = plan_worker_reload(setup)
-        slots = ExpertSlots.allocate(index, setup.layers, setup.local_slots)
-        load_experts_into_slots(index, slots, initial, progress=_throttled(conn, "initial load"))
-        gc.collect()
-        measure = _measure_selective if mode == "selective" else _measure_naive
-        result = measure(index, slots, reload, setup, conn)
-        result["slot_digest"] = _slot_digest(slots)
-        conn.send(("result", result))
-    except BaseException as exc:  # the parent re-raises it with the child's story
-        conn.send(("error", f"{type(exc).__name__}: {exc}"))
-    finally:
-        conn.close()
-
-
-def run_child(
-    mode: str, setup: BenchSetup, path: Path, timeout_s: float, progress: ProgressFn | None
-) -> dict[str, Any]:
-    """Run one measurement in a fresh spawned process; kill it (by pid) past ``timeout_s``."""
-    ctx = multiprocessing.get_context("spawn")
-    receiver, sender = ctx.Pipe(duplex=False)
-    child = ctx.Process(target=_child, args=(mode, attrs.asdict(setup), str(path), sender))
-    child.start()
-    sender.close()
-    deadline = time.monotonic() + timeout_s
-    try:
-        while time.monotonic() < deadline:
-            if not receiver.poll(0.1):
-                if not child.is_alive() and not receiver.poll(0):
-                    raise BenchError(f"{mode} child exited with code {child.exitcode}")
-                continue
-            message = receiver.recv()
-            if message[0] == "progress":
-                if progress is not None:
-                    progress(message[1], message[2], message[3])
-            elif message[0] == "error":
-                raise BenchError(f"{mode} child failed: {message[1]}")
-            else:
-                return dict(message[1])
-        raise BenchError(f"{mode} child ran past {timeout_s:.0f} s; raise --timeout")
-    finally:
-        if child.is_alive():
-            child.kill()
-        child.join()
-        receiver.close()
-
-
 def _ratio(numerator: float, denominator: float) -> float:
     return round(numerator / denominator, 4) if denominator else math.inf
 
 
-def summarize(
-    setup: BenchSetup, index: CheckpointIndex, selective: dict[str, Any], naive: dict[str, Any]
-) -> dict[str, Any]:
-    """The benchmark's JSON object: measurements, the issue's ratios and whether each is met."""
-    total, needed = index.expert_bytes_total, selective["bytes_needed"]
+def _timing(row: Mapping[str, Any], speedup_target: float) -> dict[str, Any]:
+    """One cache state's times, their ratios and the two timing targets."""
     ratios = {
-        "bytes_read_over_needed": _ratio(selective["bytes_read"], needed),
-        "peak_rss_over_needed": _ratio(selective["peak_rss_delta_bytes"], needed),
-        "naive_peak_rss_over_needed": _ratio(naive["naive_peak_rss_delta_bytes"], needed),
-        "naive_over_reload_s": _ratio(naive["naive_reload_s"], selective["reload_s"]),
-        "speedup_target": round(0.8 * total / needed, 4) if needed else math.inf,
-        "reload_over_raw_read_s": _ratio(selective["reload_s"], selective["raw_read_s"]),
+        "naive_over_reload_s": _ratio(row["naive_reload_s"], row["reload_s"]),
+        "reload_over_raw_read_s": _ratio(row["reload_s"], row["raw_read_s"]),
+    }
+    targets = {
+        "speedup": ratios["naive_over_reload_s"] >= speedup_target,
+        "reload_vs_raw_read": ratios["reload_over_raw_read_s"] <= 3.0,
+    }
+    return {**row, "ratios": ratios, "targets_met": targets}
+
+
+def cache_label(cache: Cache, row: Mapping[str, Any]) -> tuple[Cache, str | None]:
+    """The page-cache state a run really had, with a note when "cold" could not be had."""
+    if cache == "warm":
+        return "warm", None
+    if not row.get("evicted", False):
+        return "warm", "this OS cannot evict files from the page cache; measured warm"
+    cached = row.get("cached_after_evict")
+    if cached is not None and cached > COLD_CACHED_MAX:
+        return "warm", (
+            f"{cached:.0%} of the shards stayed cached after eviction (tmpfs, or mapped by "
+            "another process); put the checkpoint on a disk-backed filesystem"
+        )
+    return "cold", None
+
+
+def summarize(
+    setup: BenchSetup,
+    plan: WorkerPlan,
+    index: CheckpointIndex,
+    selective: Mapping[str, Any],
+    naive: Mapping[str, Any],
+) -> dict[str, Any]:
+    """The benchmark's JSON object: measurements, the issue's ratios and whether each is met.
+
+    Headline fields are for the first of ``setup.caches``; each other cache state gets a
+    sub-object (e.g. ``warm``) with its times, ratios and timing targets, and ``compare``
+    puts the timing ratios of every state side by side.
+    """
+    common = {**selective["common"], **naive["common"]}
+    total, needed = index.expert_bytes_total, common["bytes_needed"]
+    target = round(0.8 * total / needed, 4) if needed else math.inf
+    rows = {
+        cache: _timing({**selective["by_cache"][cache], **naive["by_cache"][cache]}, target)
+        for cache in setup.caches
+    }
+    head = rows[setup.caches[0]]
+    label, note = cache_label(setup.caches[0], head)
+    ratios = {
+        "bytes_read_over_needed": _ratio(common["bytes_read"], needed),
+        "peak_rss_over_needed": _ratio(common["peak_rss_delta_bytes"], needed),
+        "naive_peak_rss_over_needed": _ratio(common["naive_peak_rss_delta_bytes"], needed),
+        "speedup_target": target,
+        **head["ratios"],
     }
     targets = {
         "bytes_read": ratios["bytes_read_over_needed"] <= 1.02,
         "peak_rss": ratios["peak_rss_over_needed"] <= 1.2,
-        "speedup": ratios["naive_over_reload_s"] >= ratios["speedup_target"],
-        "reload_vs_raw_read": ratios["reload_over_raw_read_s"] <= 3.0,
+        **head["targets_met"],
     }
     return {
         "bench": "reload",
@@ -359,16 +239,23 @@ def summarize(
         "local_slots": setup.local_slots,
         "num_redundant": setup.redundant,
         "dead_rank": setup.dead_rank,
-        "worker_rank": setup.worker_rank,
+        "worker_rank": plan.rank,
         "workers": setup.workers,
         "torch_threads": setup.threads,
         "repeat": setup.repeat,
+        "cache": label,
+        **({"cache_note": note} if note else {}),
         "expert_bytes_total": total,
-        **{k: v for k, v in selective.items() if k != "slot_digest"},
-        **{k: v for k, v in naive.items() if k != "slot_digest"},
+        **common,
+        **{k: v for k, v in head.items() if k not in ("ratios", "targets_met")},
         "matches_naive": selective["slot_digest"] == naive["slot_digest"],
         "ratios": ratios,
         "targets_met": targets,
+        **{cache: row for cache, row in rows.items() if cache != setup.caches[0]},
+        "compare": {
+            key: {cache: row["ratios"][key] for cache, row in rows.items()}
+            for key in head["ratios"]
+        },
     }
 
 
@@ -385,14 +272,30 @@ def run_bench(
         if progress is not None:
             progress("writing checkpoint", done, total)
 
-    if not plan_worker_reload(setup)[1]:
+    plan = plan_worker_reload(setup)
+    if not plan.reload:
         raise BenchError(
-            f"losing rank {setup.dead_rank} gives rank {setup.worker_rank} nothing to reload "
-            "(every expert keeps a replica or lands elsewhere); pick another --dead-rank"
+            f"losing rank {setup.dead_rank} gives rank {plan.rank} nothing to reload "
+            "(every expert keeps a replica or lands elsewhere); pick another --dead-rank "
+            "or --worker-rank"
         )
     path, reused = prepare_checkpoint(setup, root, writing)
     index = CheckpointIndex.open(path)
-    warm_page_cache(index)
-    selective = run_child("selective", setup, path, timeout_s, progress)
-    naive = run_child("naive", setup, path, timeout_s, progress)
-    return {**summarize(setup, index, selective, naive), "reused_checkpoint": reused}
+    results: dict[str, dict[str, Any]] = {}
+    modes: tuple[Literal["selective", "naive"], ...] = ("selective", "naive")
+    for mode in modes:
+        job = ChildJob(
+            mode=mode,
+            path=str(path),
+            layers=setup.layers,
+            local_slots=setup.local_slots,
+            initial=plan.initial,
+            reload=plan.reload,
+            caches=setup.caches,
+            workers=setup.workers,
+            threads=setup.threads,
+            repeat=setup.repeat,
+        )
+        results[mode] = run_child(job, timeout_s, progress)
+    summary = summarize(setup, plan, index, results["selective"], results["naive"])
+    return {**summary, "reused_checkpoint": reused}

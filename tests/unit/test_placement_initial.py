@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ftengine.errors import ConfigError
+from ftengine.errors import ConfigError, PreconditionFailed
 from ftengine.placement.initial import failure_aware_row, make_placement
 from ftengine.placement.loads import zipf_load
 from ftengine.placement.rebalance import fresh_rebalance, greedy_rebalance, replicate
@@ -90,3 +90,9 @@ def test_fresh_rebalance_leaves_dead_ranks_empty_and_counts_new_experts() -> Non
         1 for rank in (0, 2) for e in p2l[0, rank * 2 : rank * 2 + 2].tolist() if e not in old[rank]
     )
     assert reloads == expected
+
+
+def test_fresh_rebalance_refuses_what_the_survivors_cannot_hold() -> None:
+    placement = make_placement("default", 1, 4, 0, 2)
+    with pytest.raises(PreconditionFailed, match="1 surviving ranks x 2 slots cannot hold 4"):
+        fresh_rebalance(placement, {0}, torch.ones(1, 4))

@@ -6,11 +6,12 @@ import json
 from collections import Counter
 from pathlib import Path
 
+import attrs
 import pytest
 import torch
 
 from ftengine.cli import main
-from ftengine.errors import ConfigError, PlacementError
+from ftengine.errors import ConfigError, PlacementError, PreconditionFailed
 from ftengine.weights.checkpoint_gen import remove_checkpoint
 from ftengine.weights.index import Quant
 from ftengine.weights.peak_rss import PeakRss
@@ -37,12 +38,13 @@ def test_plan_rehosts_every_orphan_once_on_spare_slots(dead: int) -> None:
     survivors = [r for r in range(base.dp) if r != dead]
     moves: dict[tuple[int, int], int] = {}
     for rank in survivors:
-        setup = BenchSetup(size_mb=1, dead_rank=dead, worker_rank=rank, layers=2)
-        initial, reload = plan_worker_reload(setup)
-        assert initial == [
+        plan = plan_worker_reload(attrs.evolve(base, worker_rank=rank))
+        assert plan.rank == rank
+        assert plan.initial == tuple(
             (lay, s, row[rank * slots + s]) for lay in range(2) for s in range(slots)
-        ]
-        for layer, slot, expert in reload:
+        )
+        for layer, slot, expert in plan.reload:
+            assert 0 <= slot < slots
             moves[(layer, rank * slots + slot)] = expert
     for layer in range(2):
         live = {p: row[p] for p in range(len(row)) if p // slots != dead}
@@ -57,14 +59,25 @@ def test_plan_rehosts_every_orphan_once_on_spare_slots(dead: int) -> None:
         assert set(live.values()) == set(range(e))
 
 
+def test_default_worker_is_the_survivor_with_the_most_reloads() -> None:
+    base = BenchSetup(size_mb=1, dead_rank=1)
+    chosen = plan_worker_reload(base)
+    assert chosen.rank != 1 and chosen.reload
+    for rank in (0, 2, 3):
+        other = plan_worker_reload(attrs.evolve(base, worker_rank=rank))
+        assert len(other.reload) <= len(chosen.reload)
+        if rank == chosen.rank:
+            assert other == chosen
+
+
 def test_plan_is_deterministic_and_refuses_a_dead_worker() -> None:
     setup = BenchSetup(size_mb=1)
     assert plan_worker_reload(setup) == plan_worker_reload(setup)
     # Rank 3 only holds redundant copies: losing it orphans nothing.
-    assert plan_worker_reload(BenchSetup(size_mb=1, dead_rank=3))[1] == []
+    assert plan_worker_reload(BenchSetup(size_mb=1, dead_rank=3)).reload == ()
     with pytest.raises(PlacementError, match="must survive"):
         plan_worker_reload(BenchSetup(size_mb=1, dead_rank=0, worker_rank=0))
-    with pytest.raises(PlacementError, match="not enough spare slots"):
+    with pytest.raises(PreconditionFailed, match="insufficient redundancy"):
         plan_worker_reload(BenchSetup(size_mb=1, experts=64, redundant=0))
 
 
@@ -124,6 +137,12 @@ def test_cli_json_has_every_issue_field(tmp_path: Path, capsys: pytest.CaptureFi
     assert result["bytes_read"] >= result["bytes_needed"]
     assert result["naive_peak_rss_delta_bytes"] > result["peak_rss_delta_bytes"]
     assert set(result["targets_met"]) == {"bytes_read", "peak_rss", "speedup", "reload_vs_raw_read"}
+    # Cold by default: every shard left the page cache before each timed run.
+    assert result["cache"] == "cold"
+    assert result["evicted"] is True
+    assert result["cached_after_evict"] is not None and result["cached_after_evict"] <= 0.05
+    assert result["warm"]["reload_s"] > 0 and result["warm"]["naive_reload_s"] > 0
+    assert set(result["compare"]["naive_over_reload_s"]) == {"cold", "warm"}
 
 
 def test_cli_refuses_a_dead_rank_that_orphans_nothing(

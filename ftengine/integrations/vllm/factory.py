@@ -6,7 +6,8 @@ start-up error (a CUDA backend is future work). Tests pass their own ``backend_f
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, MutableMapping
+from typing import TYPE_CHECKING
 
 import attrs
 import torch
@@ -23,6 +24,10 @@ from ftengine.integrations.vllm.messages import VllmMessages, import_vllm
 from ftengine.integrations.vllm.sentinel import FtengineWorkerSentinel
 from ftengine.integrations.vllm.shapes import VllmDistributed, WorkerLike
 from ftengine.sentinel import WorkerSentinel
+
+if TYPE_CHECKING:  # the NPU modules are imported only when an NPU backend is built
+    from ftengine.backends.npu_groups import GroupFactory
+    from ftengine.backends.npu_runtime import NpuRuntime
 
 PLATFORMS_MODULE = "vllm.platforms"
 NPU = "npu"
@@ -49,9 +54,19 @@ def current_device_type() -> str:
 
 
 def npu_backend(
-    worker: WorkerLike, hooks: VllmWorkerHooks, settings: VllmFtSettings
+    worker: WorkerLike,
+    hooks: VllmWorkerHooks,
+    settings: VllmFtSettings,
+    *,
+    runtime: NpuRuntime | None = None,
+    group_factory: GroupFactory | None = None,
+    environ: MutableMapping[str, str] | None = None,
+    device: torch.device | None = None,
 ) -> DeviceBackend:
-    """ftengine's NPU backend over the worker (imports torch_npu; needs the model loaded)."""
+    """ftengine's NPU backend over the worker (imports torch_npu; needs the model loaded).
+
+    The keyword arguments are ``NpuBackend``'s (defaults: the real torch_npu, torch's
+    process groups, ``os.environ``, the worker's NPU)."""
     from ftengine.backends.npu import NpuBackend
     from ftengine.backends.npu_host import NpuTopology
     from ftengine.backends.npu_preconditions import NpuDeployment
@@ -69,7 +84,16 @@ def npu_backend(
         model_runner="v2" if worker.use_v2_model_runner else "v1",
         eplb_enabled=bool(parallel.enable_eplb),
     )
-    backend = NpuBackend(hooks, topology, config=settings.npu, deployment=deployment)
+    backend = NpuBackend(
+        hooks,
+        topology,
+        config=settings.npu,
+        deployment=deployment,
+        runtime=runtime,
+        group_factory=group_factory,
+        environ=environ,
+        device=device,
+    )
     return DeviceBackend(backend, backend.elastic.tensor)
 
 

@@ -1,0 +1,187 @@
+"""The vLLM general plugin, loaded by vLLM's own plugin loader and driven by vLLM's real
+engine-core sentinel (``EngineCoreSentinel``) through the real ``Worker.handle_ft_command``.
+
+The workers and the engine core's engine/executor are stand-ins (see
+``test_vllm_standin`` for why a real ``Worker`` cannot be built here); the executor's
+``collective_rpc`` calls each worker in-process instead of over vLLM's shared-memory queue.
+"""
+
+from __future__ import annotations
+
+import queue
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from ftengine.backends.fake import FakeBackend
+from ftengine.clock import ManualClock
+from ftengine.faults import HealthStatus
+from ftengine.integrations.vllm import plugin
+from ftengine.integrations.vllm.config import VllmConfigError, VllmFtSettings
+from ftengine.integrations.vllm.factory import DeviceBackend, UnsupportedPlatform
+from ftengine.integrations.vllm.hooks import VllmWorkerHooks
+from ftengine.integrations.vllm.messages import VllmMessages
+from ftengine.integrations.vllm.plugin import PluginWorkerSentinel
+from tests.unit.test_vllm_standin import Distributed, Worker, make_worker
+
+gpu_worker = pytest.importorskip("vllm.v1.worker.gpu_worker", reason="vllm is not installed")
+sentinel_module = pytest.importorskip("vllm.v1.worker.sentinel.gpu_worker_sentinel")
+core_sentinel = pytest.importorskip("vllm.v1.fault_tolerance.engine_core_sentinel")
+vllm_plugins = pytest.importorskip("vllm.plugins")
+vllm_config = pytest.importorskip("vllm.config")
+Request = pytest.importorskip("vllm.v1.fault_tolerance.utils").FaultToleranceRequest
+EngineStatusType = pytest.importorskip("vllm.v1.engine").EngineStatusType
+
+
+@pytest.fixture
+def restored(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """Whatever the plugin patches in vLLM is put back after the test."""
+    for module in (sentinel_module, gpu_worker):
+        monkeypatch.setattr(module, plugin.SENTINEL_NAME, getattr(module, plugin.SENTINEL_NAME))
+    monkeypatch.setattr(vllm_plugins, "plugins_loaded", False)
+    yield
+
+
+def fake_device(worker: Any, hooks: VllmWorkerHooks, settings: VllmFtSettings) -> DeviceBackend:
+    return DeviceBackend(FakeBackend(rank=worker.parallel_config.data_parallel_rank))
+
+
+def plugged(worker: Worker) -> PluginWorkerSentinel:
+    """What vLLM's Worker.__init__ does with the plugin installed, plus test seams."""
+    sentinel = PluginWorkerSentinel(
+        worker,
+        backend_factory=fake_device,
+        dist=Distributed(),
+        messages=VllmMessages.load(),
+        clock=ManualClock(),
+    )
+    worker.worker_sentinel = sentinel
+    return sentinel
+
+
+def test_vllms_plugin_loader_installs_the_sentinel(
+    restored: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("VLLM_PLUGINS", "ftengine")
+    assert sentinel_module.WorkerSentinel is not PluginWorkerSentinel
+    vllm_plugins.load_general_plugins()
+    assert sentinel_module.WorkerSentinel is PluginWorkerSentinel
+    assert gpu_worker.WorkerSentinel is PluginWorkerSentinel  # bound at its import
+    plugin.register()  # vLLM may load plugins again in another code path
+    assert gpu_worker.WorkerSentinel is PluginWorkerSentinel
+
+
+def test_other_platforms_get_a_clear_start_up_error(restored: None) -> None:
+    plugin.register()
+    with pytest.raises(UnsupportedPlatform, match=r"needs an Ascend NPU .*CUDA is future work"):
+        gpu_worker.WorkerSentinel(worker=make_worker())
+
+
+def test_bad_flags_stop_start_up_naming_the_key() -> None:
+    worker = make_worker(additional={"ftengine": {"policy": "sometimes"}})
+    with pytest.raises(VllmConfigError, match=r"--additional-config: ftengine\.policy"):
+        plugged(worker)
+
+
+def test_model_load_builds_the_engine_and_a_failed_step_reports_the_fault() -> None:
+    worker = make_worker()
+    sentinel = plugged(worker)
+    assert sentinel.ready is None
+    worker.load_model()
+    assert worker.loaded and sentinel.ready is not None
+    worker.step_error = RuntimeError("Connection closed by peer")
+    with pytest.raises(RuntimeError, match="Connection closed"):
+        worker.execute_model("batch")
+    assert sentinel.ready.sentinel.health is HealthStatus.UNHEALTHY
+
+
+class Executor:
+    """The engine core's executor: collective_rpc runs the method on every worker."""
+
+    def __init__(self, workers: list[Worker]) -> None:
+        self.workers = workers
+        self.is_failed = False
+
+    def collective_rpc(self, method: str, args: tuple[Any, ...] = ()) -> list[Any]:
+        # the real Worker method, so the stand-in is driven exactly as vLLM drives a worker
+        return [getattr(gpu_worker.Worker, method)(w, *args) for w in self.workers]
+
+
+class Scheduler:
+    def finish_requests(self, request_ids: object, status: object) -> list[str]:
+        return []
+
+
+class Engine:
+    """What vLLM's EngineCoreSentinel reads of its EngineCoreProc."""
+
+    def __init__(self, workers: list[Worker]) -> None:
+        self.engine_index = workers[0].parallel_config.data_parallel_rank
+        self.output_queue: queue.Queue[tuple[int, Any]] = queue.Queue()
+        self.scheduler = Scheduler()
+        self.model_executor = Executor(workers)
+        self.batch_queue = None
+        self.step_counter = 5
+
+    def _send_abort_outputs(self, aborted: object) -> None:
+        pass
+
+
+def engine_core(workers: list[Worker]) -> tuple[Any, Engine]:
+    parallel = vllm_config.ParallelConfig(
+        enable_fault_tolerance=True,
+        fault_tolerance_config=vllm_config.FaultToleranceConfig(engine_recovery_timeout_sec=30),
+    )
+    engine = Engine(workers)
+    return core_sentinel.EngineCoreSentinel(engine, parallel), engine
+
+
+def answer(engine: Engine) -> dict[str, Any]:
+    """The FaultToleranceResult the engine core queued for the client."""
+    while True:
+        _, outputs = engine.output_queue.get_nowait()
+        utility = outputs.utility_output
+        if utility.call_id == 11:
+            result: dict[str, Any] = utility.result.result
+            return result
+
+
+def test_vllms_engine_core_retry_reaches_every_worker() -> None:
+    workers = [make_worker(dp_size=1, requests=("a",)) for _ in range(2)]
+    for worker in workers:
+        plugged(worker)
+        worker.load_model()
+    core, engine = engine_core(workers)
+    core.on_fault(RuntimeError("DP all-reduce timed out"))  # only the engine core saw it
+    assert core.status_type == EngineStatusType.UNHEALTHY
+    core.handle_command(0, 11, {"instruction": "retry", "params": {}, "request_id": "r1"})
+    assert answer(engine) == {"request_id": "r1", "success": True, "reason": None}
+    assert core.status_type == EngineStatusType.HEALTHY
+    for worker in workers:
+        assert worker.dummy_batches == 1 and worker.model_runner.requests == {}  # type: ignore[union-attr]
+
+
+def test_a_worker_failure_reaches_the_orchestrator_through_vllms_engine_core() -> None:
+    workers = [make_worker(dp_size=4, dp_rank=2)]
+    plugged(workers[0]).attach()
+    core, engine = engine_core(workers)
+    core.on_fault(RuntimeError("boom"))
+    # vLLM 0.33.0's engine core publishes DP ports only with a DP group of its own
+    core.handle_command(0, 11, {"instruction": "retry", "params": {}, "request_id": "r2"})
+    result = answer(engine)
+    assert result["success"] is False
+    assert "new_stateless_dp_group_ports" in result["reason"]
+
+
+def test_vllms_engine_core_has_no_scale_down_so_it_never_reaches_workers() -> None:
+    """vLLM 0.33.0's EngineCoreSentinel has only ``retry``; scale_down needs an engine core
+    that relays it (vLLM-Ascend's), which then reaches ``handle_ft_command`` as retry does."""
+    workers = [make_worker()]
+    plugged(workers[0]).attach()
+    core, engine = engine_core(workers)
+    core.on_fault(RuntimeError("boom"))
+    params = {"removed_dp_ranks": [3]}
+    core.handle_command(0, 11, {"instruction": "scale_down", "params": params, "request_id": "s"})
+    result = answer(engine)
+    assert result["success"] is False and "scale_down" in result["reason"]
