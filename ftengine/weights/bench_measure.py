@@ -24,7 +24,7 @@ from safetensors import safe_open
 
 from ftengine.errors import FTEngineError
 from ftengine.weights.index import CheckpointIndex
-from ftengine.weights.page_cache import cached_fraction, evict
+from ftengine.weights.page_cache import cached_fraction, disk_read_bytes, evict
 from ftengine.weights.peak_rss import PeakRss
 from ftengine.weights.reload import Assignment, ReloadStats, load_experts_into_slots
 from ftengine.weights.slots import ExpertSlots, SlotWeights
@@ -175,15 +175,28 @@ def timed_runs(run: Callable[[], object], prep: Callable[[], None], repeat: int)
     return times
 
 
-def _peak_first(run: Callable[[], object], prep: Callable[[], None]) -> tuple[int, str, float]:
-    """(peak RSS delta bytes, how it was measured, seconds) of one run after ``prep``."""
+@attrs.frozen
+class FirstRun:
+    """The first timed run of a loader: peak RSS delta (bytes, and how it was measured),
+    wall seconds, and bytes fetched from storage (None where the OS does not say)."""
+
+    peak_rss: int
+    rss_method: str
+    seconds: float
+    disk_read: int | None
+
+
+def _first_run(run: Callable[[], object], prep: Callable[[], None]) -> FirstRun:
     prep()
     gc.collect()
+    disk_before = disk_read_bytes()
     with PeakRss() as meter:
         started = time.perf_counter()
         run()
         seconds = time.perf_counter() - started
-    return meter.delta, meter.method, seconds
+    disk_after = disk_read_bytes()
+    disk = None if disk_before is None or disk_after is None else disk_after - disk_before
+    return FirstRun(meter.delta, meter.method, seconds, disk)
 
 
 def _measure_selective(
@@ -204,15 +217,17 @@ def _measure_selective(
         first.append(stats)
 
     by_cache: dict[str, dict[str, Any]] = {}
-    peak = method = None
+    peak: FirstRun | None = None
     for cache in job.caches:
         prep = CachePrep(list(index.files), cache)
+        row: dict[str, Any] = {}
         times = []
         if peak is None:
-            peak, method, seconds = _peak_first(reload_first, prep)
-            times.append(seconds)
+            peak = _first_run(reload_first, prep)
+            times.append(peak.seconds)
+            row["disk_read_bytes"] = peak.disk_read
         times += timed_runs(reload, prep, job.repeat - len(times))
-        row: dict[str, Any] = {
+        row |= {
             "reload_s": min(times),
             "raw_read_s": min(timed_runs(lambda: raw_read(index, names), prep, job.repeat)),
         }
@@ -220,12 +235,14 @@ def _measure_selective(
             row["reload_serial_s"] = min(timed_runs(lambda: reload(1), prep, job.repeat))
         by_cache[cache] = {**row, **(prep.report() if cache == "cold" else {})}
     stats = first[0]
+    if peak is None:
+        raise BenchError("no page-cache state to measure: ChildJob.caches is empty")
     common = {
         "experts_reloaded": stats.experts,
         "bytes_needed": stats.bytes_needed,
         "bytes_read": stats.bytes_read,
-        "peak_rss_delta_bytes": peak,
-        "rss_method": method,
+        "peak_rss_delta_bytes": peak.peak_rss,
+        "rss_method": peak.rss_method,
         "in_place": before == slots.data_ptrs(),
     }
     return {"common": common, "by_cache": by_cache}
@@ -241,16 +258,20 @@ def _measure_naive(
         naive_reload(index, slots, job.reload, _throttled(conn, "naive load"))
 
     by_cache: dict[str, dict[str, Any]] = {}
-    peak = None
+    peak: FirstRun | None = None
     for cache in job.caches:
         prep = CachePrep(list(index.files), cache)
+        row: dict[str, Any] = {}
         times = []
         if peak is None:
-            peak, _, seconds = _peak_first(naive_first, prep)
-            times.append(seconds)
+            peak = _first_run(naive_first, prep)
+            times.append(peak.seconds)
+            row["naive_disk_read_bytes"] = peak.disk_read
         times += timed_runs(naive, prep, job.repeat - len(times))
-        by_cache[cache] = {"naive_reload_s": min(times)}
-    return {"common": {"naive_peak_rss_delta_bytes": peak}, "by_cache": by_cache}
+        by_cache[cache] = {**row, "naive_reload_s": min(times)}
+    if peak is None:
+        raise BenchError("no page-cache state to measure: ChildJob.caches is empty")
+    return {"common": {"naive_peak_rss_delta_bytes": peak.peak_rss}, "by_cache": by_cache}
 
 
 def _child(job: ChildJob, conn: Connection) -> None:

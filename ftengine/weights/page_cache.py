@@ -4,7 +4,7 @@ After a real fault the weights a survivor reloads are on disk, not in memory, so
 benchmark evicts the shards before each timed run: ``fsync`` (dirty pages cannot be
 dropped) then ``posix_fadvise(POSIX_FADV_DONTNEED)``, which needs no root. ``mincore(2)``
 on a fresh mapping then says whether the pages really left (they do not on tmpfs, nor
-while another process maps them).
+while another process maps them), and ``/proc/self/io`` what the disk really delivered.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from collections.abc import Iterable
 from pathlib import Path
 
 _MAP_FAILED = ctypes.c_void_p(-1).value
+_PROC_IO = Path("/proc/self/io")
 
 
 def evict(paths: Iterable[Path]) -> bool:
@@ -92,3 +93,18 @@ def cached_fraction(paths: Iterable[Path]) -> float | None:
     except (OSError, AttributeError):
         return None
     return cached / total if total else 0.0
+
+
+def disk_read_bytes() -> int | None:
+    """Bytes this process has had fetched from storage so far, readahead included.
+
+    From Linux's ``/proc/self/io`` (``read_bytes``); None where it is unavailable. Page-cache
+    hits do not count, so the delta over a cold run is what the disk really delivered.
+    """
+    try:
+        for line in _PROC_IO.read_text().splitlines():
+            if line.startswith("read_bytes:"):
+                return int(line.split()[1])
+    except (OSError, ValueError):
+        return None
+    return None

@@ -11,7 +11,7 @@ import pytest
 from ftengine.cli import main
 from ftengine.weights import bench_measure
 from ftengine.weights.bench_measure import CachePrep
-from ftengine.weights.page_cache import cached_fraction, evict
+from ftengine.weights.page_cache import cached_fraction, disk_read_bytes, evict
 from ftengine.weights.reload_bench import cache_label
 
 
@@ -34,6 +34,19 @@ def test_evict_drops_a_cached_file_from_the_page_cache(tmp_path: Path) -> None:
     files[0].read_bytes()  # reading one of two equal files brings back about half
     again = cached_fraction(files)
     assert again is not None and 0.4 <= again <= 0.6
+
+
+def test_disk_read_bytes_counts_a_cold_read_but_not_a_warm_one(tmp_path: Path) -> None:
+    file = _written(tmp_path / "shard", 4)
+    evict([file])
+    start = disk_read_bytes()
+    assert start is not None
+    file.read_bytes()
+    cold = disk_read_bytes()
+    assert cold is not None and cold - start >= 4 * 2**20
+    file.read_bytes()
+    warm = disk_read_bytes()
+    assert warm is not None and warm - cold < 2**20
 
 
 def test_evict_and_cached_fraction_handle_edge_cases(tmp_path: Path) -> None:

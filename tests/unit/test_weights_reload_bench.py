@@ -141,6 +141,8 @@ def test_cli_json_has_every_issue_field(tmp_path: Path, capsys: pytest.CaptureFi
     assert result["cache"] == "cold"
     assert result["evicted"] is True
     assert result["cached_after_evict"] is not None and result["cached_after_evict"] <= 0.05
+    assert result["disk_read_bytes"] >= result["bytes_needed"]  # cold: all from the disk
+    assert result["naive_disk_read_bytes"] >= result["expert_bytes_total"]
     assert result["warm"]["reload_s"] > 0 and result["warm"]["naive_reload_s"] > 0
     assert set(result["compare"]["naive_over_reload_s"]) == {"cold", "warm"}
 
