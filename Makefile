@@ -33,10 +33,10 @@ $(VENV)/.installed: $(VENV)/.deps $(VENV)/.vllm $(PKG_FILES)
 install: $(VENV)/.installed
 
 lint: install
-	$(VENV)/bin/ruff check ftengine policies backends tests bench
-	$(VENV)/bin/ruff format --check ftengine policies backends tests bench
+	$(VENV)/bin/ruff check ftengine policies backends tests bench examples
+	$(VENV)/bin/ruff format --check ftengine policies backends tests bench examples
 	$(VENV)/bin/mypy --strict -p ftengine
-	$(VENV)/bin/mypy --strict tests bench
+	$(VENV)/bin/mypy --strict tests bench examples
 
 test: lint
 	$(VENV)/bin/pytest -q -p no:cacheprovider --hypothesis-profile=ci

@@ -55,6 +55,7 @@ class CpuExperts:
         self.rank = rank
         self.local_slots = placement.local_slots
         self.elastic = ElasticInfo(placement.ep_size, placement.local_slots)
+        self._masked = False
         self._float: dict[tuple[int, int], tuple[Tensor, Tensor]] = {}
 
     @classmethod
@@ -102,12 +103,15 @@ class CpuExperts:
 
     def densify(self, physical: Tensor) -> Tensor:
         """Physical ids -> dense ids through elastic_info table1 (identity while unmasked)."""
+        if not self._masked:
+            return physical  # table1 is the identity: skip the lookup on every healthy step
         return densify_routing_ids(physical, self.elastic.table1(), self.local_slots)
 
     def mask(self, dead_dp_ranks: frozenset[int]) -> None:
         """Rewrite elastic_info in place for the cumulative dead set (TP = 1: EP = DP)."""
         dead_ep = dp_to_ep_ranks(dead_dp_ranks, 1)
         self.elastic.update(dead_ep)
+        self._masked = bool(dead_ep)
 
     def repair(self, dead_dp_ranks: frozenset[int], *, fail: bool = False) -> RepairReport:
         """Re-host the experts of ``dead_dp_ranks`` and reload this rank's new slots.

@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Callable, Mapping, MutableMapping
-from typing import ParamSpec, TypeVar
+from typing import TYPE_CHECKING, ParamSpec, TypedDict, TypeVar
 
 import attrs
 import torch
@@ -29,11 +29,15 @@ from ftengine.backends.npu_reload import NpuExpertReloader, NpuReloadStats
 from ftengine.backends.npu_reset import DeviceResetter, FaultBarrier
 from ftengine.backends.npu_runtime import NpuRuntime
 from ftengine.backends.npu_timeouts import OpTimeoutController
-from ftengine.errors import BackendError, PlacementError, PreconditionFailed
+from ftengine.errors import BackendError, PreconditionFailed
 from ftengine.faults import Fault
 from ftengine.placement.elastic import ElasticInfo
+from ftengine.placement.maps import ExpertPlacement
 from ftengine.placement.planner import apply_plan, plan_redistribution
 from ftengine.placement.ranks import check_ep_ranks, dp_to_ep_ranks, neutralize_dead_columns
+
+if TYPE_CHECKING:  # typing.Unpack is 3.11+; annotations are never evaluated at run time
+    from typing import Unpack
 
 logger = logging.getLogger(__name__)
 
@@ -41,6 +45,42 @@ P = ParamSpec("P")
 T = TypeVar("T")
 
 NO_RELOAD = NpuReloadStats(experts=0, bytes_read=0, format_casts=0, seconds=0.0)
+
+
+class NpuSeams(TypedDict, total=False):
+    """What a host or a test may swap in for ``NpuBackend``'s defaults (see its docstring)."""
+
+    runtime: NpuRuntime | None
+    group_factory: GroupFactory | None
+    environ: MutableMapping[str, str] | None
+    device: torch.device | None
+
+
+def _observed(
+    declared: NpuDeployment | None,
+    topology: NpuTopology,
+    placement: ExpertPlacement,
+    runtime: NpuRuntime,
+) -> NpuDeployment:
+    """The host's ``declared`` deployment with the facts this process sees for itself put
+    over the host's word."""
+    return attrs.evolve(
+        declared if declared is not None else NpuDeployment(),
+        tp_size=topology.tp_size,
+        num_redundant_experts=placement.num_redundant,
+        has_dispatch_v2=runtime.has_mc2_v2,
+    )
+
+
+def _owned_groups(
+    topology: NpuTopology, config: NpuFtConfig, factory: GroupFactory | None
+) -> OwnedGroups:
+    """The groups ftengine owns, over every TP rank of every DP rank to begin with."""
+    return OwnedGroups(
+        factory if factory is not None else TorchGroupFactory(),
+        topology.global_ranks(frozenset(range(topology.dp_size))),
+        cpu_timeout_s=config.cpu_distributed_timeout_s,
+    )
 
 
 class NpuBackend:
@@ -71,18 +111,8 @@ class NpuBackend:
         self.topology = topology
         self.config = config if config is not None else NpuFtConfig()
         placement = host.placement()
-        if placement.ep_size != topology.ep_size:
-            raise PlacementError(
-                f"the placement is for EP size {placement.ep_size}, but DP {topology.dp_size} x "
-                f"TP {topology.tp_size} = {topology.ep_size}; build it for the whole EP group"
-            )
-        # Facts this process can see for itself override what the host declared.
-        self.deployment = attrs.evolve(
-            deployment if deployment is not None else NpuDeployment(),
-            tp_size=topology.tp_size,
-            num_redundant_experts=placement.num_redundant,
-            has_dispatch_v2=self.runtime.has_mc2_v2,
-        )
+        topology.check_placement(placement)
+        self.deployment = _observed(deployment, topology, placement, self.runtime)
         if self.config.scale_down:
             check_scale_down(self.deployment)
         self.device = device if device is not None else self.runtime.device(topology.device_index)
@@ -90,12 +120,7 @@ class NpuBackend:
             self.runtime, os.environ if environ is None else environ
         )
         self.timeouts.apply(self.config.communication_abort_timeout_s)
-        everyone = frozenset(range(topology.dp_size))
-        self.groups = OwnedGroups(
-            group_factory if group_factory is not None else TorchGroupFactory(),
-            topology.global_ranks(everyone),
-            cpu_timeout_s=self.config.cpu_distributed_timeout_s,
-        )
+        self.groups = _owned_groups(topology, self.config, group_factory)
         self._resetter = DeviceResetter(self.runtime, topology.device_index, self.groups)
         self.barrier = FaultBarrier(lambda: self._resetter.reset(recreate_groups=False))
         # One elastic_info per worker, shared by every MoE layer and every MC2 call.
@@ -117,22 +142,11 @@ class NpuBackend:
         topology: NpuTopology,
         *,
         deployment: NpuDeployment | None = None,
-        runtime: NpuRuntime | None = None,
-        group_factory: GroupFactory | None = None,
-        environ: MutableMapping[str, str] | None = None,
-        device: torch.device | None = None,
+        **seams: Unpack[NpuSeams],
     ) -> NpuBackend:
         """Build from vLLM's ``additional_config`` (``npu_config``); the rest as ``__init__``."""
-        return cls(
-            host,
-            topology,
-            config=NpuFtConfig.from_additional_config(additional_config),
-            deployment=deployment,
-            runtime=runtime,
-            group_factory=group_factory,
-            environ=environ,
-            device=device,
-        )
+        config = NpuFtConfig.from_additional_config(additional_config)
+        return cls(host, topology, config=config, deployment=deployment, **seams)
 
     # What the host uses ----------------------------------------------------------------------
 

@@ -12,7 +12,7 @@ from typing import Protocol
 import attrs
 
 from ftengine.backends.npu_reload import SlotStorage
-from ftengine.errors import ConfigError
+from ftengine.errors import ConfigError, PlacementError
 from ftengine.placement.maps import ExpertPlacement
 from ftengine.weights.index import CheckpointIndex
 
@@ -74,6 +74,14 @@ class NpuTopology:
     @property
     def ep_rank(self) -> int:
         return self.dp_rank * self.tp_size + self.tp_rank
+
+    def check_placement(self, placement: ExpertPlacement) -> None:
+        """``PlacementError`` unless ``placement`` spans this topology's whole EP group."""
+        if placement.ep_size != self.ep_size:
+            raise PlacementError(
+                f"the placement is for EP size {placement.ep_size}, but DP {self.dp_size} x "
+                f"TP {self.tp_size} = {self.ep_size}; build it for the whole EP group"
+            )
 
     def global_ranks(self, dp_ranks: frozenset[int]) -> tuple[int, ...]:
         """Global ranks of every TP rank of ``dp_ranks``, ascending."""

@@ -10,6 +10,7 @@ import json
 import os
 import sys
 
+import attrs
 import torch
 
 from ftengine.placement.apply import apply_plan
@@ -35,26 +36,18 @@ def speed() -> dict[str, object]:
     out: dict[str, object] = {}
     for name, base in (("ep32_r32_2dead", SMALL), ("ep256_r256_16dead", LARGE)):
         for placement, load in (("default", "uniform"), ("balanced", "zipf")):
-            scenario = Scenario(
-                LAYERS,
-                EXPERTS,
-                ep=base.ep,
-                redundant=base.redundant,
-                dead=base.dead,
-                placement=placement,
-                load=load,
-            )
-            report = evaluate(scenario, repeats=7)
+            report = evaluate(attrs.evolve(base, placement=placement, load=load), repeats=7)
+            times = report.timings
             out[f"{name}_{placement}_{load}"] = {
-                "plan_ms": round(report.plan_ms, 2),
-                "apply_ms": round(report.apply_ms, 2),
-                "plan_plus_apply_ms": _target(report.plan_ms + report.apply_ms, "<=", 100.0),
-                "elastic_info_us": _target(report.elastic_info_us, "<=", 100.0),
-                "elastic_info_in_place": report.elastic_info_in_place,
-                "maps_in_place": report.maps_in_place,
-                "reloads": report.reloads,
-                "reload_lower_bound": report.reload_lower_bound,
-                "balancedness": round(report.balancedness, 4),
+                "plan_ms": round(times.plan_ms, 2),
+                "apply_ms": round(times.apply_ms, 2),
+                "plan_plus_apply_ms": _target(times.plan_ms + times.apply_ms, "<=", 100.0),
+                "elastic_info_us": _target(times.elastic_info_us, "<=", 100.0),
+                "elastic_info_in_place": times.elastic_info_in_place,
+                "maps_in_place": times.maps_in_place,
+                "reloads": report.plan.reloads,
+                "reload_lower_bound": report.plan.lower_bound,
+                "balancedness": round(report.balance.balancedness, 4),
             }
     return out
 
@@ -64,16 +57,8 @@ def balance_curve(top_k: int, exponent: float = 1.0) -> dict[str, object]:
 
     Points run from the lower bound (extra 0) up to the fresh rebalance's reload count.
     """
-    scenario = Scenario(
-        LAYERS,
-        EXPERTS,
-        ep=SMALL.ep,
-        redundant=SMALL.redundant,
-        dead=SMALL.dead,
-        placement="balanced",
-        load="zipf",
-        top_k=top_k,
-        zipf_exponent=exponent,
+    scenario = attrs.evolve(
+        SMALL, placement="balanced", load="zipf", top_k=top_k, zipf_exponent=exponent
     )
     load = build_load(scenario)
     placement = make_placement("balanced", LAYERS, EXPERTS, scenario.redundant, scenario.ep, load)
@@ -128,14 +113,10 @@ def failure_aware() -> dict[str, object]:
                 LAYERS, EXPERTS, ep=32, redundant=redundant, dead=frozenset({3}), placement=kind
             )
             report = evaluate(scenario)
+            scores = attrs.asdict(report.failure)
             rows[kind] = {
-                "single_rank_zero_reload_fraction": round(
-                    report.single_rank_zero_reload_fraction, 4
-                ),
-                "single_rank_zero_reload_bound": round(report.single_rank_zero_reload_bound, 4),
-                "two_rank_zero_reload_fraction": round(report.two_rank_zero_reload_fraction, 4),
-                "two_rank_zero_reload_bound": round(report.two_rank_zero_reload_bound, 4),
-                "reloads_when_rank_3_dies": report.reloads,
+                **{key: round(value, 4) for key, value in scores.items()},
+                "reloads_when_rank_3_dies": report.plan.reloads,
             }
         out[f"ep32_r{redundant}"] = rows
     big = _row(out["ep32_r256"], "failure-aware")

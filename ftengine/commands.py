@@ -73,9 +73,17 @@ def parse_command(instruction: object, params: object) -> Command:
     return Command("scale_down", frozenset(ranks))
 
 
-def check_phase(phase: Phase, instruction: str, engine_id: int) -> None:
-    """Commands run only while UNHEALTHY and not already recovering (vLLM's rule)."""
+def check_phase(
+    phase: Phase, instruction: str, engine_id: int, in_flight: str | None = None
+) -> None:
+    """Commands run only while UNHEALTHY and not already recovering (vLLM's rule), nor while
+    ``in_flight`` (a backend action of an interrupted recovery) has not returned yet."""
     if phase is Phase.QUARANTINED:
+        if in_flight is not None:
+            raise CommandRejected(
+                f"engine {engine_id} is still finishing {in_flight} of its interrupted "
+                f"recovery; send {instruction} again once it returns"
+            )
         return
     if phase in (Phase.RETRYING, Phase.SCALING_DOWN):
         raise CommandRejected(

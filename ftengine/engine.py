@@ -9,22 +9,23 @@ Backend order (ranks are original DP ranks, ``epoch`` grows by one on every rebu
   ``repair_experts(dead)`` -> ``run_dummy_batch`` (``dead`` cumulative).
 
 Thread model: faults arrive from watchdog threads (``report_fault``), commands from the
-control plane (``apply``), time from the host (``poll``). One lock guards the state. It is
-held through ``quarantine`` (which must not block on a peer) but never across a recovery
-action, so a fault reported mid-recovery takes effect at once and the recovery stops
-before its next action. No hidden threads.
+control plane (``apply``), time from the host (``poll``). One lock guards the state
+(``EngineState``). It is held through ``quarantine`` (which must not block on a peer) but
+never across a recovery action, so a fault reported mid-recovery takes effect at once and
+the recovery stops before its next action. No new recovery starts while the interrupted
+one's action is still in the backend (a due retry waits; a command is rejected), so two
+recoveries never drive the backend at once. No hidden threads.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
-from collections import deque
 from collections.abc import Callable, Mapping
 
 import attrs
 
-from ftengine.backends.base import Backend
+from ftengine.backends.base import Backend, RepairReport
 from ftengine.clock import Clock, MonotonicClock
 from ftengine.commands import (
     Command,
@@ -36,11 +37,11 @@ from ftengine.commands import (
     scale_down_problems,
 )
 from ftengine.context import RecoveryContext, RedundancyFacts
-from ftengine.episode import Episode
-from ftengine.errors import CommandRejected, ConfigError, TransitionError
+from ftengine.engine_state import SERVING, EngineState
+from ftengine.errors import CommandRejected, ConfigError
 from ftengine.faults import Fault, FaultKind, HealthStatus, Phase
-from ftengine.fsm import RECOVERING, RecoveryFSM, Trigger
-from ftengine.policies import Decision, GiveUp, Policy, Retry, ScaleDown, decide, describe
+from ftengine.fsm import RECOVERING, Trigger
+from ftengine.policies import Decision, GiveUp, Policy, decide, describe
 from ftengine.recovery import (
     ALLOWED_ACTIONS,
     RETRY_ACTIONS,
@@ -50,7 +51,7 @@ from ftengine.recovery import (
     fault_text,
     invoke,
 )
-from ftengine.status import EngineStatus, Listener, Listeners, PhaseChange
+from ftengine.status import EngineStatus, Listener, PhaseChange
 from ftengine.timeline import STEP_OF_ACTION
 
 __all__ = [
@@ -92,18 +93,7 @@ class RecoveryEngine:
         self.redundancy = redundancy
         self._lock = threading.RLock()
         self._commands = CommandLog(threading.Condition(self._lock))
-        self._fsm = RecoveryFSM()
-        self._listeners = Listeners()
-        self._history: deque[Fault] = deque(maxlen=history)
-        self._epoch = 0
-        self._removed: frozenset[int] = frozenset()
-        self._episodes = 0
-        self._episode: Episode | None = None
-        self._pending: Pending | None = None
-        self._token = 0
-        self._fault_info: str | None = None
-        self._ft_error: str | None = None
-        self._last_request_id: str | None = None
+        self._state = EngineState(rank, self.clock, history)
 
     # -- read-only views -------------------------------------------------------------------
 
@@ -111,7 +101,7 @@ class RecoveryEngine:
     def phase(self) -> Phase:
         """The FSM phase now."""
         with self._lock:
-            return self._fsm.phase
+            return self._state.phase
 
     @property
     def health(self) -> HealthStatus:
@@ -122,34 +112,23 @@ class RecoveryEngine:
     def epoch(self) -> int:
         """The process-group epoch: how many rebuilds this engine has started."""
         with self._lock:
-            return self._epoch
+            return self._state.epoch
 
     @property
     def removed_ranks(self) -> frozenset[int]:
         """Original DP ranks removed by successful scale-downs (cumulative)."""
         with self._lock:
-            return self._removed
+            return self._state.removed
 
     def status(self) -> EngineStatus:
         """A consistent snapshot of the engine."""
         with self._lock:
-            return EngineStatus(
-                id=self.rank,
-                status=self._fsm.phase.health,
-                phase=self._fsm.phase,
-                fault_info=self._fault_info,
-                last_ft_request_id=self._last_request_id,
-                ft_error=self._ft_error,
-                removed_ranks=self._removed,
-                epoch=self._epoch,
-                attempts=0 if self._episode is None else self._episode.attempts,
-                timeline=None if self._episode is None else self._episode.log.snapshot(),
-            )
+            return self._state.snapshot()
 
     def subscribe(self, listener: Listener) -> Callable[[], None]:
         """Call ``listener`` on every phase change (in order, on the changing thread, with the
         engine's lock held: keep it quick). Returns a function that unsubscribes it."""
-        return self._listeners.subscribe(listener)
+        return self._state.listeners.subscribe(listener)
 
     # -- faults ----------------------------------------------------------------------------
 
@@ -158,69 +137,56 @@ class RecoveryEngine:
         unhealthy (a recovery running included): the policy decides; by default dead.
         Never runs a recovery itself: ``poll`` or ``apply`` does."""
         with self._lock:
-            phase = self._fsm.phase
+            self._expire_deadline()
+            phase = self._state.phase
             if phase is Phase.DEAD:
                 logger.info("ignoring %s: engine %d is dead", fault_text(fault), self.rank)
                 return
             now = self.clock.now()
             if not 0 < fault.at <= now:
                 fault = attrs.evolve(fault, at=now)
-            self._note_fault(fault, phase, now)
-            if phase in (Phase.RUNNING, Phase.HEALTHY):
+            self._state.note_fault(fault, phase, now)
+            if phase in SERVING:
                 self._fault_while_serving(fault, phase, now)
             else:
                 self._fault_while_unhealthy(fault, phase, now)
 
-    def _note_fault(self, fault: Fault, phase: Phase, now: float) -> None:
-        if phase in (Phase.RUNNING, Phase.HEALTHY):
-            self._episodes += 1
-            self._episode = Episode(self._episodes, fault, now)
-            self._ft_error = None
-        else:
-            self._current().add_fault(fault)
-        self._history.append(fault)
-        self._fault_info = fault.info or fault.kind.value
-        logger.warning(
-            "engine %d: %s in phase %s (step %s, epoch %d)",
-            *(self.rank, fault_text(fault), phase.value, fault.step, self._epoch),
-            extra={"rank": self.rank, "phase": phase.value, "epoch": self._epoch},
-        )
-
     def _fault_while_serving(self, fault: Fault, phase: Phase, now: float) -> None:
-        self._fire(Trigger.FAULT, fault_text(fault))
+        self._state.fire(Trigger.FAULT, fault_text(fault))
         if not self._quarantine(fault):
             return
         decision = self._ask(fault, phase, now)
         if isinstance(decision, GiveUp):
-            self._fire(Trigger.GIVE_UP, decision.reason)
+            self._state.fire(Trigger.GIVE_UP, decision.reason)
         else:
-            self._schedule(decision, now)
+            self._state.schedule(decision, now)
 
     def _fault_while_unhealthy(self, fault: Fault, phase: Phase, now: float) -> None:
         decision = self._ask(fault, phase, now)
         continues = not isinstance(decision, GiveUp)
         reason = decision.reason if isinstance(decision, GiveUp) else fault_text(fault)
-        self._fire(Trigger.FAULT, reason, continues=continues)
+        self._state.fire(Trigger.FAULT, reason, continues=continues)
         if not continues:
             return
         if phase in RECOVERING and not self._quarantine(fault):
             return
-        self._schedule(decision, now)
+        self._state.schedule(decision, now)
 
     def _ask(self, fault: Fault, phase: Phase, now: float) -> Decision:
-        episode = self._current()
+        state = self._state
+        episode = state.current()
         ctx = RecoveryContext(
             fault=fault,
             phase=phase,
             now=now,
             episode_start=episode.start,
             attempts=episode.attempts,
-            faults=tuple(self._history),
-            dead_ranks=episode.dead_ranks(self._removed),
-            removed_ranks=self._removed,
+            faults=tuple(state.history),
+            dead_ranks=episode.dead_ranks(state.removed),
+            removed_ranks=state.removed,
             rank=self.rank,
             world_size=self.world_size,
-            epoch=self._epoch,
+            epoch=state.epoch,
             redundancy=self.redundancy,
         )
         decision = decide(self.policy, ctx)
@@ -228,26 +194,18 @@ class RecoveryEngine:
         logger.info("engine %d: policy decided to %s", self.rank, describe(decision))
         return decision
 
-    def _schedule(self, decision: Decision, now: float) -> None:
-        if isinstance(decision, Retry):
-            self._pending = Pending("retry", now + decision.after)
-        elif isinstance(decision, ScaleDown):
-            self._pending = Pending("scale_down", now, decision.ranks)
-        elif not isinstance(decision, GiveUp):
-            self._pending = Pending("deadline", decision.deadline)
-
     def _quarantine(self, fault: Fault) -> bool:
         """Run ``backend.quarantine`` (in ``quarantined``); on failure give up. Lock held."""
-        index = self._begin_step("quarantine", self._current().attempts)
+        index = self._state.begin_step("quarantine", self._state.current().attempts)
         try:
             self.backend.quarantine(fault)
         except Exception as exc:
             logger.exception("engine %d: quarantine failed", self.rank)
             error = f"{type(exc).__name__}: {exc}"
-            self._end_step(index, error)
-            self._fire(Trigger.GIVE_UP, f"quarantine failed ({error})")
+            self._state.end_step(index, error)
+            self._state.fire(Trigger.GIVE_UP, f"quarantine failed ({error})")
             return False
-        self._end_step(index)
+        self._state.end_step(index)
         return True
 
     # -- time ------------------------------------------------------------------------------
@@ -257,29 +215,37 @@ class RecoveryEngine:
         deadline (-> dead). Call it periodically (e.g. every 50 ms) from the host loop; a
         recovery it starts runs to the end in the calling thread."""
         with self._lock:
-            pending = self._pending
-            if self._fsm.phase is not Phase.QUARANTINED or pending is None:
+            if self._expire_deadline():
                 return
-            if self.clock.now() < pending.due:
+            pending = self._state.pending
+            if pending is None or self.clock.now() < pending.due:
                 return
-            self._pending = None
-            if pending.kind == "deadline":
-                self._fire(
-                    Trigger.GIVE_UP,
-                    f"no recovery command before the orchestrator deadline t={pending.due:g}s",
-                )
-                return
+            if self._state.in_flight is not None:
+                return  # an interrupted run's action is still in the backend: a later poll
+            self._state.pending = None
             plan = self._policy_plan(pending)
         if plan is not None:
             self._run(plan)
 
+    def _expire_deadline(self) -> bool:
+        """Die if the orchestrator deadline has passed; True if it did. Every entry point
+        runs this first, so an expired deadline wins over whatever comes after it, polled
+        or not. Lock held."""
+        pending = self._state.pending  # only ever set in quarantined
+        if pending is None or pending.kind != "deadline" or self.clock.now() < pending.due:
+            return False
+        reason = f"no recovery command before the orchestrator deadline t={pending.due:g}s"
+        self._state.fire(Trigger.GIVE_UP, reason)
+        return True
+
     def _policy_plan(self, pending: Pending) -> RecoveryPlan | None:
         if pending.kind == "retry":
             return self._start(Command("retry"), "policy retry")
-        removed = self._removed | pending.ranks
+        removed = self._state.removed | pending.ranks
         problems = self._scale_down_problems(removed)
         if problems:
-            self._fire(Trigger.GIVE_UP, f"policy scale-down not possible: {'; '.join(problems)}")
+            reason = f"policy scale-down not possible: {'; '.join(problems)}"
+            self._state.fire(Trigger.GIVE_UP, reason)
             return None
         return self._start(Command("scale_down", removed), "policy scale-down")
 
@@ -300,12 +266,13 @@ class RecoveryEngine:
             if recorded is not None:
                 logger.info("engine %d: replayed request %s", self.rank, request_id)
                 return recorded
+            self._expire_deadline()
             try:
                 command = self._validate(instruction, params)
             except CommandRejected as exc:
                 return self._commands.record(CommandResult(request_id, False, exc.reason))
             self._commands.start(request_id)
-            self._last_request_id = request_id
+            self._state.last_request_id = request_id
             plan = self._start(command, f"command {request_id}")
         result = CommandResult(request_id, False, "the recovery was interrupted")
         try:
@@ -319,7 +286,8 @@ class RecoveryEngine:
     def _validate(self, instruction: object, params: object) -> Command:
         # Phase before params: a dead or serving engine answers with its status, whatever
         # the params were.
-        check_phase(self._fsm.phase, check_instruction(instruction), self.rank)
+        state = self._state
+        check_phase(state.phase, check_instruction(instruction), self.rank, state.in_flight)
         command = parse_command(instruction, params)
         if command.instruction == "scale_down":
             problems = self._scale_down_problems(command.removed)
@@ -332,7 +300,7 @@ class RecoveryEngine:
             removed,
             rank=self.rank,
             world_size=self.world_size,
-            already_removed=self._removed,
+            already_removed=self._state.removed,
             redundancy=self.redundancy,
         )
 
@@ -340,15 +308,16 @@ class RecoveryEngine:
 
     def _start(self, command: Command, origin: str) -> RecoveryPlan:
         """Enter ``retrying`` / ``scaling_down`` and plan the run. Lock held."""
+        state = self._state
         retry = command.instruction == "retry"
-        removed = self._removed if retry else command.removed
-        episode = self._current()
+        removed = state.removed if retry else command.removed
+        episode = state.current()
         episode.attempts += 1
-        self._token += 1
-        self._fire(Trigger.RETRY if retry else Trigger.SCALE_DOWN, origin)
+        state.token += 1
+        state.fire(Trigger.RETRY if retry else Trigger.SCALE_DOWN, origin)
         return RecoveryPlan(
-            token=self._token,
-            phase=self._fsm.phase,
+            token=state.token,
+            phase=state.phase,
             attempt=episode.attempts,
             removed=removed,
             alive=frozenset(range(self.world_size)) - removed,
@@ -358,86 +327,62 @@ class RecoveryEngine:
     def _run(self, plan: RecoveryPlan) -> tuple[bool, str | None]:
         """Run ``plan``'s actions outside the lock, checking before each that the engine still
         belongs to it. Returns (success, reason)."""
+        state = self._state
         for action in plan.actions:
             with self._lock:
                 if not self._owns(plan):
                     return False, self._interrupted()
                 if action == "rebuild_groups":
-                    self._epoch += 1
-                index = self._begin_step(STEP_OF_ACTION[action], plan.attempt)
-                epoch = self._epoch
+                    state.epoch += 1
+                index = state.begin_step(STEP_OF_ACTION[action], plan.attempt)
+                epoch = state.epoch
+                state.in_flight = action
             try:
-                report = invoke(self.backend, action, plan, epoch)
+                report = self._invoke(action, plan, epoch)
             except Exception as exc:
                 with self._lock:
                     return False, self._action_failed(plan, action, index, exc)
             with self._lock:
-                self._end_step(index)
+                state.end_step(index)
                 if report is not None:
-                    self._current().log.set_repair(report)
+                    state.current().log.set_repair(report)
         with self._lock:
             if not self._owns(plan):
                 return False, self._interrupted()
-            self._removed = plan.removed
-            self._fire(Trigger.RECOVERED, f"{plan.phase.value} succeeded (attempt {plan.attempt})")
-            self._fault_info = None
+            state.removed = plan.removed
+            state.fire(Trigger.RECOVERED, f"{plan.phase.value} succeeded (attempt {plan.attempt})")
+            state.fault_info = None
             return True, None
 
+    def _invoke(self, action: str, plan: RecoveryPlan, epoch: int) -> RepairReport | None:
+        """One backend action, outside the lock; no recovery may start until it is over."""
+        try:
+            return invoke(self.backend, action, plan, epoch)
+        finally:
+            with self._lock:
+                self._state.in_flight = None
+
     def _owns(self, plan: RecoveryPlan) -> bool:
-        return self._token == plan.token and self._fsm.phase is plan.phase
+        return self._state.token == plan.token and self._state.phase is plan.phase
 
     def _interrupted(self) -> str:
-        phase = self._fsm.phase
-        why = f": {self._ft_error}" if phase is Phase.DEAD and self._ft_error else ""
-        return (
-            f"recovery interrupted by a fault; engine {self.rank} status is "
-            f"{phase.health.name} (phase {phase.value}){why}"
-        )
+        return "recovery interrupted by a fault; " + self._health_text()
+
+    def _health_text(self) -> str:
+        """``engine 0 status is DEAD (phase dead): <why>`` (the why only once dead)."""
+        phase, error = self._state.phase, self._state.ft_error
+        why = f": {error}" if phase is Phase.DEAD and error else ""
+        return f"engine {self.rank} status is {phase.health.name} (phase {phase.value}){why}"
 
     def _action_failed(self, plan: RecoveryPlan, action: str, index: int, exc: Exception) -> str:
         """A recovery action raised: record it and treat it as a fault in the recovery."""
         error = f"{type(exc).__name__}: {exc}"
-        self._end_step(index, error)
+        self._state.end_step(index, error)
         logger.warning("engine %d: %s failed: %s", self.rank, action, error, exc_info=exc)
         if not self._owns(plan):
             return self._interrupted()
         fault = Fault(FaultKind.RECOVERY_ERROR, info=f"{action}: {error}", at=self.clock.now())
-        self._ft_error = f"{plan.phase.value} failed at {action}: {error}"
-        self._note_fault(fault, plan.phase, fault.at)
+        self._state.ft_error = f"{plan.phase.value} failed at {action}: {error}"
+        self._state.note_fault(fault, plan.phase, fault.at)
         self._fault_while_unhealthy(fault, plan.phase, fault.at)
-        phase = self._fsm.phase
-        outcome = f": {self._ft_error}" if phase is Phase.DEAD else ""
-        return (
-            f"{action} failed ({error}); engine {self.rank} status is "
-            f"{phase.health.name} (phase {phase.value}){outcome}"
-        )
-
-    # -- FSM and timeline plumbing (lock held) ---------------------------------------------
-
-    def _fire(self, trigger: Trigger, reason: str, *, continues: bool = False) -> Phase:
-        source = self._fsm.phase
-        dest = self._fsm.fire(trigger, continues=continues)
-        now = self.clock.now()
-        if dest is not Phase.QUARANTINED:
-            self._pending = None
-        if dest is Phase.DEAD:
-            self._ft_error = reason
-            logger.error("engine %d is dead: %s", self.rank, reason)
-        if dest is source:
-            return dest
-        if self._episode is not None:
-            self._episode.log.add_phase(dest, now, reason)
-        change = PhaseChange(source, dest, now, reason, trigger.value, self._epoch)
-        self._listeners.notify(change)
-        return dest
-
-    def _current(self) -> Episode:
-        if self._episode is None:
-            raise TransitionError("recovery work outside a fault episode (an engine bug)")
-        return self._episode
-
-    def _begin_step(self, name: str, attempt: int) -> int:
-        return self._current().log.begin_step(name, attempt, self.clock.now())
-
-    def _end_step(self, index: int, error: str | None = None) -> None:
-        self._current().log.end_step(index, self.clock.now(), error)
+        return f"{action} failed ({error}); " + self._health_text()

@@ -4,6 +4,9 @@ each with monotonic timestamps (engine clock seconds).
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from typing import Any
+
 import attrs
 
 from ftengine.backends.base import RepairReport
@@ -48,6 +51,7 @@ class StepRecord:
         return None if self.end is None else self.end - self.start
 
     def to_dict(self) -> dict[str, object]:
+        """JSON-able ``{"name", "attempt", "start", "end", "seconds", "ok", "error"}``."""
         return {
             "name": self.name,
             "attempt": self.attempt,
@@ -57,6 +61,20 @@ class StepRecord:
             "ok": None if self.end is None else self.error is None,
             "error": self.error,
         }
+
+    @classmethod
+    def from_dict(cls, raw: Mapping[str, Any]) -> StepRecord:
+        """Read ``to_dict()``'s form back (a missing ``attempt`` is 0, ``end`` / ``error``
+        None; the derived ``seconds`` / ``ok`` are ignored). Raises ``KeyError``,
+        ``TypeError`` or ``ValueError`` for another shape."""
+        end, error = raw.get("end"), raw.get("error")
+        return cls(
+            name=str(raw["name"]),
+            attempt=int(raw.get("attempt") or 0),
+            start=float(raw["start"]),
+            end=None if end is None else float(end),
+            error=None if error is None else str(error),
+        )
 
 
 @attrs.frozen

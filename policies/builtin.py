@@ -166,7 +166,8 @@ class ExponentialBackoff(Composable):
 @attrs.frozen
 class FlapGuard(Composable):
     """A rank that faulted ``k`` times within ``window`` s is treated as dead: scale it
-    down (or give up if redundancy cannot absorb it, or if it is this worker); else abstain.
+    down (or give up if redundancy cannot absorb it, if it is this worker, or if this
+    worker is itself confirmed dead); else abstain.
     """
 
     k: int = attrs.field(validator=int_at_least(1))
@@ -182,6 +183,8 @@ class FlapGuard(Composable):
         flapping = f"rank {rank} faulted {count} times within {self.window:g}s"
         if rank == ctx.rank:
             return GiveUp(f"{flapping}: this worker flaps")
+        if ctx.rank in ctx.dead_ranks:  # a scale-down may never name this worker
+            return GiveUp(f"{flapping}, but this worker's rank {ctx.rank} is dead")
         dead = ctx.dead_ranks | {rank}
         if not ctx.redundancy_allows(ctx.removed_ranks | dead):
             return GiveUp(f"{flapping}, but the survivors cannot host every expert without it")

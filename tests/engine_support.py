@@ -25,6 +25,12 @@ class Rig:
         """Every phase entered so far, in order."""
         return [change.dest for change in self.changes]
 
+    def poll_after(self, seconds: float) -> Phase:
+        """Let ``seconds`` pass on the engine's clock, poll once, and return the phase."""
+        self.clock.advance(seconds)
+        self.engine.poll()
+        return self.engine.phase
+
 
 def make_rig(
     policy: Policy | None = None,

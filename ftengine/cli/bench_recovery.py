@@ -1,5 +1,6 @@
 """Recovery benchmark on the CPU cluster: SIGKILL/SIGSTOP detection, scale-down interruption
-vs a cold restart, retry time, FT overhead and expert reloads, measured side by side on one
+vs a full restart (warm and cold page cache), retry time, FT overhead against the same
+checkpoint on a fault-tolerance-off cluster, and expert reloads, measured side by side on one
 checkpoint. Prints one JSON object; ``--plot`` draws tokens/s with fault and recovery marks."""
 
 from __future__ import annotations
@@ -14,35 +15,31 @@ from typing import Any
 
 import attrs
 
+from ftengine.control import launch
+from ftengine.control.bench_overhead import interleaved_rounds
 from ftengine.control.bench_plot import Mark, plot_throughput
 from ftengine.control.bench_trials import (
     BenchCluster,
+    Restart,
     Trial,
     TrialPlan,
-    launch_to_first_token,
     retry_trial,
     run_trial,
-    step_time_s,
     summary,
-)
-from ftengine.control.launch import (
-    CheckpointSize,
-    add_checkpoint_args,
-    add_cluster_args,
-    checkpoint_dir,
-    checkpoint_vocab,
-    cluster_config,
-    fixed_prompts,
-    size_from_args,
+    timed_restart,
 )
 from ftengine.control.traffic import TrafficStream
 
 BENCH = "recovery"
 # About 600 MB of bf16 weights (experts dominate), so that reloading experts costs real I/O.
-BENCH_SIZE = CheckpointSize(layers=4, experts=16, hidden=1024, intermediate=1536, vocab=512)
+BENCH_SIZE = launch.CheckpointSize(layers=4, experts=16, hidden=1024, intermediate=1536, vocab=512)
 CHAIN_VICTIMS = (1, 3, 2)  # rank 3 holds the last copies of rank 1's experts: 2nd kill reloads
 CHECK_TOKENS = 4
-FT_OFF = {"op_timeout_s": 1800.0, "heartbeat_s": 3600.0}  # torch's default gloo timeout
+FT_OFF_NOTE = (
+    "a second cluster on the same checkpoint with ClusterConfig(fault_tolerance=False): torch's "
+    "default gloo timeout, no heartbeats, no exit verdicts, no hung-step fencing, no engine "
+    "polling, fault reports or status after steps"
+)
 logger = logging.getLogger(__name__)
 
 
@@ -57,8 +54,7 @@ def register(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--settle", type=float, default=1.0, help="seconds of steady traffic before each fault"
     )
-    add_checkpoint_args(parser, BENCH_SIZE)
-    add_cluster_args(parser)
+    launch.add_run_args(parser, BENCH_SIZE)
     parser.set_defaults(func=run)
 
 
@@ -79,24 +75,28 @@ class _Bench:
 
         self.args = args
         self.checkpoint = checkpoint
-        self.prompts = fixed_prompts(8, checkpoint_vocab(checkpoint))
+        self.prompts = launch.prompts_for(checkpoint, 8)
         self.reference = reference_generate(checkpoint, self.prompts, CHECK_TOKENS)
         self.first_tokens = [list(g.token_ids[:1]) for g in self.reference]
         self.compare: Callable[..., Any] = compare_outputs
-        self.restarts: list[float] = []
+        self.restarts: list[Restart] = []
         self.trials: list[Trial] = []
         self.matches: list[bool] = []
         self.marks: list[Mark] = []
         self.pauses: list[tuple[float, float]] = []
 
-    def launch(self, **overrides: object) -> BenchCluster:
+    def start_cluster(self, *, cold: bool = False, **overrides: object) -> BenchCluster:
+        """Launch a cluster (``overrides`` on the flags' config) and time it to its first
+        token; ``cold`` evicts the checkpoint from the page cache first. FT-on launches count
+        as full-restart samples."""
         from ftengine.cluster import Cluster
 
         def start() -> BenchCluster:
-            return Cluster.launch(cluster_config(self.args, self.checkpoint, **overrides))
+            return Cluster.launch(launch.cluster_config(self.args, self.checkpoint, **overrides))
 
-        cluster, seconds = launch_to_first_token(start, self.prompts[0])
-        self.restarts.append(seconds)
+        cluster, restart = timed_restart(start, self.prompts[0], self.checkpoint, cold=cold)
+        if overrides.get("fault_tolerance", True):
+            self.restarts.append(restart)
         return cluster
 
     def outputs_match(self, cluster: BenchCluster) -> bool:
@@ -133,31 +133,18 @@ class _Bench:
             self.marks.append(Mark(trial.fault_at + trial.interruption_s, "first token"))
 
 
-def _overhead(bench: _Bench, on: BenchCluster) -> dict[str, float]:
-    """Step time with FT on and with the FT-off proxy, in rounds that alternate which goes
-    first (to cancel drift). The ratio uses each side's fastest round: on a shared machine
-    the other load only ever adds time, so the minimum is the least disturbed estimate."""
-    off = bench.launch(**FT_OFF)
+def _overhead(bench: _Bench, on: BenchCluster) -> dict[str, object]:
+    """Step time of ``on`` (FT on) against an FT-off cluster on the same checkpoint, in
+    interleaved rounds (``ftengine.control.bench_overhead``)."""
+    off = bench.start_cluster(fault_tolerance=False)
     try:
-        tokens = bench.args.overhead_tokens
-        times: dict[str, list[float]] = {"on": [], "off": []}
-        for cluster in (on, off):  # warm-up round each
-            step_time_s(cluster, bench.prompts, tokens)
-        for index in range(bench.args.overhead_rounds):
-            order = ("on", "off") if index % 2 == 0 else ("off", "on")
-            for name in order:
-                cluster = on if name == "on" else off
-                times[name].append(step_time_s(cluster, bench.prompts, tokens))
+        args = bench.args
+        rounds = interleaved_rounds(
+            on, off, bench.prompts, args.overhead_tokens, args.overhead_rounds
+        )
     finally:
         off.shutdown()
-    best_on, best_off = min(times["on"]), min(times["off"])
-    median_on, median_off = (float(summary(times[k])["median"] or 0.0) for k in ("on", "off"))
-    return {
-        "ft_overhead_ratio": best_on / best_off,
-        "ft_overhead_ratio_median": median_on / median_off,
-        "step_time_ft_on_s": best_on,
-        "step_time_ft_off_s": best_off,
-    }
+    return rounds.to_dict()
 
 
 def _first_launch(bench: _Bench, kinds: Sequence[str]) -> dict[str, Any]:
@@ -166,7 +153,7 @@ def _first_launch(bench: _Bench, kinds: Sequence[str]) -> dict[str, Any]:
     args = bench.args
     steps_before = 1 + (args.overhead_rounds + 1) * args.overhead_tokens
     inject = f"rank=0,step={steps_before + 10},kind=raise"
-    cluster = bench.launch(inject_fault=inject)
+    cluster = bench.start_cluster(inject_fault=inject)
     try:
         measured: dict[str, Any] = _overhead(bench, cluster)
         stream = bench.stream(cluster)
@@ -187,45 +174,73 @@ def _first_launch(bench: _Bench, kinds: Sequence[str]) -> dict[str, Any]:
 def _result(
     bench: _Bench, measured: dict[str, Any], size_mb: float, wall_s: float
 ) -> dict[str, Any]:
-    kills = [t for t in bench.trials if t.kind == "sigkill"]
-    stops = [t for t in bench.trials if t.kind == "sigstop"]
-    downs = [t for t in bench.trials if t.interruption_s is not None]
-    kill_downs = [t for t in kills if t.interruption_s is not None]
-    # The scale-down that reloads experts is the one where weight loading matters.
-    reload_trials = [t for t in kill_downs if t.reloads] or kill_downs
-    interruption = summary([t.interruption_s or 0.0 for t in reload_trials])["median"]
-    restart = summary(bench.restarts)["median"]
+    overhead = {k: v for k, v in measured.items() if k.startswith(("ft_", "step_time_"))}
     return {
         "checkpoint_mb": round(size_mb, 1),
         "dp_size": bench.args.dp_size,
-        "sigkill_detect_s": summary([t.detect_s for t in kills]),
-        "sigstop_detect_s": summary([t.detect_s for t in stops]),
-        "op_timeout_s": bench.args.op_timeout,
-        "heartbeat_s": bench.args.heartbeat,
-        "scale_down_interruption_s": interruption,
-        "scale_down_interruption_note": "median over SIGKILL scale-downs that reloaded experts",
-        "sigkill_interruption_s": summary([t.interruption_s or 0.0 for t in kill_downs]),
-        "sigstop_interruption_s": summary(
-            [t.interruption_s or 0.0 for t in stops if t.interruption_s is not None]
-        ),
-        "full_restart_s": restart,
-        "full_restart_samples_s": bench.restarts,
-        "interruption_over_restart": None
-        if not interruption or not restart
-        else interruption / restart,
+        **_detection(bench),
+        **_interruption(bench),
         "retry_s": measured.get("retry_s"),
-        "ft_overhead_ratio": measured.get("ft_overhead_ratio"),
-        "step_time_ft_on_s": measured.get("step_time_ft_on_s"),
-        "step_time_ft_off_s": measured.get("step_time_ft_off_s"),
-        "ft_overhead_ratio_median": measured.get("ft_overhead_ratio_median"),
-        "ft_off_proxy": "same cluster with op timeout 1800 s and heartbeats every 3600 s",
-        "reloads": max((t.reloads for t in downs), default=0),
-        "reload_lower_bound": max((t.reload_lower_bound for t in reload_trials), default=0),
-        "bytes_reloaded": max((t.bytes_reloaded for t in downs), default=0),
+        **overhead,
+        "ft_off": FT_OFF_NOTE,
+        **_reloads(bench),
         "outputs_match": bool(bench.matches) and all(bench.matches),
         "trials": [_trial_fields(t) for t in bench.trials],
         "wall_s": wall_s,
     }
+
+
+def _detection(bench: _Bench) -> dict[str, Any]:
+    return {
+        "sigkill_detect_s": summary([t.detect_s for t in bench.trials if t.kind == "sigkill"]),
+        "sigstop_detect_s": summary([t.detect_s for t in bench.trials if t.kind == "sigstop"]),
+        "op_timeout_s": bench.args.op_timeout,
+        "heartbeat_s": bench.args.heartbeat,
+    }
+
+
+def _interruption(bench: _Bench) -> dict[str, Any]:
+    """Scale-down interruptions, full restarts (cold and warm) and their ratios."""
+    downs = [t for t in bench.trials if t.interruption_s is not None]
+    kill_downs = [t for t in downs if t.kind == "sigkill"]
+    # The scale-down that reloads experts is the one where weight loading matters.
+    reload_trials = [t for t in kill_downs if t.reloads] or kill_downs
+    interruption = summary([t.interruption_s or 0.0 for t in reload_trials])["median"]
+    cold = [r.seconds for r in bench.restarts if r.cold]
+    warm = [r.seconds for r in bench.restarts if not r.cold]
+    cold_s, warm_s = summary(cold)["median"], summary(warm)["median"]
+    return {
+        "scale_down_interruption_s": interruption,
+        "scale_down_interruption_note": "median over SIGKILL scale-downs that reloaded experts",
+        "sigkill_interruption_s": summary([t.interruption_s or 0.0 for t in kill_downs]),
+        "sigstop_interruption_s": summary(
+            [t.interruption_s or 0.0 for t in downs if t.kind == "sigstop"]
+        ),
+        "full_restart_s": cold_s,
+        "full_restart_warm_s": warm_s,
+        "full_restart_note": "launch -> first token; cold: checkpoint evicted from the page "
+        "cache first (median), warm: left in it",
+        "full_restart_samples_s": {"cold": cold, "warm": warm},
+        "cold_restart_cached_fraction": max(
+            (r.cached for r in bench.restarts if r.cached is not None), default=None
+        ),
+        "interruption_over_restart": _ratio(interruption, cold_s),
+        "interruption_over_warm_restart": _ratio(interruption, warm_s),
+    }
+
+
+def _reloads(bench: _Bench) -> dict[str, Any]:
+    downs = [t for t in bench.trials if t.interruption_s is not None]
+    reload_trials = [t for t in downs if t.kind == "sigkill" and t.reloads]
+    return {
+        "reloads": max((t.reloads for t in downs), default=0),
+        "reload_lower_bound": max((t.reload_lower_bound for t in reload_trials), default=0),
+        "bytes_reloaded": max((t.bytes_reloaded for t in downs), default=0),
+    }
+
+
+def _ratio(part: float | int | None, whole: float | int | None) -> float | None:
+    return None if not part or not whole else float(part) / float(whole)
 
 
 def _trial_fields(trial: Trial) -> dict[str, object]:
@@ -241,12 +256,13 @@ def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(message)s")
     start = time.monotonic()
     chains = _chains(max(1, args.kill_trials), max(1, args.stop_trials))
-    with checkpoint_dir(args.checkpoint, size_from_args(args)) as checkpoint:
+    with launch.run_checkpoint(args) as checkpoint:
         size_mb = sum(f.stat().st_size for f in checkpoint.iterdir()) / 1e6
         bench = _Bench(args, checkpoint)
         measured = _first_launch(bench, chains[0])
-        for kinds in chains[1:]:
-            cluster = bench.launch()
+        for index, kinds in enumerate(chains[1:]):
+            # Every other launch is cold: a restart after a real fault reads its weights from disk.
+            cluster = bench.start_cluster(cold=index % 2 == 0)
             stream = bench.stream(cluster)
             try:
                 bench.chain(cluster, kinds, stream)

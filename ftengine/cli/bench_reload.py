@@ -17,6 +17,7 @@ from rich.console import Console
 from rich.table import Table
 
 from ftengine.cli.checkpoint import phase_progress
+from ftengine.cli.options import options_from_args
 from ftengine.errors import FTEngineError
 from ftengine.weights.bench_measure import Cache
 from ftengine.weights.checkpoint_gen import is_generated_checkpoint, remove_checkpoint
@@ -81,21 +82,7 @@ def _caches(args: argparse.Namespace) -> tuple[Cache, ...]:
 
 def run(args: argparse.Namespace) -> int:
     """Run the benchmark; print JSON (``--json``) or a table. Exit 0 even if a target is missed."""
-    setup = BenchSetup(
-        size_mb=args.size_mb,
-        quant=args.quant,
-        dp=args.dp,
-        layers=args.layers,
-        experts=args.experts,
-        redundant=args.redundant,
-        dead_rank=args.dead_rank,
-        worker_rank=args.worker_rank,
-        workers=args.workers,
-        threads=args.threads,
-        repeat=max(1, args.repeat),
-        shards=args.shards,
-        caches=_caches(args),
-    )
+    setup = options_from_args(BenchSetup, args, repeat=max(1, args.repeat), caches=_caches(args))
     root = args.checkpoint or default_checkpoint(args.size_mb, args.quant)
     try:
         with phase_progress(sys.stderr.isatty()) as progress:

@@ -18,22 +18,13 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from ftengine.control.launch import (
-    CheckpointSize,
-    add_checkpoint_args,
-    add_cluster_args,
-    checkpoint_dir,
-    checkpoint_vocab,
-    cluster_config,
-    fixed_prompts,
-    size_from_args,
-)
+from ftengine.control import launch
 from ftengine.control.live import NullReporter, PlainReporter, Reporter, RichReporter, Watcher
 from ftengine.control.scenario import SCENARIO, ScenarioResult, ScenarioSettings, run_scenario
 from ftengine.errors import FTEngineError
 
 COMMAND = "demo"
-DEMO_SIZE = CheckpointSize(layers=2, experts=8, hidden=64, intermediate=64, vocab=256)
+DEMO_SIZE = launch.CheckpointSize(layers=2, experts=8, hidden=64, intermediate=64, vocab=256)
 
 
 def register(parser: argparse.ArgumentParser) -> None:
@@ -45,8 +36,7 @@ def register(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--plain", action="store_true", help="timestamped lines instead of a live table"
     )
-    add_checkpoint_args(parser, DEMO_SIZE)
-    add_cluster_args(parser)
+    launch.add_run_args(parser, DEMO_SIZE)
     parser.set_defaults(func=run)
 
 
@@ -83,7 +73,7 @@ def run(args: argparse.Namespace) -> int:
     t0 = time.monotonic()
     reporter = _reporter(args, t0)
     try:
-        with checkpoint_dir(args.checkpoint, size_from_args(args)) as checkpoint:
+        with launch.run_checkpoint(args) as checkpoint:
             result, launch_s = _run_on(args, checkpoint, reporter, t0)
     except FTEngineError as exc:
         reporter.close()
@@ -108,7 +98,7 @@ def _run_on(
     """Reference, launch, scenario on ``checkpoint``; returns (result, launch seconds)."""
     from ftengine.cluster import Cluster, compare_outputs, reference_generate
 
-    prompts = fixed_prompts(args.prompts, checkpoint_vocab(checkpoint))
+    prompts = launch.prompts_for(checkpoint, args.prompts)
     reporter.note(time.monotonic(), f"checkpoint ready: {checkpoint}")
     reference = reference_generate(checkpoint, prompts, args.max_tokens)
     reporter.note(time.monotonic(), f"reference computed for {len(prompts)} prompts")
@@ -116,7 +106,7 @@ def _run_on(
     rich = isinstance(reporter, RichReporter)
     log = Path(tempfile.gettempdir()) / f"ftengine-demo-workers-{os.getpid()}.log"
     with _worker_stderr(log, rich):
-        cluster = Cluster.launch(cluster_config(args, checkpoint))
+        cluster = Cluster.launch(launch.cluster_config(args, checkpoint))
     launch_s = time.monotonic() - start
     reporter.note(time.monotonic(), f"cluster of {args.dp_size} workers up ({args.policy})")
     if rich:

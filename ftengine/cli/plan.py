@@ -6,6 +6,7 @@ import argparse
 import json
 import sys
 
+from ftengine.cli.options import options_from_args
 from ftengine.errors import FTEngineError
 from ftengine.placement.evaluate import Scenario, evaluate
 from ftengine.placement.initial import PLACEMENTS
@@ -51,19 +52,7 @@ def _rank_list(text: str) -> frozenset[int]:
 
 def run(args: argparse.Namespace) -> int:
     """Evaluate the scenario; print JSON (``--json``) or ``key: value`` lines."""
-    scenario = Scenario(
-        layers=args.layers,
-        experts=args.experts,
-        ep=args.ep,
-        redundant=args.redundant,
-        dead=args.dead,
-        placement=args.placement,
-        load=args.load,
-        extra_reloads=args.extra_reloads,
-        seed=args.seed,
-        zipf_exponent=args.zipf_exponent,
-        top_k=args.top_k,
-    )
+    scenario = options_from_args(Scenario, args)
     try:
         report = evaluate(scenario, repeats=args.repeats).to_dict()
     except FTEngineError as exc:

@@ -11,15 +11,8 @@ import sys
 from pathlib import Path
 from types import FrameType
 
+from ftengine.control import launch
 from ftengine.control.auth import API_KEY_ENV, check_bind
-from ftengine.control.launch import (
-    CheckpointSize,
-    add_checkpoint_args,
-    add_cluster_args,
-    checkpoint_dir,
-    cluster_config,
-    size_from_args,
-)
 from ftengine.errors import ConfigError
 
 COMMAND = "serve"
@@ -39,8 +32,7 @@ def register(parser: argparse.ArgumentParser) -> None:
         "--port-file", type=Path, default=None, help="write the bound port here once serving"
     )
     parser.add_argument("--log-level", default="warning", help="uvicorn/ftengine log level")
-    add_checkpoint_args(parser, CheckpointSize())
-    add_cluster_args(parser)
+    launch.add_run_args(parser, launch.CheckpointSize())
     parser.set_defaults(func=run)
 
 
@@ -74,7 +66,7 @@ def run(args: argparse.Namespace) -> int:
         return 2
     signal.signal(signal.SIGTERM, _terminate)
     try:
-        with checkpoint_dir(args.checkpoint, size_from_args(args)) as checkpoint:
+        with launch.run_checkpoint(args) as checkpoint:
             return _serve(args, sock, checkpoint, api_key)
     finally:
         sock.close()
@@ -86,7 +78,7 @@ def _serve(args: argparse.Namespace, sock: socket.socket, checkpoint: Path, key:
     from ftengine.cluster import Cluster
     from ftengine.control.app import create_app
 
-    cluster = Cluster.launch(cluster_config(args, checkpoint))
+    cluster = Cluster.launch(launch.cluster_config(args, checkpoint))
     try:
         app = create_app(cluster, api_key=key)
         stop_observer = app.state.plane.observe_every(0.25)

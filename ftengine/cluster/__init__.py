@@ -10,13 +10,14 @@ from ftengine.cluster.config import ClusterConfig
 from ftengine.cluster.faults_inject import ENV_VAR as INJECT_ENV_VAR
 from ftengine.cluster.faults_inject import FaultSpec, InjectKind
 from ftengine.cluster.generation import Generation, RequestAborted
+from ftengine.cluster.handles import ClusterEvent
 from ftengine.cluster.reference import (
     LOGITS_ATOL,
     OutputsCheck,
     compare_outputs,
     reference_generate,
 )
-from ftengine.cluster.supervisor import Cluster, ClusterError, ClusterEvent
+from ftengine.cluster.supervisor import Cluster, ClusterError
 
 __all__ = [
     "INJECT_ENV_VAR",

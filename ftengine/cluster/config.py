@@ -1,4 +1,5 @@
-"""ClusterConfig: what it takes to launch the CPU reference cluster (sizes, timeouts, policy)."""
+"""ClusterConfig: what it takes to launch the CPU reference cluster (sizes, timeouts, policy,
+fault tolerance on or off, and the command adapter its workers answer commands through)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,10 @@ from ftengine.errors import ConfigError
 
 PolicyName = Literal["orchestrator", "auto"]
 
+# torch.distributed's default process-group timeout (30 min): what a gloo collective waits
+# for a peer in a cluster without ftengine.
+TORCH_DEFAULT_TIMEOUT_S = 1800.0
+
 
 def _to_path(value: str | Path) -> Path:
     return Path(value)
@@ -21,6 +26,18 @@ def _to_fault(value: FaultSpec | str | None) -> FaultSpec | None:
     if value is None or isinstance(value, FaultSpec):
         return value
     return FaultSpec.parse(value) if value.strip() else None
+
+
+def _adapter_spec(
+    instance: object, attribute: attrs.Attribute[str | None], value: str | None
+) -> None:
+    if value is None:
+        return
+    module, _, function = value.partition(":")
+    if not module.strip() or not function.strip() or ":" in function:
+        raise ConfigError(
+            f"ClusterConfig.command_adapter must be 'package.module:function', found {value!r}"
+        )
 
 
 def _positive(instance: object, attribute: attrs.Attribute[float], value: float) -> None:
@@ -39,6 +56,12 @@ class ClusterConfig:
     (None: as many as there are logical experts, so half the ranks may die).
     ``inject_fault`` (a :class:`FaultSpec` or its text) overrides
     ``FTENGINE_INJECT_FAULT`` for the workers.
+
+    ``command_adapter`` (``"package.module:function"``) names a factory each worker calls
+    once as ``factory(sentinel, rank)``; every orchestrator command then goes through the
+    returned object's ``handle_ft_command(instruction, params, request_id)`` (see
+    :mod:`ftengine.cluster.adapters`). ``fault_tolerance=False`` runs the cluster as one
+    without ftengine would run (see :attr:`fault_tolerance`).
     """
 
     checkpoint: Path = attrs.field(converter=_to_path)
@@ -55,6 +78,22 @@ class ClusterConfig:
     start_timeout_s: float = attrs.field(default=120.0, validator=_positive)
     host: str = "127.0.0.1"
     torch_threads: int = attrs.field(default=1, validator=attrs.validators.ge(1))
+    command_adapter: str | None = attrs.field(default=None, validator=_adapter_spec)
+    fault_tolerance: bool = True
+    """False: the baseline a cluster without ftengine is. Gloo ops and group set-up use
+    torch's default timeout (30 min, ``op_timeout_s`` is ignored); no heartbeats; the
+    supervisor records a worker's exit but tells nobody and fences nobody; steps are not
+    watched for hung ranks nor announced as transient faults; workers neither poll their
+    engine nor report faults to it and publish no status after steps; a step error kills
+    the worker (as an exception kills vLLM's engine core) and ``apply`` refuses every
+    command. The same in both modes: the model, the MC2-style dispatch (its elastic_info
+    lookup is skipped while no rank is masked, being the identity then), the per-step DP
+    sync all-reduce and its lockstep check, and fault injection."""
+
+    @property
+    def worker_op_timeout_s(self) -> float:
+        """The per-op gloo timeout the workers use (torch's default with fault tolerance off)."""
+        return self.op_timeout_s if self.fault_tolerance else TORCH_DEFAULT_TIMEOUT_S
 
     @property
     def heartbeat_timeout_s(self) -> float:
@@ -64,6 +103,8 @@ class ClusterConfig:
     @property
     def rendezvous_timeout_s(self) -> float:
         """Seconds a group rebuild waits for its peers (a peer may still be stuck in an op)."""
+        if not self.fault_tolerance:
+            return TORCH_DEFAULT_TIMEOUT_S
         return max(10.0, 3.0 * self.op_timeout_s)
 
     @property

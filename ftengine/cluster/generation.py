@@ -1,6 +1,8 @@
 """Lockstep generation on the cluster: every live DP rank runs every step (ranks without a
 request run an empty one, like vLLM's DP busy loop), requests stay on the rank that
-holds their KV cache, and a failed step aborts every in-flight request.
+holds their KV cache, and a failed step aborts every in-flight request. With fault
+tolerance on, a rank that stays silent after its peers failed is fenced, and a failed step
+with every rank alive is announced to the ranks as a transient fault; with it off, neither.
 """
 
 from __future__ import annotations
@@ -141,6 +143,7 @@ class StepRunner:
         """Wait for every live worker's reply; fence a worker that stays silent once its
         peers have failed (a hung main thread) or past a generous step budget."""
         cfg = self._cluster.config
+        watch_hung = cfg.fault_tolerance
         budget = 60.0 + 10 * cfg.op_timeout_s
         start = time.monotonic()
         trouble_at: float | None = None
@@ -156,7 +159,7 @@ class StepRunner:
                 ):
                     trouble_at = now
                 late = trouble_at is not None and now > trouble_at + cfg.op_timeout_s + HUNG_GRACE_S
-                if late or now > start + budget:
+                if watch_hung and (late or now > start + budget):
                     for w in pending:
                         self._cluster.fence(w.rank, f"hung: no reply to step {step}")
                 self._cluster.lock.wait(0.05)
@@ -172,7 +175,7 @@ class StepRunner:
     ) -> None:
         detail = "; ".join(f"rank {rank}: {why}" for rank, why in sorted(failed.items()))
         self._cluster.record("step_failed", min(failed), f"step {step}: {detail}")
-        if all(w.alive for w in workers):
+        if self._cluster.config.fault_tolerance and all(w.alive for w in workers):
             self._announce_transient(step, workers, replies, failed)
         for r in requests:
             self._release.setdefault(r.rank, []).append(r.request_id)

@@ -1,16 +1,49 @@
-"""The supervisor's view of one worker process: its pipe, its last reports, its liveness."""
+"""The supervisor's view of one worker process: its pipe, its last reports (status, phase
+changes, the history of its fault episodes), its liveness; and the events the supervisor logs.
+"""
 
 from __future__ import annotations
 
+import contextlib
+import os
 import signal
 import threading
 import time
+from collections.abc import Iterable, Mapping
 from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
 from typing import Any
 
+import attrs
+
 from ftengine.cluster.protocol import PhaseEvent
 from ftengine.faults import HealthStatus, Phase
+
+EPISODE_HISTORY = 64
+"""Fault episodes each engine's status keeps (the last ones); ``fault_episodes`` counts all."""
+
+
+@attrs.frozen
+class ClusterEvent:
+    """Something the supervisor saw or did, at monotonic time ``at`` (seconds)."""
+
+    at: float
+    kind: str  # exit, fence, peer_fault, removed, command, command_done, step_failed
+    rank: int | None
+    detail: str
+
+
+def signal_pid(pid: int, sig: int) -> None:
+    """``os.kill(pid, sig)``; a process already gone is fine."""
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(pid, sig)
+
+
+def kill_all(workers: Iterable[WorkerHandle]) -> None:
+    """SIGKILL the given workers that are still running (finalizer and shutdown)."""
+    for worker in workers:
+        if worker.process.is_alive() and worker.process.pid is not None:
+            signal_pid(worker.process.pid, signal.SIGKILL)
 
 
 def describe_exit(exitcode: int | None) -> str:
@@ -43,6 +76,9 @@ class WorkerHandle:
         self.last_heartbeat = time.monotonic()
         self.status: dict[str, Any] | None = None
         self.phases: list[PhaseEvent] = []
+        # Every episode's last reported timeline, by episode number (oldest first), so that a
+        # status poller sees each episode's end even when the next one already started.
+        self.episodes: dict[int, dict[str, Any]] = {}
         self._send_lock = threading.Lock()
 
     def send(self, message: object) -> bool:
@@ -53,6 +89,15 @@ class WorkerHandle:
             except (OSError, ValueError, BrokenPipeError):
                 return False
         return True
+
+    def report(self, status: dict[str, Any]) -> None:
+        """File the engine's latest status (and its current episode into the history)."""
+        self.status = status
+        timeline = status.get("timeline")
+        if isinstance(timeline, Mapping) and isinstance(timeline.get("episode"), int):
+            self.episodes[timeline["episode"]] = dict(timeline)
+            for number in sorted(self.episodes)[:-EPISODE_HISTORY]:
+                del self.episodes[number]
 
     @property
     def live(self) -> bool:
@@ -66,10 +111,15 @@ class WorkerHandle:
         return Phase(str(self.status["phase"]))
 
     def status_dict(self) -> dict[str, Any]:
-        """The engine's last status, overridden to DEAD once its process is gone."""
+        """The engine's last status, overridden to DEAD once its process is gone, plus
+        ``fault_episodes`` (how many fault episodes the engine had, cumulative) and
+        ``episodes`` (the last ``EPISODE_HISTORY`` of them, oldest first, each as last
+        reported: ``timeline`` is only the current one)."""
         status: dict[str, Any] = dict(self.status or _blank_status(self.rank))
         status["pid"] = self.pid
         status["alive"] = self.alive
+        status["fault_episodes"] = max(self.episodes, default=0)
+        status["episodes"] = [self.episodes[number] for number in sorted(self.episodes)]
         if not self.alive:
             status["status"] = int(HealthStatus.DEAD)
             status["phase"] = Phase.DEAD.value

@@ -4,10 +4,13 @@ Supervisor -> worker: :class:`StepRequest`, :class:`FtCommand`, :class:`PeerFaul
 :class:`Shutdown`. Worker -> supervisor: :class:`Ready`, :class:`Heartbeat`,
 :class:`StatusUpdate`, :class:`PhaseEvent`, :class:`StepReply`, :class:`FtReply`,
 :class:`WorkerFailed`. All are frozen attrs values; tensors travel as lists of floats.
+:class:`Link` is the worker's end of the pipe.
 """
 
 from __future__ import annotations
 
+import threading
+from multiprocessing.connection import Connection
 from typing import Any
 
 import attrs
@@ -133,3 +136,15 @@ class WorkerFailed:
 
     rank: int
     error: str
+
+
+class Link:
+    """The worker's end of the supervisor pipe; ``send`` is safe from several threads."""
+
+    def __init__(self, conn: Connection) -> None:
+        self.conn = conn
+        self._lock = threading.Lock()
+
+    def send(self, message: object) -> None:
+        with self._lock:
+            self.conn.send(message)

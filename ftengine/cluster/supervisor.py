@@ -1,38 +1,33 @@
-"""The Cluster supervisor: hosts the rendezvous store, spawns the workers, watches their exits
-and heartbeats, relays orchestrator commands and routes generation to live DP ranks.
+"""The Cluster supervisor: hosts the rendezvous store, spawns the workers, files their
+messages, relays orchestrator commands and routes generation to live DP ranks.
 
 It runs in the caller's process (never in a worker, so any rank may die). One reader
-thread per worker files its messages; one monitor thread turns a process exit or a
-heartbeat silence into a peer fault for the survivors (so an idle cluster goes
-UNHEALTHY without sacrificing a request) and fences hung workers with SIGKILL, only
-ever signalling its own workers' pids.
+thread per worker files its messages; the exit watch (``ftengine.cluster.watch``) turns a
+process exit or a heartbeat silence into a peer fault for the survivors and fences hung
+workers; steps and commands run in ``generation`` and ``relay``.
 """
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import multiprocessing
-import os
 import signal
 import threading
 import time
 import weakref
 from collections.abc import Callable, Mapping, Sequence
-from multiprocessing.connection import wait as wait_for_objects
 from typing import Any
 
-import attrs
 from torch._C._distributed_c10d import TCPStore
 
+from ftengine.cluster.adapters import resolve_adapter_factory
 from ftengine.cluster.config import ClusterConfig
 from ftengine.cluster.faults_inject import FaultSpec
 from ftengine.cluster.generation import Generation, StepRunner
-from ftengine.cluster.handles import WorkerHandle, describe_exit
+from ftengine.cluster.handles import ClusterEvent, WorkerHandle, kill_all, signal_pid
 from ftengine.cluster.protocol import (
     FtReply,
     Heartbeat,
-    PeerFault,
     PhaseEvent,
     Ready,
     Shutdown,
@@ -41,29 +36,22 @@ from ftengine.cluster.protocol import (
     WorkerFailed,
 )
 from ftengine.cluster.relay import CommandRelay
+from ftengine.cluster.watch import ExitWatch
 from ftengine.cluster.worker import WorkerSpec, worker_main
 from ftengine.commands import CommandResult
 from ftengine.errors import FTEngineError
-from ftengine.faults import FaultKind
 from ftengine.weights.index import CheckpointIndex
 
 logger = logging.getLogger(__name__)
 
-MONITOR_TICK_S = 0.05
+FT_OFF_REASON = (
+    "fault tolerance is off for this cluster (ClusterConfig.fault_tolerance=False): "
+    "it cannot recover; relaunch it"
+)
 
 
 class ClusterError(FTEngineError, RuntimeError):
     """The cluster could not start, or was used after shutdown."""
-
-
-@attrs.frozen
-class ClusterEvent:
-    """Something the supervisor saw or did, at monotonic time ``at`` (seconds)."""
-
-    at: float
-    kind: str  # exit, fence, peer_fault, removed, command, command_done, step_failed
-    rank: int | None
-    detail: str
 
 
 class Cluster:
@@ -82,14 +70,18 @@ class Cluster:
         self._store = TCPStore(config.host, 0, None, True, wait_for_workers=False)
         self._runner = StepRunner(self)
         self._relay = CommandRelay(self)
+        self._watch = ExitWatch(self)
         self._threads: list[threading.Thread] = []
 
     # -- launch -------------------------------------------------------------------------
     @classmethod
     def launch(cls, config: ClusterConfig) -> Cluster:
         """Spawn the workers and wait until every one is loaded and joined (or raise)."""
+        if config.command_adapter is not None:
+            # A bad adapter name fails here, once, rather than in every worker.
+            resolve_adapter_factory(config.command_adapter)
         cluster = cls(config)
-        weakref.finalize(cluster, _kill_all, cluster._workers)
+        weakref.finalize(cluster, kill_all, cluster._workers)
         try:
             cluster._spawn()
             cluster._wait_ready()
@@ -107,20 +99,8 @@ class Cluster:
         fault = cfg.inject_fault if cfg.inject_fault is not None else FaultSpec.from_env()
         ctx = multiprocessing.get_context("spawn")
         for rank in range(cfg.dp_size):
-            spec = WorkerSpec(
-                rank=rank,
-                world_size=cfg.dp_size,
-                store_host=cfg.host,
-                store_port=self._store.port,
-                checkpoint=cfg.checkpoint,
-                num_redundant=redundant,
-                policy=cfg.policy,
-                recovery_timeout_s=cfg.recovery_timeout_s,
-                op_timeout_s=cfg.op_timeout_s,
-                rendezvous_timeout_s=cfg.rendezvous_timeout_s,
-                heartbeat_s=cfg.heartbeat_s,
-                inject_fault=fault,
-                torch_threads=cfg.torch_threads,
+            spec = WorkerSpec.for_rank(
+                cfg, rank, store_port=self._store.port, num_redundant=redundant, inject_fault=fault
             )
             parent, child = ctx.Pipe(duplex=True)
             process = ctx.Process(
@@ -131,7 +111,7 @@ class Cluster:
             handle = WorkerHandle(rank, process, parent)
             self._workers.append(handle)
             self._start_thread(f"ftengine-reader-{rank}", self._read_loop, handle)
-        self._start_thread("ftengine-monitor", self._monitor_loop)
+        self._start_thread("ftengine-exit-watch", self._watch.run)
 
     def _start_thread(self, name: str, target: Callable[..., None], *args: object) -> None:
         thread = threading.Thread(target=target, args=args, name=name, daemon=True)
@@ -172,7 +152,7 @@ class Cluster:
         if isinstance(message, Heartbeat):
             worker.last_heartbeat = time.monotonic()
         elif isinstance(message, StatusUpdate):
-            worker.status = message.status
+            worker.report(message.status)
             self._adopt_removals()
         elif isinstance(message, PhaseEvent):
             worker.phases.append(message)
@@ -198,53 +178,6 @@ class Cluster:
             if worker.rank in agreed and not worker.alive and not worker.removed:
                 worker.removed = True
                 self._event("removed", worker.rank, "every live engine scaled it away")
-
-    def _monitor_loop(self) -> None:
-        while not self._stopping.is_set():
-            with self._lock:
-                watched = {w.process.sentinel: w for w in self._workers if w.alive}
-            if not watched:
-                self._stopping.wait(MONITOR_TICK_S)
-                continue
-            for ready in wait_for_objects(list(watched), timeout=MONITOR_TICK_S):
-                if isinstance(ready, int):
-                    self._on_exit(watched[ready])
-            self._check_heartbeats()
-
-    def _check_heartbeats(self) -> None:
-        now = time.monotonic()
-        with self._lock:
-            silent = [
-                w
-                for w in self._workers
-                if w.alive
-                and w.ready
-                and w.fenced_for is None
-                and now - w.last_heartbeat > self.config.heartbeat_timeout_s
-            ]
-        for worker in silent:
-            self.fence(worker.rank, f"hung: no heartbeat for {now - worker.last_heartbeat:.2f}s")
-
-    def _on_exit(self, worker: WorkerHandle) -> None:
-        worker.process.join(timeout=1.0)
-        with self._changed:
-            if not worker.alive:
-                return
-            worker.alive = False
-            info = describe_exit(worker.process.exitcode)
-            if worker.fenced_for is not None:
-                info = f"{info} (fenced: {worker.fenced_for})"
-            worker.exit_info = info
-            self._event("exit", worker.rank, info)
-            notify = not self._stopping.is_set() and not (worker.removed or worker.retiring)
-            survivors = [w for w in self._workers if w.live] if notify else []
-            self._changed.notify_all()
-        kind = FaultKind.HUNG_PEER if worker.fenced_for else FaultKind.DEAD_PEER
-        for other in survivors:
-            # The victim is gone either way: survivors learn it as a dead peer with its rank.
-            other.send(PeerFault(FaultKind.DEAD_PEER, worker.rank, f"{kind.value}: {info}"))
-        if survivors:
-            self._event("peer_fault", worker.rank, f"told ranks {[w.rank for w in survivors]}")
 
     def _event(self, kind: str, rank: int | None, detail: str) -> None:
         with self._lock:
@@ -297,7 +230,7 @@ class Cluster:
         """Send ``sig`` to worker ``rank``'s process (fault injection from outside)."""
         worker = self._worker(rank)
         if worker.alive and worker.process.pid is not None:
-            _signal(worker.process.pid, sig)
+            signal_pid(worker.process.pid, sig)
 
     def fence(self, rank: int, reason: str) -> None:
         """SIGKILL worker ``rank`` (a hung or removed rank) unless it is already gone."""
@@ -308,7 +241,7 @@ class Cluster:
             worker.fenced_for = reason
         self._event("fence", rank, reason)
         if worker.process.pid is not None:
-            _signal(worker.process.pid, signal.SIGKILL)
+            signal_pid(worker.process.pid, signal.SIGKILL)
 
     def wait_for(
         self, predicate: Callable[[Mapping[str, Any]], bool], timeout: float
@@ -339,8 +272,12 @@ class Cluster:
     def apply(
         self, instruction: str, params: Mapping[str, object], request_id: str
     ) -> CommandResult:
-        """Run an orchestrator command on every live engine, to the end (blocking)."""
+        """Run an orchestrator command on every live engine, to the end (blocking).
+
+        Refused (``success=False``) when fault tolerance is off."""
         self._check_open()
+        if not self.config.fault_tolerance:
+            return CommandResult(request_id, False, FT_OFF_REASON)
         with self._serial:
             self._event("command", None, f"{instruction} {dict(params)} ({request_id})")
             result = self._relay.apply(instruction, params, request_id)
@@ -355,7 +292,7 @@ class Cluster:
             worker.retiring = True
         self.fence(rank, reason)
         worker.process.join(timeout=10.0)
-        self._on_exit(worker)
+        self._watch.on_exit(worker)
 
     def shutdown(self) -> None:
         """Stop every worker (Shutdown, then SIGKILL for stragglers), threads and the store."""
@@ -370,7 +307,7 @@ class Cluster:
         deadline = time.monotonic() + 5.0
         for worker in self._workers:
             worker.process.join(timeout=max(0.0, deadline - time.monotonic()))
-        _kill_all(self._workers)
+        kill_all(self._workers)
         for worker in self._workers:
             worker.process.join(timeout=5.0)
             worker.alive = False
@@ -390,6 +327,11 @@ class Cluster:
     def lock(self) -> threading.Condition:
         return self._changed
 
+    @property
+    def stopping(self) -> threading.Event:
+        """Set once shutdown began (exits after it are expected, not faults)."""
+        return self._stopping
+
     def workers(self) -> list[WorkerHandle]:
         return list(self._workers)
 
@@ -404,15 +346,3 @@ class Cluster:
     def _check_open(self) -> None:
         if self._closed:
             raise ClusterError("the cluster was shut down; launch a new one")
-
-
-def _signal(pid: int, sig: int) -> None:
-    with contextlib.suppress(ProcessLookupError):
-        os.kill(pid, sig)
-
-
-def _kill_all(workers: list[WorkerHandle]) -> None:
-    """SIGKILL this cluster's workers that are still running (finalizer and shutdown)."""
-    for worker in workers:
-        if worker.process.is_alive() and worker.process.pid is not None:
-            _signal(worker.process.pid, signal.SIGKILL)

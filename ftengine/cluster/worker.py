@@ -5,6 +5,8 @@ The main thread does everything that touches the engine or the process group (st
 commands, peer faults, ``poll``), so the engine never sees two threads at once; a
 daemon thread only sends heartbeats, so a hung main thread still beats but a stopped
 process does not. The worker dies with its supervisor (PR_SET_PDEATHSIG and pipe EOF).
+With fault tolerance off (``ClusterConfig.fault_tolerance``) there is no heartbeat thread,
+no engine polling and no status after steps, and a step error ends the process.
 """
 
 from __future__ import annotations
@@ -28,6 +30,8 @@ from torch._C._distributed_c10d import TCPStore
 
 from ftengine.backends.cpu import CpuBackend
 from ftengine.backends.cpu_experts import CpuExperts
+from ftengine.cluster.adapters import build_command_adapter
+from ftengine.cluster.config import ClusterConfig
 from ftengine.cluster.faults_inject import FaultInjector, FaultSpec, InjectedFault, InjectKind
 from ftengine.cluster.model import DenseWeights, ModelConfig, RequestState, forward_step
 from ftengine.cluster.policies import build_policy
@@ -35,6 +39,7 @@ from ftengine.cluster.protocol import (
     FtCommand,
     FtReply,
     Heartbeat,
+    Link,
     PeerFault,
     PhaseEvent,
     Ready,
@@ -73,18 +78,59 @@ class WorkerSpec:
     heartbeat_s: float
     inject_fault: FaultSpec | None
     torch_threads: int
+    command_adapter: str | None = None
+    fault_tolerance: bool = True
+
+    @classmethod
+    def for_rank(
+        cls,
+        config: ClusterConfig,
+        rank: int,
+        *,
+        store_port: int,
+        num_redundant: int,
+        inject_fault: FaultSpec | None,
+    ) -> WorkerSpec:
+        """Rank ``rank``'s spec under ``config`` (the store listens on ``store_port``)."""
+        return cls(
+            rank=rank,
+            world_size=config.dp_size,
+            store_host=config.host,
+            store_port=store_port,
+            checkpoint=config.checkpoint,
+            num_redundant=num_redundant,
+            policy=config.policy,
+            recovery_timeout_s=config.recovery_timeout_s,
+            op_timeout_s=config.worker_op_timeout_s,
+            rendezvous_timeout_s=config.rendezvous_timeout_s,
+            heartbeat_s=config.heartbeat_s,
+            inject_fault=inject_fault,
+            torch_threads=config.torch_threads,
+            command_adapter=config.command_adapter,
+            fault_tolerance=config.fault_tolerance,
+        )
 
 
-class Link:
-    """The worker's end of the supervisor pipe; ``send`` is safe from several threads."""
-
-    def __init__(self, conn: Connection) -> None:
-        self.conn = conn
-        self._lock = threading.Lock()
-
-    def send(self, message: object) -> None:
-        with self._lock:
-            self.conn.send(message)
+def _cpu_backend(spec: WorkerSpec, index: CheckpointIndex, injector: FaultInjector) -> CpuBackend:
+    """Load this rank's expert slots and wrap them in a CPU backend over the shared store."""
+    experts = CpuExperts.load(
+        index, rank=spec.rank, world=spec.world_size, num_redundant=spec.num_redundant
+    )
+    store = TCPStore(
+        spec.store_host,
+        spec.store_port,
+        is_master=False,
+        timeout=datetime.timedelta(seconds=spec.rendezvous_timeout_s),
+    )
+    return CpuBackend(
+        rank=spec.rank,
+        world_size=spec.world_size,
+        store=store,
+        experts=experts,
+        op_timeout_s=spec.op_timeout_s,
+        rendezvous_timeout_s=spec.rendezvous_timeout_s,
+        reload_fails=injector.reload_due,
+    )
 
 
 class ClusterWorker:
@@ -98,26 +144,16 @@ class ClusterWorker:
         index = CheckpointIndex.open(spec.checkpoint)
         self.cfg = ModelConfig.from_hf(index.config)
         self.dense = DenseWeights.load(index.read, self.cfg.num_layers)
-        experts = CpuExperts.load(
-            index, rank=spec.rank, world=spec.world_size, num_redundant=spec.num_redundant
-        )
-        store = TCPStore(
-            spec.store_host,
-            spec.store_port,
-            is_master=False,
-            timeout=datetime.timedelta(seconds=spec.rendezvous_timeout_s),
-        )
-        self.backend = CpuBackend(
-            rank=spec.rank,
-            world_size=spec.world_size,
-            store=store,
-            experts=experts,
-            op_timeout_s=spec.op_timeout_s,
-            rendezvous_timeout_s=spec.rendezvous_timeout_s,
-            reload_fails=self.injector.reload_due,
-        )
+        self.backend = _cpu_backend(spec, index, self.injector)
         self.requests: dict[str, RequestState] = {}
-        self.sentinel = WorkerSentinel(
+        self.sentinel = self._sentinel()
+        self.commands = build_command_adapter(spec.command_adapter, self.sentinel, spec.rank)
+        self._last_status: dict[str, Any] | None = None
+        self.backend.rebuild_groups(frozenset(range(spec.world_size)), 0)
+
+    def _sentinel(self) -> WorkerSentinel:
+        spec, experts = self.spec, self.backend.experts
+        sentinel = WorkerSentinel(
             build_policy(spec.policy, spec.recovery_timeout_s),
             self.backend,
             self,
@@ -129,9 +165,8 @@ class ClusterWorker:
                 num_logical=experts.placement.num_logical,
             ),
         )
-        self.sentinel.subscribe(self._on_phase)
-        self._last_status: dict[str, Any] | None = None
-        self.backend.rebuild_groups(frozenset(range(spec.world_size)), 0)
+        sentinel.subscribe(self._on_phase)
+        return sentinel
 
     # -- WorkerHooks ----------------------------------------------------------------------
     def clean_state(self) -> None:
@@ -149,9 +184,10 @@ class ClusterWorker:
     # -- main loop --------------------------------------------------------------------------
     def serve(self) -> None:
         """Handle supervisor messages until Shutdown or the pipe closes."""
-        conn = self.link.conn
+        conn, ft = self.link.conn, self.spec.fault_tolerance
         while True:
-            if conn.poll(POLL_S):
+            # FT off: nothing is time-driven, so block until the next message.
+            if conn.poll(POLL_S if ft else None):
                 try:
                     message = conn.recv()
                 except (EOFError, OSError):
@@ -159,16 +195,18 @@ class ClusterWorker:
                 if isinstance(message, Shutdown):
                     return
                 self._handle(message)
-            self.sentinel.poll()
-            self.publish_status()
+            if ft:
+                self.sentinel.poll()
+                self.publish_status()
 
     def _handle(self, message: object) -> None:
         if isinstance(message, StepRequest):
             reply = self._step(message)
-            self.publish_status()
+            if self.spec.fault_tolerance:
+                self.publish_status()
             self.link.send(reply)
         elif isinstance(message, FtCommand):
-            result = self.sentinel.handle_ft_command(
+            result = self.commands.handle_ft_command(
                 message.instruction, message.params, message.request_id
             )
             self.publish_status()
@@ -183,7 +221,8 @@ class ClusterWorker:
     def _step(self, request: StepRequest) -> StepReply:
         for request_id in request.release:
             self.requests.pop(request_id, None)
-        if not self.sentinel.serving:
+        ft = self.spec.fault_tolerance
+        if ft and not self.sentinel.serving:
             return StepReply(
                 self.rank,
                 request.step,
@@ -191,16 +230,17 @@ class ClusterWorker:
                 error_type="NotServing",
             )
         try:
-            self._inject(request.step)
-            self.backend.dp_sync(sum(len(i.token_ids) for i in request.items), request.step)
-            batch = [
-                (self.requests.setdefault(i.request_id, RequestState(i.request_id)), i.token_ids)
-                for i in request.items
-            ]
-            logits = forward_step(self.cfg, self.dense, batch, self.backend.moe)
+            logits = self._forward(request)
         except Exception as exc:
+            reply = StepReply(
+                self.rank, request.step, error=str(exc), error_type=type(exc).__name__
+            )
+            if not ft:
+                # No fault tolerance: the error ends this worker, as it ends vLLM's engine core.
+                self.link.send(reply)
+                raise
             self.sentinel.on_fault(exc, step=request.step)
-            return StepReply(self.rank, request.step, error=str(exc), error_type=type(exc).__name__)
+            return reply
         outputs = tuple(
             StepOutput(
                 item.request_id,
@@ -210,6 +250,16 @@ class ClusterWorker:
             for item, row in zip(request.items, logits, strict=True)
         )
         return StepReply(self.rank, request.step, outputs)
+
+    def _forward(self, request: StepRequest) -> list[torch.Tensor]:
+        """DP sync and one model step of the request's items: each one's last-token logits [V]."""
+        self._inject(request.step)
+        self.backend.dp_sync(sum(len(i.token_ids) for i in request.items), request.step)
+        batch = [
+            (self.requests.setdefault(i.request_id, RequestState(i.request_id)), i.token_ids)
+            for i in request.items
+        ]
+        return forward_step(self.cfg, self.dense, batch, self.backend.moe)
 
     def _inject(self, step: int) -> None:
         kind = self.injector.due(step)
@@ -268,9 +318,10 @@ def worker_main(spec: WorkerSpec, conn: Connection) -> None:
     worker.publish_status()
     link.send(Ready(spec.rank, os.getpid()))
     stop = threading.Event()
-    threading.Thread(
-        target=_heartbeats, args=(link, spec.rank, spec.heartbeat_s, stop), daemon=True
-    ).start()
+    if spec.fault_tolerance:
+        threading.Thread(
+            target=_heartbeats, args=(link, spec.rank, spec.heartbeat_s, stop), daemon=True
+        ).start()
     try:
         worker.serve()
     except Exception:

@@ -1,6 +1,7 @@
 """The recovery benchmark's measurements on a live cluster: detection latency of a SIGKILLed
 or SIGSTOPped rank, scale-down interruption (fault to first correct token), retry time,
-cold start, and steady-state step time. Times are ``time.monotonic`` seconds.
+full restart (with the checkpoint in the page cache, or evicted from it first: cold), and
+steady-state step time. Times are ``time.monotonic`` seconds.
 """
 
 from __future__ import annotations
@@ -8,7 +9,8 @@ from __future__ import annotations
 import signal
 import time
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, Protocol
+from pathlib import Path
+from typing import Protocol
 
 import attrs
 
@@ -17,6 +19,7 @@ from ftengine.control.snapshot import ClusterView, Episode
 from ftengine.control.traffic import TrafficStream
 from ftengine.errors import FTEngineError
 from ftengine.faults import HealthStatus
+from ftengine.weights.page_cache import cached_fraction, evict
 
 
 class BenchError(FTEngineError, RuntimeError):
@@ -27,6 +30,7 @@ class BenchCluster(ScenarioCluster, Protocol):
     """The ``Cluster`` API the benchmark drives."""
 
     def live_ranks(self) -> frozenset[int]: ...
+    def pids(self) -> Mapping[int, int | None]: ...
     def shutdown(self) -> None: ...
 
 
@@ -184,24 +188,59 @@ def step_time_s(cluster: BenchCluster, prompts: Sequence[Sequence[int]], tokens:
     return (time.monotonic() - start) / tokens
 
 
-def launch_to_first_token(launch: Any, probe: list[int]) -> tuple[BenchCluster, float]:
-    """``launch()`` a cluster and generate one token: (cluster, cold start seconds)."""
+@attrs.frozen
+class Restart:
+    """One full restart, launch to first token. ``cold``: the checkpoint was evicted from the
+    page cache first (as after a real fault, the weights come from disk); ``cached`` is the
+    fraction of it still cached after the eviction (None: warm, or unknowable)."""
+
+    seconds: float
+    cold: bool
+    cached: float | None = None
+
+
+def timed_restart(
+    launch: Callable[[], BenchCluster], probe: list[int], checkpoint: Path, *, cold: bool
+) -> tuple[BenchCluster, Restart]:
+    """``launch()`` a cluster and generate one token from ``probe``: (cluster, restart)."""
+    cached = None
+    if cold:
+        files = sorted(path for path in checkpoint.iterdir() if path.is_file())
+        evict(files)
+        cached = cached_fraction(files)
     start = time.monotonic()
-    cluster: BenchCluster = launch()
+    cluster = launch()
     cluster.generate(probe, 1)
-    return cluster, time.monotonic() - start
+    return cluster, Restart(time.monotonic() - start, cold, cached)
+
+
+def quantile(values: Sequence[float], q: float) -> float:
+    """The ``q`` quantile (0..1) of non-empty ``values``, by linear interpolation."""
+    ordered = sorted(values)
+    position = q * (len(ordered) - 1)
+    low = int(position)
+    high = min(low + 1, len(ordered) - 1)
+    return ordered[low] + (ordered[high] - ordered[low]) * (position - low)
 
 
 def summary(values: Sequence[float]) -> Mapping[str, float | int | None]:
-    """``{median, p90, max, n}`` (p90 by linear interpolation)."""
+    """``{median, p90, max, n}`` (None for each when there are no values)."""
     if not values:
         return {"median": None, "p90": None, "max": None, "n": 0}
-    ordered = sorted(values)
+    return {
+        "median": quantile(values, 0.5),
+        "p90": quantile(values, 0.9),
+        "max": max(values),
+        "n": len(values),
+    }
 
-    def quantile(q: float) -> float:
-        position = q * (len(ordered) - 1)
-        low = int(position)
-        high = min(low + 1, len(ordered) - 1)
-        return ordered[low] + (ordered[high] - ordered[low]) * (position - low)
 
-    return {"median": quantile(0.5), "p90": quantile(0.9), "max": ordered[-1], "n": len(ordered)}
+def spread(values: Sequence[float]) -> Mapping[str, float | int | None]:
+    """``{min, p10, median, p90, max, n}``: how far repeated measurements scatter."""
+    if not values:
+        return {"min": None, "p10": None, "median": None, "p90": None, "max": None, "n": 0}
+    return {
+        "min": min(values),
+        "p10": quantile(values, 0.1),
+        **summary(values),
+    }

@@ -1,5 +1,7 @@
 """Shared command-line plumbing for ``serve``, ``demo`` and ``bench recovery``: checkpoint
-size flags, cluster flags, making (or reusing) a checkpoint and building a ClusterConfig.
+size flags, cluster flags, making (or reusing) a checkpoint, fixed prompts and building a
+ClusterConfig. The commands use :func:`add_run_args`, :func:`run_checkpoint`,
+:func:`prompts_for` and :func:`cluster_config`.
 """
 
 from __future__ import annotations
@@ -85,6 +87,15 @@ def add_cluster_args(parser: argparse.ArgumentParser, *, policy: str = "orchestr
     )
 
 
+def add_run_args(
+    parser: argparse.ArgumentParser, size: CheckpointSize, *, policy: str = "orchestrator"
+) -> None:
+    """Every flag a command that runs a cluster takes: checkpoint (sizes default to ``size``)
+    and cluster (``--policy`` defaults to ``policy``)."""
+    add_checkpoint_args(parser, size)
+    add_cluster_args(parser, policy=policy)
+
+
 def size_from_args(args: argparse.Namespace) -> CheckpointSize:
     """The ``CheckpointSize`` named by the parsed size flags."""
     return CheckpointSize(
@@ -107,6 +118,11 @@ def fixed_prompts(count: int, vocab: int, seed: int = 1234) -> list[list[int]]:
 def checkpoint_vocab(path: Path) -> int:
     """The vocabulary size in a checkpoint's ``config.json`` (prompts must stay below it)."""
     return int(json.loads((path / "config.json").read_text())["vocab_size"])
+
+
+def prompts_for(checkpoint: Path, count: int) -> list[list[int]]:
+    """``count`` reproducible prompts within ``checkpoint``'s vocabulary."""
+    return fixed_prompts(count, checkpoint_vocab(checkpoint))
 
 
 def make_checkpoint_at(path: Path, size: CheckpointSize) -> Path:
@@ -142,6 +158,12 @@ def checkpoint_dir(path: Path | None, size: CheckpointSize) -> Iterator[Path]:
         yield make_checkpoint_at(scratch / "model", size)
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
+
+
+def run_checkpoint(args: argparse.Namespace) -> contextlib.AbstractContextManager[Path]:
+    """The checkpoint the parsed flags name (``--checkpoint`` and the size flags), as
+    :func:`checkpoint_dir` yields it."""
+    return checkpoint_dir(args.checkpoint, size_from_args(args))
 
 
 def cluster_config(

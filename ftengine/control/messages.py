@@ -107,6 +107,16 @@ class EngineStatusBody(msgspec.Struct, kw_only=True):
         dict[str, Any] | None,
         msgspec.Meta(description="the current (or last) fault episode: Timeline.to_dict()"),
     ] = None
+    fault_episodes: Annotated[
+        int, msgspec.Meta(description="fault episodes this engine had so far (cumulative)")
+    ] = 0
+    episodes: Annotated[
+        list[dict[str, Any]] | None,
+        msgspec.Meta(
+            description="the engine's recent fault episodes, oldest first, each as last "
+            "reported (Timeline.to_dict()); includes the current one"
+        ),
+    ] = None
 
 
 class StatusBody(msgspec.Struct, kw_only=True):

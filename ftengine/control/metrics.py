@@ -1,8 +1,11 @@
 """Prometheus metrics of the control plane, derived from cluster status snapshots.
 
-Each engine reports its current fault episode (faults, phases, timed steps, repair report);
-every new fault and every finished episode is counted exactly once, however often the
-status is observed. Observe at least once per episode (``serve`` polls every 0.25 s).
+Each engine reports its recent fault episodes (faults, phases, timed steps, repair report;
+the cluster keeps each one's last state, so an episode that starts and ends between two
+observations is still there) and a cumulative count of them. Every new fault, every
+finished episode and every episode is counted exactly once, however often (or seldom) the
+status is observed; only an observer that misses more episodes than the status keeps
+(``ftengine.cluster.handles.EPISODE_HISTORY``) counts those episodes without their faults.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ class _Cursor:
     episode: int = -1
     faults: int = 0
     finished: bool = False
+    episodes: int = 0  # of the engine's cumulative ``fault_episodes``
 
 
 class ControlMetrics:
@@ -45,6 +49,10 @@ class ControlMetrics:
         self.faults = Counter(
             "ftengine_faults", "faults reported to engines (each engine counts its own), by kind",
             ["kind"], registry=reg,
+        )  # fmt: skip
+        self.episodes = Counter(
+            "ftengine_fault_episodes", "fault episodes (first fault to healthy or dead) per engine",
+            ["engine"], registry=reg,
         )  # fmt: skip
         self.recovery = Histogram(
             "ftengine_recovery_duration_seconds",
@@ -105,6 +113,9 @@ class ControlMetrics:
         self.health.labels(label).set(int(engine.status))
         self.epoch.labels(label).set(engine.epoch)
         cursor = self._cursors.setdefault(engine.id, _Cursor())
+        if engine.fault_episodes > cursor.episodes:
+            self.episodes.labels(label).inc(engine.fault_episodes - cursor.episodes)
+            cursor.episodes = engine.fault_episodes
         for episode in engine.episodes:
             if episode.number < cursor.episode:
                 continue

@@ -15,7 +15,7 @@ import attrs
 from ftengine.control.breakdown import BreakdownRow, breakdown, interruption_s
 from ftengine.control.live import Reporter, Watchable
 from ftengine.control.snapshot import ClusterView, Episode
-from ftengine.control.traffic import TrafficStream
+from ftengine.control.traffic import Sample, TrafficStream
 from ftengine.errors import FTEngineError
 from ftengine.faults import HealthStatus
 
@@ -256,23 +256,28 @@ def run_scenario(
         stream.stop()
     run.compare_outputs("outputs match after recovery", prompts, reference)
     survivors = [] if healthy is None else run.survivor_episodes(healthy)
-    samples = stream.samples
-    timings = {
-        "detect_s": _since(fault_at, min((e.started for e in survivors), default=None)),
-        "recovered_s": _since(fault_at, _recovered_at(survivors)),
-        "interruption_s": interruption_s(fault_at, first),
-        "stream_requests": float(len(samples)),
-        "stream_failed_requests": float(sum(1 for s in samples if not s.correct)),
-    }
     return ScenarioResult(
         settings=settings,
         checks=tuple(run.checks),
         removed_ranks=tuple(sorted(healthy.removed_ranks) if healthy else ()),
         phases=phase_history(cluster, t0),
         rows=tuple(breakdown(survivors, fault_at=fault_at, first_correct_at=first)),
-        timings=timings,
+        timings=_timings(fault_at, survivors, first, stream.samples),
         outputs=run.outputs,
     )
+
+
+def _timings(
+    fault_at: float, survivors: Sequence[Episode], first: float | None, samples: Sequence[Sample]
+) -> dict[str, float | None]:
+    """Seconds from the fault to detection, recovery and the first correct token; requests."""
+    return {
+        "detect_s": _since(fault_at, min((e.started for e in survivors), default=None)),
+        "recovered_s": _since(fault_at, _recovered_at(survivors)),
+        "interruption_s": interruption_s(fault_at, first),
+        "stream_requests": float(len(samples)),
+        "stream_failed_requests": float(sum(1 for s in samples if not s.correct)),
+    }
 
 
 def phase_history(cluster: Watchable, t0: float) -> dict[int, list[dict[str, object]]]:

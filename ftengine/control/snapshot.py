@@ -162,6 +162,7 @@ class EngineView:
     removed_ranks: frozenset[int] = frozenset()
     epoch: int = 0
     episodes: tuple[Episode, ...] = ()
+    fault_episodes: int = 0
     raw: Mapping[str, Any] = attrs.field(factory=dict, eq=False, repr=False)
 
     @property
@@ -176,7 +177,12 @@ class EngineView:
 
     @classmethod
     def from_dict(cls, raw: Mapping[str, Any]) -> EngineView:
-        """Read one entry of ``status()["engines"]``."""
+        """Read one entry of ``status()["engines"]``.
+
+        ``episodes`` come from the entry's episode history (``"episodes"``, every recent
+        episode as last reported) when it has one, else from its current ``"timeline"``;
+        ``fault_episodes`` (cumulative) from ``"fault_episodes"``, else the last episode's
+        number."""
         try:
             engine_id = int(raw["id"])
             status = HealthStatus(int(raw["status"]))
@@ -184,6 +190,7 @@ class EngineView:
             raise StatusShapeError(
                 f"engine entry {dict(raw)!r} needs an integer 'id' and a vLLM 'status' (0, 1, 2)"
             ) from exc
+        episodes = _episodes(raw.get("episodes") or raw.get("timeline"))
         return cls(
             id=engine_id,
             status=status,
@@ -193,7 +200,8 @@ class EngineView:
             last_ft_request_id=_opt_str(raw.get("last_ft_request_id")),
             removed_ranks=frozenset(int(rank) for rank in raw.get("removed_ranks") or ()),
             epoch=int(raw.get("epoch") or 0),
-            episodes=_episodes(raw.get("timeline")),
+            episodes=episodes,
+            fault_episodes=int(raw.get("fault_episodes") or max(_numbers(episodes), default=0)),
             raw=raw,
         )
 
@@ -234,6 +242,10 @@ class ClusterView:
             if engine.id == engine_id:
                 return engine
         raise KeyError(f"no engine {engine_id}; engines are {[e.id for e in self.engines]}")
+
+
+def _numbers(episodes: Sequence[Episode]) -> list[int]:
+    return [episode.number for episode in episodes]
 
 
 def _opt_str(value: object) -> str | None:

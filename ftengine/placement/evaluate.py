@@ -89,46 +89,89 @@ def time_elastic_info(
 
 
 @attrs.frozen
-class Report:
-    """Everything measured for one scenario (``ftengine plan --json`` prints ``to_dict()``).
+class Timings:
+    """Medians of plan and apply (ms) and the elastic_info rebuild (µs), and whether the
+    expert maps and the elastic_info tensor kept their storage."""
 
-    Times are medians in ms (plan, apply) and microseconds (elastic_info). Balancedness is
-    vLLM's ``sum mean / sum max`` of per-rank load over live ranks; ``*_before_failure``
-    and the zero-reload scores describe the initial placement.
-    """
-
-    layers: int
-    experts: int
-    ep: int
-    redundant: int
-    local_slots: int
-    dead: tuple[int, ...]
-    placement: str
-    load: str
-    extra_reloads: int
-    seed: int
-    reloads: int
-    reload_lower_bound: int
-    extra_reloads_used: int
-    balancedness_before_failure: float
-    balancedness: float
-    balancedness_fresh_rebalance: float
-    balancedness_vs_fresh: float
-    fresh_rebalance_reloads: int
     plan_ms: float
     apply_ms: float
     elastic_info_us: float
     elastic_info_in_place: bool
     maps_in_place: bool
+
+
+@attrs.frozen
+class Balance:
+    """vLLM's balancedness (``sum mean / sum max`` of per-rank load over live ranks) before
+    the failure, after the plan and after a fresh rebalance, with that rebalance's reloads."""
+
+    balancedness_before_failure: float
+    balancedness: float
+    balancedness_fresh_rebalance: float
+    fresh_rebalance_reloads: int
+
+    @property
+    def balancedness_vs_fresh(self) -> float:
+        """The plan's balancedness as a fraction of the fresh rebalance's."""
+        fresh = self.balancedness_fresh_rebalance
+        return self.balancedness / fresh if fresh > 0 else 0.0
+
+
+@attrs.frozen
+class FailureScores:
+    """Of the initial placement: fractions of 1- and 2-rank failures needing no reload,
+    next to the best any placement of that shape can reach."""
+
     single_rank_zero_reload_fraction: float
     single_rank_zero_reload_bound: float
     two_rank_zero_reload_fraction: float
     two_rank_zero_reload_bound: float
-    plan_digest: str
+
+    @classmethod
+    def of(cls, placement: ExpertPlacement) -> FailureScores:
+        """Score ``placement`` as it is now."""
+        shape = (placement.num_logical, placement.num_physical, placement.ep_size)
+        return cls(
+            zero_reload_fraction(placement, 1),
+            zero_reload_bound(*shape, 1),
+            zero_reload_fraction(placement, 2),
+            zero_reload_bound(*shape, 2),
+        )
+
+
+# Only these two Scenario fields stay out of the report: they merely shape a zipf load,
+# which the report already names with its seed.
+_NOT_REPORTED = (attrs.fields(Scenario).zipf_exponent, attrs.fields(Scenario).top_k)
+
+
+@attrs.frozen
+class Report:
+    """Everything measured for one scenario (``ftengine plan --json`` prints ``to_dict()``)."""
+
+    scenario: Scenario
+    local_slots: int
+    plan: RedistributionPlan
+    balance: Balance
+    timings: Timings
+    failure: FailureScores
 
     def to_dict(self) -> dict[str, object]:
-        """JSON-ready mapping of every field."""
-        return attrs.asdict(self)
+        """JSON-ready flat mapping: the scenario, then every measurement."""
+        plan = self.plan
+        inputs = attrs.asdict(self.scenario, filter=attrs.filters.exclude(*_NOT_REPORTED))
+        return {
+            **inputs,
+            "dead": sorted(self.scenario.dead),
+            "local_slots": self.local_slots,
+            "reloads": plan.reloads,
+            "reload_lower_bound": plan.lower_bound,
+            "extra_reloads_used": plan.reloads - plan.lower_bound,
+            **attrs.asdict(self.balance),
+            "balancedness_vs_fresh": self.balance.balancedness_vs_fresh,
+            **attrs.asdict(self.timings),
+            **attrs.asdict(self.failure),
+            "plan_digest": plan.digest(),
+        }
 
 
 def evaluate(scenario: Scenario, *, repeats: int = 1) -> Report:
@@ -142,59 +185,28 @@ def evaluate(scenario: Scenario, *, repeats: int = 1) -> Report:
         scenario.ep,
         load,
     )
-    before = _balance(placement.physical_to_logical_map, load, placement, ())
-    scores = _failure_scores(placement)
+    failure = FailureScores.of(placement)
+    before = _balance(placement.physical_to_logical_map, load, placement, frozenset())
     plan, plan_ms = _time_plan(scenario, placement, load, repeats)
     fresh_p2l, fresh_reloads = fresh_rebalance(placement, scenario.dead, load)
     apply_ms, maps_in_place = _time_apply(placement, plan, repeats)
     placement.validate(require_every_expert=True)
     elastic_us, in_place = time_elastic_info(scenario.ep, placement.local_slots, scenario.dead)
-    after = _balance(placement.physical_to_logical_map, load, placement, scenario.dead)
-    fresh = _balance(fresh_p2l, load, placement, scenario.dead)
-    return Report(
-        layers=scenario.layers,
-        experts=scenario.experts,
-        ep=scenario.ep,
-        redundant=scenario.redundant,
-        local_slots=placement.local_slots,
-        dead=tuple(sorted(scenario.dead)),
-        placement=scenario.placement,
-        load=scenario.load,
-        extra_reloads=scenario.extra_reloads,
-        seed=scenario.seed,
-        reloads=plan.reloads,
-        reload_lower_bound=plan.lower_bound,
-        extra_reloads_used=plan.reloads - plan.lower_bound,
+    balance = Balance(
         balancedness_before_failure=before,
-        balancedness=after,
-        balancedness_fresh_rebalance=fresh,
-        balancedness_vs_fresh=after / fresh if fresh > 0 else 0.0,
+        balancedness=_balance(placement.physical_to_logical_map, load, placement, scenario.dead),
+        balancedness_fresh_rebalance=_balance(fresh_p2l, load, placement, scenario.dead),
         fresh_rebalance_reloads=fresh_reloads,
-        plan_ms=plan_ms,
-        apply_ms=apply_ms,
-        elastic_info_us=elastic_us,
-        elastic_info_in_place=in_place,
-        maps_in_place=maps_in_place,
-        plan_digest=plan.digest(),
-        **scores,
     )
-
-
-def _failure_scores(placement: ExpertPlacement) -> dict[str, float]:
-    shape = (placement.num_logical, placement.num_physical, placement.ep_size)
-    return {
-        "single_rank_zero_reload_fraction": zero_reload_fraction(placement, 1),
-        "single_rank_zero_reload_bound": zero_reload_bound(*shape, 1),
-        "two_rank_zero_reload_fraction": zero_reload_fraction(placement, 2),
-        "two_rank_zero_reload_bound": zero_reload_bound(*shape, 2),
-    }
+    timings = Timings(plan_ms, apply_ms, elastic_us, in_place, maps_in_place)
+    return Report(scenario, placement.local_slots, plan, balance, timings, failure)
 
 
 def _balance(
     p2l: torch.Tensor,
     load: torch.Tensor,
     placement: ExpertPlacement,
-    dead: frozenset[int] | tuple[()],
+    dead: frozenset[int],
 ) -> float:
     return balancedness(
         p2l.cpu(),

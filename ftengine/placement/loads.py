@@ -7,6 +7,7 @@ expert over some window (any non-negative unit; only ratios matter).
 from __future__ import annotations
 
 import json
+import pickle
 from pathlib import Path
 
 import numpy as np
@@ -31,8 +32,13 @@ def normalize_load(load: torch.Tensor | None, num_layers: int, num_logical: int)
             f"expected expert load [{num_layers}, {num_logical}] (or [{num_logical}]), "
             f"got {tuple(load.shape)}"
         )
-    if not bool(torch.isfinite(values).all()) or bool((values < 0).any()):
-        raise PlacementError("expert load must be finite and non-negative")
+    bad = ~torch.isfinite(values) | (values < 0)
+    if bool(bad.any()):
+        layer, expert = (int(v) for v in bad.nonzero()[0])
+        raise PlacementError(
+            f"expert load must be finite and non-negative, but layer {layer}, expert {expert} "
+            f"is {float(values[layer, expert])}"
+        )
     return values.clone()
 
 
@@ -84,8 +90,11 @@ def load_from_file(path: Path, num_layers: int, num_logical: int) -> torch.Tenso
             loaded = torch.from_numpy(np.load(path, allow_pickle=False))
         else:
             loaded = torch.load(path, map_location="cpu", weights_only=True)
-    except (OSError, ValueError, RuntimeError, TypeError) as exc:
-        raise ConfigError(f"{path}: cannot read an expert load table: {exc}") from exc
+    except (OSError, ValueError, RuntimeError, TypeError, pickle.UnpicklingError) as exc:
+        raise ConfigError(
+            f"{path}: cannot read an expert load table ({exc}); expected {path.suffix} data "
+            "holding a [layers, experts] table"
+        ) from exc
     if not isinstance(loaded, torch.Tensor):
         raise ConfigError(f"{path}: expected a saved tensor, got {type(loaded).__name__}")
     return normalize_load(loaded.to(torch.float64), num_layers, num_logical)

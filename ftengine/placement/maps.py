@@ -87,17 +87,14 @@ class ExpertPlacement:
     ``physical_to_logical_map [num_layers, num_physical]`` (-1: empty slot),
     ``logical_to_physical_map [num_layers, num_logical, max_replicas]`` (rows packed,
     -1 padded), ``logical_replica_count [num_layers, num_logical]``. EP rank ``r`` owns
-    the contiguous slots ``[r * local_slots, (r + 1) * local_slots)``.
+    the contiguous slots ``[r * local_slots, (r + 1) * local_slots)``. The sizes are read
+    off the tensors, whose shapes never change.
     """
 
     physical_to_logical_map: torch.Tensor
     logical_to_physical_map: torch.Tensor
     logical_replica_count: torch.Tensor
-    num_layers: int
-    num_logical: int
-    num_physical: int
     ep_size: int
-    local_slots: int
 
     @classmethod
     def default(
@@ -126,7 +123,7 @@ class ExpertPlacement:
         _check_slot_map(p2l, num_logical, ep_size)
         width = max_replicas if max_replicas is not None else p2l.shape[1] - num_logical + 1
         l2p, counts = derive_logical_maps(p2l, num_logical, max(width, 1))
-        return cls._build(p2l, l2p, counts, num_logical, ep_size)
+        return cls(p2l, l2p, counts, ep_size)
 
     @classmethod
     def from_tensors(
@@ -150,30 +147,29 @@ class ExpertPlacement:
             )
         num_logical = int(l2p.shape[1])
         _check_slot_map(p2l, num_logical, ep_size)
-        placement = cls._build(p2l, l2p, counts, num_logical, ep_size)
+        placement = cls(p2l, l2p, counts, ep_size)
         placement.validate()
         return placement
 
-    @classmethod
-    def _build(
-        cls,
-        p2l: torch.Tensor,
-        l2p: torch.Tensor,
-        counts: torch.Tensor,
-        num_logical: int,
-        ep_size: int,
-    ) -> ExpertPlacement:
-        num_layers, num_physical = (int(v) for v in p2l.shape)
-        return cls(
-            physical_to_logical_map=p2l,
-            logical_to_physical_map=l2p,
-            logical_replica_count=counts,
-            num_layers=num_layers,
-            num_logical=num_logical,
-            num_physical=num_physical,
-            ep_size=ep_size,
-            local_slots=num_physical // ep_size,
-        )
+    @property
+    def num_layers(self) -> int:
+        """MoE layers: ``physical_to_logical_map``'s first dimension."""
+        return int(self.physical_to_logical_map.shape[0])
+
+    @property
+    def num_physical(self) -> int:
+        """Expert slots per layer over all EP ranks."""
+        return int(self.physical_to_logical_map.shape[1])
+
+    @property
+    def num_logical(self) -> int:
+        """Logical experts per layer: ``logical_to_physical_map``'s second dimension."""
+        return int(self.logical_to_physical_map.shape[1])
+
+    @property
+    def local_slots(self) -> int:
+        """Expert slots per EP rank."""
+        return self.num_physical // self.ep_size
 
     @property
     def num_redundant(self) -> int:

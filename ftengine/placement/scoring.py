@@ -11,7 +11,9 @@ from collections.abc import Iterable
 
 import torch
 
+from ftengine.errors import ConfigError
 from ftengine.placement.maps import ExpertPlacement
+from ftengine.placement.ranks import check_ep_ranks
 
 
 def replica_counts(p2l: torch.Tensor, num_logical: int) -> torch.Tensor:
@@ -61,10 +63,11 @@ def balancedness(
     """vLLM's EPLB balancedness over live ranks: ``sum_layers mean / sum_layers max``.
 
     1.0 is perfect balance. Slots of ``dead_ep_ranks`` are ignored whatever they hold.
+    Raises ``PreconditionFailed`` for a dead rank out of range or no live rank.
     """
     ep_size = p2l.shape[1] // local_slots
     live = torch.ones(ep_size, dtype=torch.bool)
-    live[sorted(frozenset(dead_ep_ranks))] = False
+    live[sorted(check_ep_ranks(dead_ep_ranks, ep_size))] = False
     masked = p2l.clone()
     masked[:, ~live.repeat_interleave(local_slots)] = -1
     loads = rank_loads(masked, load, num_logical, local_slots)[:, live]
@@ -112,7 +115,7 @@ def zero_reload_fraction(placement: ExpertPlacement, k: int) -> float:
     if k == 1:
         return 1.0 - float(fragile.float().mean()) if ep >= 2 else 0.0
     if k != 2:
-        raise ValueError(f"k must be 1 or 2, got {k}")
+        raise ConfigError(f"k must be 1 or 2, got {k}")
     if ep < 3:
         return 0.0
     broken = fragile.unsqueeze(0) | fragile.unsqueeze(1)
@@ -147,7 +150,7 @@ def zero_reload_bound(num_logical: int, num_physical: int, ep_size: int, k: int)
     holding a single breaks every pair it is in. Minimise the broken pairs over ``t``.
     """
     if k not in (1, 2):
-        raise ValueError(f"k must be 1 or 2, got {k}")
+        raise ConfigError(f"k must be 1 or 2, got {k}")
     local = num_physical // ep_size
     redundant = num_physical - num_logical
     if ep_size < k + 1:

@@ -13,6 +13,7 @@ import gc
 import hashlib
 import multiprocessing
 import time
+import traceback
 from collections.abc import Callable, Iterable, Sequence
 from multiprocessing.connection import Connection
 from pathlib import Path
@@ -36,6 +37,14 @@ ProgressFn = Callable[[str, int, int], None]
 
 class BenchError(FTEngineError, RuntimeError):
     """A benchmark child process failed or ran past its time limit."""
+
+
+class ChildTraceback(FTEngineError):
+    """The formatted traceback of an error raised in a benchmark child process.
+
+    Exceptions do not cross processes intact, so the parent's BenchError carries this as
+    its ``__cause__`` to keep the child's story.
+    """
 
 
 @attrs.frozen
@@ -199,6 +208,39 @@ def _first_run(run: Callable[[], object], prep: Callable[[], None]) -> FirstRun:
     return FirstRun(meter.delta, meter.method, seconds, disk)
 
 
+def _time_by_cache(
+    job: ChildJob,
+    index: CheckpointIndex,
+    runs: tuple[Callable[[], object], Callable[[], object]],
+    prefix: str,
+    extra: Callable[[CachePrep], dict[str, Any]] | None = None,
+) -> tuple[FirstRun, dict[str, dict[str, Any]]]:
+    """Time a loader ``job.repeat`` times under each page-cache state of ``job``.
+
+    ``runs`` is (the loader, its first run: the same with progress reports). The very
+    first run measures peak RSS and disk reads; the best time of each state counts, as
+    ``{prefix}reload_s`` beside ``{prefix}disk_read_bytes`` (first state only) and what
+    ``extra(prep)`` adds after the timed runs. Returns (first run, rows by cache state).
+    """
+    run, run_first = runs
+    by_cache: dict[str, dict[str, Any]] = {}
+    peak: FirstRun | None = None
+    for cache in job.caches:
+        prep = CachePrep(list(index.files), cache)
+        row: dict[str, Any] = {}
+        times = []
+        if peak is None:
+            peak = _first_run(run_first, prep)
+            times.append(peak.seconds)
+            row[f"{prefix}disk_read_bytes"] = peak.disk_read
+        times += timed_runs(run, prep, job.repeat - len(times))
+        row[f"{prefix}reload_s"] = min(times)
+        by_cache[cache] = {**row, **(extra(prep) if extra is not None else {})}
+    if peak is None:
+        raise BenchError("no page-cache state to measure: ChildJob.caches is empty")
+    return peak, by_cache
+
+
 def _measure_selective(
     job: ChildJob, index: CheckpointIndex, slots: ExpertSlots, conn: Connection
 ) -> dict[str, Any]:
@@ -216,27 +258,14 @@ def _measure_selective(
         )
         first.append(stats)
 
-    by_cache: dict[str, dict[str, Any]] = {}
-    peak: FirstRun | None = None
-    for cache in job.caches:
-        prep = CachePrep(list(index.files), cache)
-        row: dict[str, Any] = {}
-        times = []
-        if peak is None:
-            peak = _first_run(reload_first, prep)
-            times.append(peak.seconds)
-            row["disk_read_bytes"] = peak.disk_read
-        times += timed_runs(reload, prep, job.repeat - len(times))
-        row |= {
-            "reload_s": min(times),
-            "raw_read_s": min(timed_runs(lambda: raw_read(index, names), prep, job.repeat)),
-        }
+    def baselines(prep: CachePrep) -> dict[str, Any]:
+        row = {"raw_read_s": min(timed_runs(lambda: raw_read(index, names), prep, job.repeat))}
         if job.workers > 1:
             row["reload_serial_s"] = min(timed_runs(lambda: reload(1), prep, job.repeat))
-        by_cache[cache] = {**row, **(prep.report() if cache == "cold" else {})}
+        return {**row, **(prep.report() if prep.cache == "cold" else {})}
+
+    peak, by_cache = _time_by_cache(job, index, (reload, reload_first), "", baselines)
     stats = first[0]
-    if peak is None:
-        raise BenchError("no page-cache state to measure: ChildJob.caches is empty")
     common = {
         "experts_reloaded": stats.experts,
         "bytes_needed": stats.bytes_needed,
@@ -257,20 +286,7 @@ def _measure_naive(
     def naive_first() -> None:
         naive_reload(index, slots, job.reload, _throttled(conn, "naive load"))
 
-    by_cache: dict[str, dict[str, Any]] = {}
-    peak: FirstRun | None = None
-    for cache in job.caches:
-        prep = CachePrep(list(index.files), cache)
-        row: dict[str, Any] = {}
-        times = []
-        if peak is None:
-            peak = _first_run(naive_first, prep)
-            times.append(peak.seconds)
-            row["naive_disk_read_bytes"] = peak.disk_read
-        times += timed_runs(naive, prep, job.repeat - len(times))
-        by_cache[cache] = {**row, "naive_reload_s": min(times)}
-    if peak is None:
-        raise BenchError("no page-cache state to measure: ChildJob.caches is empty")
+    peak, by_cache = _time_by_cache(job, index, (naive, naive_first), "naive_")
     return {"common": {"naive_peak_rss_delta_bytes": peak.peak_rss}, "by_cache": by_cache}
 
 
@@ -290,7 +306,7 @@ def _child(job: ChildJob, conn: Connection) -> None:
         result["slot_digest"] = slot_digest(slots)
         conn.send(("result", result))
     except BaseException as exc:  # the parent re-raises it with the child's story
-        conn.send(("error", f"{type(exc).__name__}: {exc}"))
+        conn.send(("error", f"{type(exc).__name__}: {exc}", traceback.format_exc()))
     finally:
         conn.close()
 
@@ -309,15 +325,21 @@ def run_child(job: ChildJob, timeout_s: float, progress: ProgressFn | None) -> d
     try:
         while time.monotonic() < deadline:
             if not receiver.poll(0.1):
-                if not child.is_alive() and not receiver.poll(0):
-                    raise BenchError(f"{job.mode} child exited with code {child.exitcode}")
                 continue
-            message = receiver.recv()
+            try:
+                message = receiver.recv()
+            except EOFError as exc:  # poll() also reports the pipe closed by a dead child
+                child.join(5.0)
+                raise BenchError(
+                    f"{job.mode} child exited with code {child.exitcode} before reporting; "
+                    "its stderr says why (a negative code is the signal that killed it)"
+                ) from exc
             if message[0] == "progress":
                 if progress is not None:
                     progress(message[1], message[2], message[3])
             elif message[0] == "error":
-                raise BenchError(f"{job.mode} child failed: {message[1]}")
+                cause = ChildTraceback(message[2])
+                raise BenchError(f"{job.mode} child failed: {message[1]}") from cause
             else:
                 return dict(message[1])
         raise BenchError(f"{job.mode} child ran past {timeout_s:.0f} s; raise --timeout")

@@ -48,11 +48,17 @@ def expert_tensor_name(layer: int, expert: int, projection: str, param: str = "w
     return f"model.layers.{layer}.mlp.experts.{expert}.{projection}.{param}"
 
 
-def _load_json(file: Path) -> Any:
+def _load_json(file: Path) -> dict[str, Any]:
+    """A JSON object from ``file``; WeightLoadError if unreadable or not an object."""
     try:
-        return json.loads(file.read_text())
+        loaded = json.loads(file.read_text())
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise WeightLoadError(f"{file}: cannot read JSON ({exc}); re-create it") from exc
+    if not isinstance(loaded, dict):
+        raise WeightLoadError(
+            f"{file}: expected a JSON object, found {type(loaded).__name__}; re-create it"
+        )
+    return loaded
 
 
 def _weight_map(root: Path) -> dict[str, Path]:
@@ -61,7 +67,10 @@ def _weight_map(root: Path) -> dict[str, Path]:
     if index_file.exists():
         raw = _load_json(index_file).get("weight_map")
         if not isinstance(raw, dict):
-            raise WeightLoadError(f"{index_file}: no 'weight_map' object; re-create the index")
+            raise WeightLoadError(
+                f"{index_file}: expected a 'weight_map' object of tensor name -> file, found "
+                f"{type(raw).__name__}; re-create the index"
+            )
         return {str(name): root / str(file) for name, file in raw.items()}
     files = sorted(root.glob("*.safetensors"))
     if not files:
@@ -86,8 +95,6 @@ def detect_quant(root: Path) -> Quant:
     if not file.exists():
         return "none"
     description = _load_json(file)
-    if not isinstance(description, dict):
-        raise WeightLoadError(f"{file}: expected a JSON object of tensor name -> quant type")
     kinds = {str(v) for k, v in description.items() if _EXPERT_RE.match(str(k))}
     if not kinds:
         kinds = {str(description.get("model_quant_type", "FLOAT"))}
@@ -191,7 +198,13 @@ class CheckpointIndex:
                 f"{self.path / CONFIG_NAME}: no {key!r} and it cannot be inferred from the "
                 "expert tensors; add it to config.json"
             )
-        return int(value)
+        try:
+            return int(value)
+        except (TypeError, ValueError) as exc:
+            raise WeightLoadError(
+                f"{self.path / CONFIG_NAME}: {key!r} must be an integer, found {value!r}; "
+                "fix config.json"
+            ) from exc
 
     def _first_weight(self, projection: str) -> TensorInfo | None:
         for (_, _, proj, param), name in self.experts.items():

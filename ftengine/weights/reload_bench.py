@@ -28,8 +28,9 @@ from ftengine.weights.bench_measure import (
 from ftengine.weights.checkpoint_gen import (
     GENERATOR_KEY,
     ModelShape,
+    WriteOptions,
     is_generated_checkpoint,
-    make_checkpoint,
+    write_checkpoint,
 )
 from ftengine.weights.index import CheckpointIndex, Quant
 from ftengine.weights.reload import Assignment
@@ -81,7 +82,21 @@ class BenchSetup:
         per_h2 = 1.5 if self.quant == "w8a8_dynamic" else 3.0  # bytes per H^2, bf16 / int8
         h = math.sqrt(self.size_mb * 2**20 / (self.layers * self.experts * per_h2))
         hidden = max(64, round(h / 64) * 64)
-        return ModelShape(self.layers, self.experts, hidden, hidden // 2, 512, 4, 2, hidden // 4, 2)
+        return ModelShape(
+            layers=self.layers,
+            experts=self.experts,
+            hidden=hidden,
+            intermediate=hidden // 2,
+            vocab=512,
+            heads=4,
+            kv_heads=2,
+            head_dim=hidden // 4,
+            top_k=2,
+        )
+
+    def write_options(self) -> WriteOptions:
+        """How the benchmark's checkpoint is written (model dtype bfloat16, no manifest)."""
+        return WriteOptions(quant=self.quant, shards=self.shards, seed=self.seed)
 
 
 @attrs.frozen
@@ -127,8 +142,7 @@ def prepare_checkpoint(
     setup: BenchSetup, root: Path, progress: Callable[[int, int], None] | None = None
 ) -> tuple[Path, bool]:
     """Build the checkpoint at ``root`` unless an identical one is there: (path, reused)."""
-    shape = setup.model_shape()
-    wanted = {"seed": setup.seed, "quant": setup.quant, "shards": setup.shards, "manifest": False}
+    shape, options = setup.model_shape(), setup.write_options()
     if root.exists() and any(root.iterdir()):
         if not is_generated_checkpoint(root):
             raise ConfigError(
@@ -137,26 +151,10 @@ def prepare_checkpoint(
             )
         index = CheckpointIndex.open(root)
         built = (index.hidden_size, index.num_experts, index.num_layers)
-        if index.config.get(GENERATOR_KEY) == wanted and built == (
-            shape.hidden,
-            shape.experts,
-            shape.layers,
-        ):
+        wanted = (shape.hidden, shape.experts, shape.layers)
+        if index.config.get(GENERATOR_KEY) == options.generator_record() and built == wanted:
             return root, True
-    make_checkpoint(
-        root,
-        layers=shape.layers,
-        experts=shape.experts,
-        hidden=shape.hidden,
-        intermediate=shape.intermediate,
-        quant=setup.quant,
-        shards=setup.shards,
-        seed=setup.seed,
-        vocab=shape.vocab,
-        head_dim=shape.head_dim,
-        overwrite=True,
-        progress=progress,
-    )
+    write_checkpoint(root, shape, options, overwrite=True, progress=progress)
     return root, False
 
 
@@ -192,6 +190,52 @@ def cache_label(cache: Cache, row: Mapping[str, Any]) -> tuple[Cache, str | None
     return "cold", None
 
 
+def _describe(setup: BenchSetup, plan: WorkerPlan, index: CheckpointIndex) -> dict[str, Any]:
+    """What was measured: the checkpoint, the model and DP sizes, the worker, the run knobs."""
+    return {
+        "bench": "reload",
+        "checkpoint": str(index.path),
+        "quant": index.quant,
+        "size_mb": round(index.expert_bytes_total / 2**20, 1),
+        "layers": setup.layers,
+        "experts": setup.experts,
+        "hidden": index.hidden_size,
+        "intermediate": index.intermediate_size,
+        "dp": setup.dp,
+        "local_slots": setup.local_slots,
+        "num_redundant": setup.redundant,
+        "dead_rank": setup.dead_rank,
+        "worker_rank": plan.rank,
+        "workers": setup.workers,
+        "torch_threads": setup.threads,
+        "repeat": setup.repeat,
+    }
+
+
+def _headline(
+    common: Mapping[str, Any], head: Mapping[str, Any], speedup_target: float
+) -> tuple[dict[str, float], dict[str, bool]]:
+    """The issue's byte and memory ratios beside the headline cache state's timing ratios,
+    and whether each target is met."""
+    needed = common["bytes_needed"]
+    ratios = {
+        "bytes_read_over_needed": _ratio(common["bytes_read"], needed),
+        "peak_rss_over_needed": _ratio(common["peak_rss_delta_bytes"], needed),
+        "naive_peak_rss_over_needed": _ratio(common["naive_peak_rss_delta_bytes"], needed),
+        "speedup_target": speedup_target,
+        **head["ratios"],
+    }
+    if head.get("disk_read_bytes") is not None:
+        # What the disk delivered, readahead included: only meaningful from a cold cache.
+        ratios["disk_read_over_needed"] = _ratio(head["disk_read_bytes"], needed)
+    targets = {
+        "bytes_read": ratios["bytes_read_over_needed"] <= 1.02,
+        "peak_rss": ratios["peak_rss_over_needed"] <= 1.2,
+        **head["targets_met"],
+    }
+    return ratios, targets
+
+
 def summarize(
     setup: BenchSetup,
     plan: WorkerPlan,
@@ -214,38 +258,9 @@ def summarize(
     }
     head = rows[setup.caches[0]]
     label, note = cache_label(setup.caches[0], head)
-    ratios = {
-        "bytes_read_over_needed": _ratio(common["bytes_read"], needed),
-        "peak_rss_over_needed": _ratio(common["peak_rss_delta_bytes"], needed),
-        "naive_peak_rss_over_needed": _ratio(common["naive_peak_rss_delta_bytes"], needed),
-        "speedup_target": target,
-        **head["ratios"],
-    }
-    if head.get("disk_read_bytes") is not None:
-        # What the disk delivered, readahead included: only meaningful from a cold cache.
-        ratios["disk_read_over_needed"] = _ratio(head["disk_read_bytes"], needed)
-    targets = {
-        "bytes_read": ratios["bytes_read_over_needed"] <= 1.02,
-        "peak_rss": ratios["peak_rss_over_needed"] <= 1.2,
-        **head["targets_met"],
-    }
+    ratios, targets = _headline(common, head, target)
     return {
-        "bench": "reload",
-        "checkpoint": str(index.path),
-        "quant": index.quant,
-        "size_mb": round(total / 2**20, 1),
-        "layers": setup.layers,
-        "experts": setup.experts,
-        "hidden": index.hidden_size,
-        "intermediate": index.intermediate_size,
-        "dp": setup.dp,
-        "local_slots": setup.local_slots,
-        "num_redundant": setup.redundant,
-        "dead_rank": setup.dead_rank,
-        "worker_rank": plan.rank,
-        "workers": setup.workers,
-        "torch_threads": setup.threads,
-        "repeat": setup.repeat,
+        **_describe(setup, plan, index),
         "cache": label,
         **({"cache_note": note} if note else {}),
         "expert_bytes_total": total,

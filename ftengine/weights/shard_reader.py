@@ -12,7 +12,6 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from contextlib import ExitStack
 from pathlib import Path
-from types import TracebackType
 from typing import Any
 
 import torch
@@ -79,12 +78,7 @@ class ShardReader:
                 raise WeightLoadError(f"{file}: cannot open ({exc})") from exc
         return self
 
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
+    def __exit__(self, *exc_info: object) -> None:
         self._handles.clear()
         self._stack.close()
 

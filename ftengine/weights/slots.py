@@ -20,40 +20,45 @@ from ftengine.errors import WeightLoadError
 from ftengine.weights import layout
 from ftengine.weights.index import CheckpointIndex, Quant
 from ftengine.weights.nz import from_fractal_nz, nz_shape, to_fractal_nz
+from ftengine.weights.slot_weights import SlotWeights, check_fits
+
+__all__ = ["ExpertSlots", "SlotWeights"]
+
+StorageLayout = dict[str, tuple[tuple[int, ...], torch.dtype]]
+"""Storage field -> (per-slot shape, dtype)."""
 
 
-@attrs.frozen(kw_only=True)
-class SlotWeights:
-    """One expert's tensors as read from disk, ready to be written into a slot.
-
-    ``gate``/``up`` [I, H] and ``down`` [H, I]. W8A8 adds per-channel ``*_scale`` /
-    ``*_offset`` ([out, 1]). For a fused checkpoint ``gate`` (and its scale and offset)
-    hold the fused gate_up [2I, H] and the up entries are None.
-    """
-
-    gate: torch.Tensor
-    down: torch.Tensor
-    up: torch.Tensor | None = None
-    gate_scale: torch.Tensor | None = None
-    up_scale: torch.Tensor | None = None
-    down_scale: torch.Tensor | None = None
-    gate_offset: torch.Tensor | None = None
-    up_offset: torch.Tensor | None = None
-    down_offset: torch.Tensor | None = None
-
-
-def _quant_fields(
-    hidden: int, intermediate: int, dtype: torch.dtype
-) -> dict[str, tuple[int, torch.dtype]]:
-    """W8A8 per-slot storage: field -> (length, dtype), per REFERENCE §6."""
-    return {
-        "w13_scale": (2 * intermediate, torch.float32),
-        "w2_scale": (hidden, dtype),
-        "w13_offset": (2 * intermediate, dtype),
-        "w2_offset": (hidden, dtype),
-        "w13_scale_int64": (2 * intermediate, torch.int64),
-        "w2_scale_int64": (hidden, torch.int64),
+def storage_layout(
+    hidden: int,
+    intermediate: int,
+    dtype: torch.dtype,
+    *,
+    quant: Quant = "none",
+    nz: bool = False,
+    fused_scales: bool = False,
+) -> StorageLayout:
+    """Per-slot shape and dtype of every storage tensor, by field name (REFERENCE §6)."""
+    wdtype = torch.int8 if quant == "w8a8_dynamic" else dtype
+    w13, w2 = (hidden, 2 * intermediate), (intermediate, hidden)
+    shapes: StorageLayout = {
+        "w13": (nz_shape(w13, wdtype) if nz else w13, wdtype),
+        "w2": (nz_shape(w2, wdtype) if nz else w2, wdtype),
     }
+    if quant == "w8a8_dynamic":
+        channels = {
+            "w13_scale": (2 * intermediate, torch.float32),
+            "w2_scale": (hidden, dtype),
+            "w13_offset": (2 * intermediate, dtype),
+            "w2_offset": (hidden, dtype),
+            "w13_scale_int64": (2 * intermediate, torch.int64),
+            "w2_scale_int64": (hidden, torch.int64),
+        }
+        shapes.update(
+            (name, ((size,), kind))
+            for name, (size, kind) in channels.items()
+            if fused_scales or not name.endswith("_int64")
+        )
+    return shapes
 
 
 def _fill_w13(dst: torch.Tensor, weights: SlotWeights) -> None:
@@ -137,31 +142,16 @@ class ExpertSlots:
                 f"slot storage needs positive sizes, found hidden={hidden}, intermediate="
                 f"{intermediate}, layers={num_layers}, slots={local_slots}"
             )
-        wdtype = torch.int8 if quant == "w8a8_dynamic" else dtype
-        w13_nd, w2_nd = (hidden, 2 * intermediate), (intermediate, hidden)
-        w13_shape = nz_shape(w13_nd, wdtype) if nz else w13_nd
-        w2_shape = nz_shape(w2_nd, wdtype) if nz else w2_nd
+        shapes = storage_layout(
+            hidden, intermediate, dtype, quant=quant, nz=nz, fused_scales=fused_scales
+        )
         lead = (num_layers, local_slots)
-
-        def zeros(shape: tuple[int, ...], kind: torch.dtype) -> torch.Tensor:
-            return torch.zeros((*lead, *shape), dtype=kind, device=device)
-
-        extra = {}
-        if quant == "w8a8_dynamic":
-            extra = {
-                name: zeros((size,), kind)
-                for name, (size, kind) in _quant_fields(hidden, intermediate, dtype).items()
-                if fused_scales or not name.endswith("_int64")
-            }
+        tensors = {
+            name: torch.zeros((*lead, *shape), dtype=kind, device=device)
+            for name, (shape, kind) in shapes.items()
+        }
         return cls(
-            w13=zeros(w13_shape, wdtype),
-            w2=zeros(w2_shape, wdtype),
-            hidden=hidden,
-            intermediate=intermediate,
-            dtype=dtype,
-            quant=quant,
-            nz=nz,
-            **extra,
+            **tensors, hidden=hidden, intermediate=intermediate, dtype=dtype, quant=quant, nz=nz
         )
 
     @property
@@ -222,11 +212,19 @@ class ExpertSlots:
     def write_slot(self, layer: int, slot: int, weights: SlotWeights) -> None:
         """Transform one expert's disk tensors into slot ``(layer, slot)`` in place.
 
-        The caller validates shapes and dtypes first (``reload`` does), so a slot is never
-        left half-written by a bad tensor.
+        Every tensor is checked (shape, dtype, W8A8 scales present) before any is written,
+        so a bad one raises WeightLoadError and leaves the slot as it was.
         """
+        quantized = self.quant == "w8a8_dynamic"
+        check_fits(weights, hidden=self.hidden, intermediate=self.intermediate, quantized=quantized)
+        missing = [name for name in ("w13_scale", "w2_scale") if getattr(self, name) is None]
+        if quantized and missing:
+            raise WeightLoadError(
+                f"W8A8 slot storage: expected w13_scale and w2_scale tensors, found no "
+                f"{' or '.join(missing)}; build it with ExpertSlots.allocate() or .empty()"
+            )
         self._write_weights(layer, slot, weights)
-        if self.quant == "w8a8_dynamic":
+        if quantized:
             self._write_scales(layer, slot, weights)
 
     def _write_weights(self, layer: int, slot: int, weights: SlotWeights) -> None:
@@ -234,18 +232,19 @@ class ExpertSlots:
             _fill_w13(self.w13[layer, slot], weights)
             layout.write_w2(self.w2[layer, slot], weights.down)
             return
-        # NZ is a second layout pass over an ND copy: the CPU reference favours clarity here;
-        # the NPU path casts on device instead.
+        # NZ is a second layout pass over an ND copy in the storage dtype: the CPU reference
+        # favours clarity here; the NPU path casts on device instead.
         w13 = self.w13.new_empty((self.hidden, 2 * self.intermediate))
+        w2 = self.w2.new_empty((self.intermediate, self.hidden))
         _fill_w13(w13, weights)
+        layout.write_w2(w2, weights.down)
         to_fractal_nz(w13, out=self.w13[layer, slot])
-        to_fractal_nz(layout.to_w2(weights.down), out=self.w2[layer, slot])
+        to_fractal_nz(w2, out=self.w2[layer, slot])
 
     def _write_scales(self, layer: int, slot: int, weights: SlotWeights) -> None:
-        if self.w13_scale is None or self.w2_scale is None:
-            raise WeightLoadError("W8A8 slot storage lacks its scale tensors; use allocate()")
-        if weights.gate_scale is None or weights.down_scale is None:
-            raise WeightLoadError("a W8A8 slot needs gate and down weight_scale; none were read")
+        # write_slot has checked that these are present.
+        assert self.w13_scale is not None and self.w2_scale is not None
+        assert weights.gate_scale is not None and weights.down_scale is not None
         w13_scale = layout.to_w13_scale(weights.gate_scale, weights.up_scale)
         self.w13_scale[layer, slot].copy_(w13_scale)
         self.w2_scale[layer, slot].copy_(layout.to_w2_scale(weights.down_scale, self.dtype))

@@ -97,10 +97,19 @@ class Server:
                 self.process.kill()
                 self.process.wait(timeout=10)
         self.log.close()
+        # Helpers of the server (multiprocessing's resource tracker) exit on their own once
+        # the server is gone, a moment later under load: give them a bounded grace period.
+        _wait_gone(self.descendants, timeout=15.0)
         leftovers = [pid for pid in self.descendants if _running(pid)]
         for pid in leftovers:  # only ever our own server's children
             os.kill(pid, signal.SIGKILL)
         assert not leftovers, f"serve left processes behind: {leftovers}"
+
+
+def _wait_gone(pids: set[int], timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while any(_running(pid) for pid in pids) and time.monotonic() < deadline:
+        time.sleep(0.05)
 
 
 def _running(pid: int) -> bool:

@@ -1,36 +1,26 @@
 """The vLLM adapter inside the CPU reference cluster's workers, driven by vLLM's messages.
 
-Each worker process answers commands through ``FtengineWorkerSentinel.handle_ft_command``
-with vLLM's ``FaultToleranceRequest`` / ``FaultToleranceResult`` (msgpack-encoded, as they
-cross processes in vLLM); the test drives the cluster with the same types. The seed's
-scale-down scenario must pass: SIGKILL rank 3 mid-traffic, DEAD rejects retry, scale_down
-re-hosts its experts, the survivors answer exactly as the fault-free reference.
-
-The cluster has no seam for a command adapter yet, so this module swaps the workers'
-process entry point (``supervisor.worker_main``) for :func:`vllm_worker_main`, which runs
-E's worker with its sentinel wrapped by the adapter (see the report for the hook wanted).
+The cluster is launched with ``command_adapter`` naming
+``ftengine.integrations.vllm.cluster_adapter:vllm_command_adapter``: each worker process
+answers commands through ``FtengineWorkerSentinel.handle_ft_command`` with vLLM's
+``FaultToleranceRequest`` / ``FaultToleranceResult`` (msgpack-encoded, as they cross
+processes in vLLM); the test drives the cluster with the same types. The seed's scale-down
+scenario must pass: SIGKILL rank 3 mid-traffic, DEAD rejects retry, scale_down re-hosts its
+experts, the survivors answer exactly as the fault-free reference.
 """
 
 from __future__ import annotations
 
 import signal
 import time
-from collections.abc import Callable
-from multiprocessing.connection import Connection
 from typing import Any
 
 import msgspec
 import pytest
 
-import ftengine.cluster.supervisor as supervisor
-import ftengine.cluster.worker as cluster_worker
 from ftengine.cluster import Cluster, Generation, RequestAborted, compare_outputs
-from ftengine.commands import CommandResult
-from ftengine.faults import Fault, FaultKind, HealthStatus, Phase
+from ftengine.faults import HealthStatus
 from ftengine.integrations.vllm.messages import VllmMessages
-from ftengine.integrations.vllm.sentinel import FtengineWorkerSentinel
-from ftengine.sentinel import WorkerSentinel
-from ftengine.status import EngineStatus, PhaseChange
 from tests.integration.conftest import MAX_TOKENS, PROMPTS, TIMINGS, Launcher
 from tests.integration.test_cluster_e2e import Traffic, engines, wait_statuses
 
@@ -40,61 +30,7 @@ pytestmark = pytest.mark.integration
 HEALTHY, DEAD, UNHEALTHY = (
     int(s) for s in (HealthStatus.HEALTHY, HealthStatus.DEAD, HealthStatus.UNHEALTHY)
 )
-
-
-class VllmFacingSentinel:
-    """The cluster worker's sentinel as seen through vLLM: commands go through the adapter
-    as vLLM messages; everything else is the ftengine sentinel's."""
-
-    def __init__(self, inner: WorkerSentinel, rank: int) -> None:
-        self.inner = inner
-        self.messages = VllmMessages.load()
-        self.adapter = FtengineWorkerSentinel(inner, engine_index=rank, messages=self.messages)
-
-    def handle_ft_command(
-        self, instruction: str, params: dict[str, Any], request_id: str
-    ) -> CommandResult:
-        request_type: Any = self.messages.request_type
-        wire = msgspec.msgpack.encode(request_type(instruction, params, request_id))
-        result = self.adapter.handle_ft_command(msgspec.msgpack.decode(wire, type=request_type))
-        return CommandResult(result.request_id, result.success, result.reason)
-
-    @property
-    def serving(self) -> bool:
-        return self.inner.serving
-
-    @property
-    def phase(self) -> Phase:
-        return self.inner.phase
-
-    def on_fault(self, exc: BaseException, step: int | None = None) -> Fault:
-        return self.adapter.on_fault(exc, step)
-
-    def peer_fault(self, kind: FaultKind, rank: int | None, info: str) -> None:
-        self.inner.peer_fault(kind, rank, info)
-
-    def poll(self) -> None:
-        self.adapter.poll()
-
-    def status(self) -> EngineStatus:
-        return self.inner.status()
-
-    def subscribe(self, listener: Callable[[PhaseChange], None]) -> None:
-        self.inner.subscribe(listener)
-
-
-class VllmClusterWorker(cluster_worker.ClusterWorker):
-    """E's cluster worker whose commands pass through the vLLM adapter."""
-
-    def __init__(self, spec: cluster_worker.WorkerSpec, link: cluster_worker.Link) -> None:
-        super().__init__(spec, link)
-        self.sentinel = VllmFacingSentinel(self.sentinel, spec.rank)  # type: ignore[assignment]
-
-
-def vllm_worker_main(spec: cluster_worker.WorkerSpec, conn: Connection) -> None:
-    """Worker process entry point (runs in the spawned child)."""
-    cluster_worker.ClusterWorker = VllmClusterWorker  # type: ignore[misc]
-    cluster_worker.worker_main(spec, conn)
+VLLM_ADAPTER = "ftengine.integrations.vllm.cluster_adapter:vllm_command_adapter"
 
 
 def apply(cluster: Cluster, instruction: str, params: dict[str, Any], request_id: str) -> Any:
@@ -107,17 +43,11 @@ def apply(cluster: Cluster, instruction: str, params: dict[str, Any], request_id
     return messages.result(result)
 
 
-@pytest.fixture
-def vllm_launch(launch: Launcher, monkeypatch: pytest.MonkeyPatch) -> Launcher:
-    monkeypatch.setattr(supervisor, "worker_main", vllm_worker_main)
-    return launch
-
-
 @pytest.mark.timeout(240)
 def test_seed_scale_down_through_the_vllm_adapter(
-    vllm_launch: Launcher, reference: list[Generation]
+    launch: Launcher, reference: list[Generation]
 ) -> None:
-    cluster = vllm_launch(start_timeout_s=180.0)
+    cluster = launch(start_timeout_s=180.0, command_adapter=VLLM_ADAPTER)
     healthy = apply(cluster, "retry", {}, "too-early")
     # the workers' adapter answered, in vLLM's words, before any engine acted
     assert not healthy.success

@@ -86,7 +86,13 @@ class Model:
         )
         return self.policy(ctx) or GiveUp("abstained")
 
+    def expire(self) -> None:
+        """A passed orchestrator deadline takes effect before any later fault or command."""
+        if self.pending and self.pending[0] == "deadline" and self.now >= self.pending[1]:
+            self.enter(Phase.DEAD)
+
     def fault(self, fault: Fault) -> None:
+        self.expire()
         if self.phase is Phase.DEAD:
             return
         source = self.phase
@@ -170,6 +176,7 @@ class Model:
 
     def command(self, instruction: str, params: Any) -> tuple[bool, str]:
         """(success, a text the engine's reason must contain; "" for a success)."""
+        self.expire()
         if instruction not in ("retry", "scale_down"):
             return False, "unknown instruction"
         if self.phase is not Phase.QUARANTINED:
@@ -246,6 +253,12 @@ class EngineMachine(RuleBasedStateMachine):
         self.model.now += dt
         self.rig.engine.poll()
         self.model.poll()
+
+    @rule(dt=st.sampled_from([1.0, 15.0]))
+    def stall(self, dt: float) -> None:
+        """Time passes without a poll (the host loop is busy)."""
+        self.rig.clock.advance(dt)
+        self.model.now += dt
 
     @rule(target=requests)
     def retry(self) -> str:

@@ -14,6 +14,7 @@ from ftengine.errors import ConfigError, DeviceError
 from ftengine.faults import Fault, FaultKind, HealthStatus, Phase
 from ftengine.policies import (
     AutoRecovery,
+    FlapGuard,
     GiveUp,
     MaxAttempts,
     OrchestratorDriven,
@@ -108,14 +109,31 @@ def test_scale_downs_are_cumulative_4_3_2() -> None:
 def test_the_orchestrator_deadline_kills_the_engine_only_once_due() -> None:
     rig = make_rig(OrchestratorDriven(recovery_timeout=10.0))
     rig.engine.report_fault(transient())
-    rig.clock.advance(9.5)
-    rig.engine.poll()
-    assert rig.engine.phase is Q
-    rig.clock.advance(0.5)
-    rig.engine.poll()
+    assert rig.poll_after(9.5) is Q
+    assert rig.poll_after(0.5) is D
     status = rig.engine.status()
     assert (status.phase, status.status) == (D, HealthStatus.DEAD)
     assert "deadline t=110s" in (status.ft_error or "")
+
+
+def test_an_expired_deadline_takes_effect_before_a_command_even_without_a_poll() -> None:
+    rig = make_rig(OrchestratorDriven(recovery_timeout=10.0))
+    rig.engine.report_fault(transient())
+    rig.clock.advance(10.0)  # the host has not polled since the deadline passed
+    result = rig.engine.apply("retry", {}, "late")
+    assert not result.success and "status is DEAD" in (result.reason or "")
+    assert (rig.engine.phase, rig.backend.names()) == (D, ["quarantine"])
+    assert "deadline t=110s" in (rig.engine.status().ft_error or "")
+
+
+def test_an_expired_deadline_takes_effect_before_a_later_fault() -> None:
+    # Without the deadline, FlapGuard would scale the flapping rank 2 down on this fault.
+    rig = make_rig(FlapGuard(k=2, window=60.0) | OrchestratorDriven(recovery_timeout=10.0))
+    rig.engine.report_fault(transient(rank=2))
+    rig.clock.advance(10.0)  # the host has not polled since the deadline passed
+    rig.engine.report_fault(transient(rank=2))
+    assert rig.phases() == [Q, D] and rig.backend.names() == ["quarantine"]
+    assert "deadline t=110s" in (rig.engine.status().ft_error or "")
 
 
 def test_the_deadline_counts_from_the_first_fault_of_the_episode() -> None:
@@ -123,16 +141,13 @@ def test_the_deadline_counts_from_the_first_fault_of_the_episode() -> None:
     rig.engine.report_fault(transient())
     rig.clock.advance(8.0)
     rig.engine.report_fault(dead_peer())
-    rig.clock.advance(2.0)
-    rig.engine.poll()
-    assert rig.engine.phase is D
+    assert rig.poll_after(2.0) is D
 
 
 def test_dead_is_absorbing() -> None:
     rig = make_rig(OrchestratorDriven(recovery_timeout=1.0))
     rig.engine.report_fault(transient())
-    rig.clock.advance(1.0)
-    rig.engine.poll()
+    assert rig.poll_after(1.0) is D
     calls = rig.backend.calls
     rig.engine.report_fault(dead_peer())
     rig.engine.poll()
@@ -153,12 +168,8 @@ def test_auto_recovery_retries_on_poll_not_in_the_reporting_thread() -> None:
 def test_a_delayed_retry_waits_for_its_time() -> None:
     rig = make_rig(AutoRecovery(retry_delay=2.0))
     rig.engine.report_fault(transient())
-    rig.clock.advance(1.9)
-    rig.engine.poll()
-    assert rig.engine.phase is Q
-    rig.clock.advance(0.1)
-    rig.engine.poll()
-    assert rig.engine.phase is H
+    assert rig.poll_after(1.9) is Q
+    assert rig.poll_after(0.1) is H
 
 
 def test_auto_recovery_scales_down_a_confirmed_dead_peer() -> None:

@@ -1,5 +1,6 @@
 """RecoveryEngine across threads: a fault while a recovery action hangs, concurrent commands,
-replays of a running request, and a storm of faults and commands."""
+replays of a running request, no second recovery beside an interrupted action, and a storm
+of faults and commands."""
 
 from __future__ import annotations
 
@@ -52,8 +53,7 @@ def test_a_tolerated_fault_mid_recovery_requarantines_and_the_old_run_stops() ->
     hang.release()
     poller.join(JOIN_S)
     assert rig.backend.names() == ["quarantine", "reset_device", "quarantine"]
-    rig.clock.advance(5.0)
-    rig.engine.poll()
+    assert rig.poll_after(5.0) is Phase.HEALTHY
     status = rig.engine.status()
     assert (status.phase, status.attempts) == (Phase.HEALTHY, 2)
 
@@ -123,3 +123,26 @@ def test_a_storm_of_faults_and_commands_keeps_the_fsm_consistent() -> None:
         assert change.source is previous and change.dest in successors(change.source)
         previous = change.dest
     assert rig.engine.phase is previous
+
+
+def test_no_recovery_starts_while_an_interrupted_action_still_runs() -> None:
+    # A tolerated fault re-quarantines while reset_device hangs in the poller's run: neither
+    # a due retry nor a command may drive the backend beside that call.
+    rig = make_rig(AutoRecovery(retry_during_recovery=True))
+    rig.engine.report_fault(transient())
+    hang = rig.backend.hang_on("reset_device", timeout=JOIN_S)
+    poller = threading.Thread(target=rig.engine.poll, daemon=True)
+    poller.start()
+    assert hang.entered.wait(JOIN_S)
+    rig.engine.report_fault(transient())
+    rig.engine.poll()
+    rejected = rig.engine.apply("retry", {}, "early")
+    assert rig.backend.names() == ["quarantine", "reset_device", "quarantine"]
+    assert not rejected.success
+    assert "still finishing reset_device" in (rejected.reason or "")
+    assert rig.engine.phase is Phase.QUARANTINED
+    hang.release()
+    poller.join(JOIN_S)
+    assert not poller.is_alive()
+    assert rig.poll_after(0.0) is Phase.HEALTHY  # the deferred retry runs now
+    assert rig.backend.names()[3:] == ["reset_device", "rebuild_groups", "run_dummy_batch"]

@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from pathlib import Path
-
 import pytest
 import torch
 
@@ -13,11 +10,11 @@ from ftengine.backends.npu_config import NpuFtConfig
 from ftengine.backends.npu_host import NpuTopology
 from ftengine.backends.npu_runtime import NpuRuntime
 from ftengine.errors import ConfigError
-from ftengine.weights.checkpoint_gen import make_checkpoint
-from ftengine.weights.index import CheckpointIndex
 from tests.fakes.npu_host import FakeNpuHost, RecordingGroupFactory
-from tests.fakes.npu_install import fake_torch_npu
 from tests.fakes.npu_state import Call, FakeNpuState
+from tests.unit.npu_fixtures import TinyCheckpoints
+from tests.unit.npu_fixtures import npu_state as npu_state
+from tests.unit.npu_fixtures import tiny_checkpoints as tiny_checkpoints
 
 
 def test_defaults_without_additional_config() -> None:
@@ -74,18 +71,10 @@ def test_ftengine_must_be_an_object() -> None:
         NpuFtConfig.from_additional_config({"ftengine": "auto"})
 
 
-@pytest.fixture
-def npu_state() -> Iterator[FakeNpuState]:
-    with fake_torch_npu() as state:
-        yield state
-
-
 def test_backend_from_additional_config_applies_the_timeout(
-    npu_state: FakeNpuState, tmp_path: Path
+    npu_state: FakeNpuState, tiny_checkpoints: TinyCheckpoints
 ) -> None:
-    index = CheckpointIndex.open(
-        make_checkpoint(tmp_path / "ckpt", layers=1, experts=4, hidden=32, intermediate=16)
-    )
+    index = tiny_checkpoints.index(layers=1, experts=4)
     env: dict[str, str] = {}
     backend = NpuBackend.from_additional_config(
         {"ft_communication_abort_timeout": 30, "ftengine": {"policy": "auto"}},

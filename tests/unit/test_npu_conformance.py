@@ -8,24 +8,18 @@ from pathlib import Path
 import pytest
 
 from ftengine.backends.base import Backend
-from ftengine.weights.checkpoint_gen import make_checkpoint
 from ftengine.weights.index import CheckpointIndex
 from tests.conformance import BackendConformance
 from tests.fakes.npu_host import make_npu_rig
-from tests.fakes.npu_install import fake_torch_npu
 from tests.fakes.npu_state import FakeNpuState
+from tests.unit.npu_fixtures import TinyCheckpoints
+from tests.unit.npu_fixtures import npu_state as npu_state
+from tests.unit.npu_fixtures import tiny_checkpoints as tiny_checkpoints
 
 
 @pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    root = tmp_path_factory.mktemp("npu-conformance")
-    return make_checkpoint(root / "ckpt", layers=2, experts=4, hidden=32, intermediate=16)
-
-
-@pytest.fixture
-def npu_state() -> Iterator[FakeNpuState]:
-    with fake_torch_npu() as state:
-        yield state
+def checkpoint(tiny_checkpoints: TinyCheckpoints) -> Path:
+    return tiny_checkpoints.path(layers=2, experts=4)
 
 
 class TestNpuBackendConformance(BackendConformance):

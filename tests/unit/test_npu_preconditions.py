@@ -2,19 +2,17 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from pathlib import Path
-
 import pytest
 
 from ftengine.backends.npu_config import NpuFtConfig
 from ftengine.backends.npu_preconditions import NpuDeployment, check_scale_down
 from ftengine.errors import PreconditionFailed
-from ftengine.weights.checkpoint_gen import make_checkpoint
 from ftengine.weights.index import CheckpointIndex
 from tests.fakes.npu_host import make_npu_rig
-from tests.fakes.npu_install import fake_torch_npu
 from tests.fakes.npu_state import FakeNpuState
+from tests.unit.npu_fixtures import TinyCheckpoints
+from tests.unit.npu_fixtures import npu_state as npu_state
+from tests.unit.npu_fixtures import tiny_checkpoints as tiny_checkpoints
 
 EVERYTHING_WRONG = NpuDeployment(
     model_runner="v1",
@@ -38,18 +36,9 @@ REASON_KEYS = (
 )
 
 
-@pytest.fixture
-def npu_state() -> Iterator[FakeNpuState]:
-    with fake_torch_npu() as state:
-        yield state
-
-
 @pytest.fixture(scope="module")
-def index(tmp_path_factory: pytest.TempPathFactory) -> CheckpointIndex:
-    root: Path = tmp_path_factory.mktemp("npu-preconditions")
-    return CheckpointIndex.open(
-        make_checkpoint(root / "ckpt", layers=1, experts=4, hidden=32, intermediate=16)
-    )
+def index(tiny_checkpoints: TinyCheckpoints) -> CheckpointIndex:
+    return tiny_checkpoints.index(layers=1, experts=4)
 
 
 def test_a_good_deployment_passes() -> None:

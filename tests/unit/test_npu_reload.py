@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import shutil
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -22,23 +21,18 @@ from ftengine.weights.index import CheckpointIndex, expert_tensor_name
 from ftengine.weights.nz import ACL_FORMAT_FRACTAL_NZ
 from ftengine.weights.slots import ExpertSlots
 from tests.fakes.npu_host import NpuRig, make_npu_rig
-from tests.fakes.npu_install import fake_torch_npu
 from tests.fakes.npu_state import FakeNpuState
+from tests.unit.npu_fixtures import TinyCheckpoints
+from tests.unit.npu_fixtures import npu_state as npu_state
+from tests.unit.npu_fixtures import tiny_checkpoints as tiny_checkpoints
 
 CAST = "npu_format_cast"
 DEAD = frozenset({1})
 
 
-@pytest.fixture
-def npu_state() -> Iterator[FakeNpuState]:
-    with fake_torch_npu() as state:
-        yield state
-
-
 @pytest.fixture(scope="module")
-def bf16_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    root = tmp_path_factory.mktemp("npu-reload-bf16")
-    return make_checkpoint(root / "ckpt", layers=2, experts=8, hidden=32, intermediate=16)
+def bf16_path(tiny_checkpoints: TinyCheckpoints) -> Path:
+    return tiny_checkpoints.path(layers=2, experts=8)
 
 
 @pytest.fixture(scope="module")

@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from pathlib import Path
-
 import pytest
 
 from ftengine.clock import ManualClock
@@ -12,11 +9,12 @@ from ftengine.engine import RecoveryEngine
 from ftengine.errors import BackendError, DeviceError
 from ftengine.faults import Fault, FaultKind, HealthStatus, Phase
 from ftengine.policies import OrchestratorDriven
-from ftengine.weights.checkpoint_gen import make_checkpoint
 from ftengine.weights.index import CheckpointIndex
 from tests.fakes.npu_host import NpuRig, make_npu_rig
-from tests.fakes.npu_install import fake_torch_npu
 from tests.fakes.npu_state import Call, FakeDeviceError, FakeNpuState
+from tests.unit.npu_fixtures import TinyCheckpoints
+from tests.unit.npu_fixtures import npu_state as npu_state
+from tests.unit.npu_fixtures import tiny_checkpoints as tiny_checkpoints
 
 RESET = [
     "npu.set_device",
@@ -28,18 +26,9 @@ RESET = [
 DISPATCH, COMBINE = "npu_moe_distribute_dispatch_v2", "npu_moe_distribute_combine_v2"
 
 
-@pytest.fixture
-def npu_state() -> Iterator[FakeNpuState]:
-    with fake_torch_npu() as state:
-        yield state
-
-
 @pytest.fixture(scope="module")
-def index(tmp_path_factory: pytest.TempPathFactory) -> CheckpointIndex:
-    root: Path = tmp_path_factory.mktemp("npu-reset")
-    return CheckpointIndex.open(
-        make_checkpoint(root / "ckpt", layers=1, experts=8, hidden=32, intermediate=16)
-    )
+def index(tiny_checkpoints: TinyCheckpoints) -> CheckpointIndex:
+    return tiny_checkpoints.index(layers=1, experts=8)
 
 
 @pytest.fixture
@@ -51,10 +40,13 @@ def rig(npu_state: FakeNpuState, index: CheckpointIndex) -> NpuRig:
     return rig
 
 
-def device_error(state: FakeNpuState) -> None:
-    """The next dispatch fails like a poisoned stream (an HCCL op aborted by the timeout)."""
+def step_into_a_device_error(rig: NpuRig, state: FakeNpuState) -> None:
+    """A model step whose dispatch fails like a poisoned stream (an HCCL op aborted by the
+    timeout); the error reaches the caller once the fault barrier has run."""
     state.poison()
     state.fail(DISPATCH, FakeDeviceError("EI0002: HCCL op timed out, stream poisoned"))
+    with pytest.raises(FakeDeviceError):
+        rig.host.step(rig.host.tokens(4))
 
 
 def test_reset_runs_the_exact_sequence_then_recreates_owned_groups(
@@ -103,9 +95,7 @@ def test_a_step_failing_keeps_the_torch_npu_error_as_cause(
 def test_first_device_error_resets_at_once_and_fences_later_calls(
     rig: NpuRig, npu_state: FakeNpuState
 ) -> None:
-    device_error(npu_state)
-    with pytest.raises(FakeDeviceError):
-        rig.host.step(rig.host.tokens(4))
+    step_into_a_device_error(rig, npu_state)
     # The reset ran inside the failing call, before anything else touched the stream.
     assert npu_state.names() == [DISPATCH, *RESET]
     assert not npu_state.poisoned
@@ -122,9 +112,7 @@ def test_first_device_error_resets_at_once_and_fences_later_calls(
 def test_quarantine_after_the_barrier_does_not_reset_twice(
     rig: NpuRig, npu_state: FakeNpuState
 ) -> None:
-    device_error(npu_state)
-    with pytest.raises(FakeDeviceError):
-        rig.host.step(rig.host.tokens(4))
+    step_into_a_device_error(rig, npu_state)
     rig.backend.quarantine(Fault(FaultKind.DEVICE_ERROR, rank=1, info="FakeDeviceError"))
     rig.backend.quarantine(Fault(FaultKind.DEVICE_ERROR, rank=1, info="FakeDeviceError"))
     assert npu_state.names().count("npu.stop_device") == 1
@@ -155,10 +143,8 @@ def test_rebuild_recreates_groups_for_the_epoch_and_lets_calls_through(
 def test_a_failed_local_reset_is_retried_by_quarantine(
     rig: NpuRig, npu_state: FakeNpuState
 ) -> None:
-    device_error(npu_state)
-    npu_state.stop_result = 1
-    with pytest.raises(FakeDeviceError):
-        rig.host.step(rig.host.tokens(4))
+    npu_state.stop_result = 1  # the barrier's local reset will fail
+    step_into_a_device_error(rig, npu_state)
     assert rig.backend.barrier.tripped and not rig.backend.barrier.reset_done
     rig.backend.synchronize()  # must not touch the poisoned stream
     assert "npu.synchronize" not in npu_state.names()
@@ -171,9 +157,7 @@ def test_engine_retry_path_calls_the_device_in_order(rig: NpuRig, npu_state: Fak
     engine = RecoveryEngine(
         OrchestratorDriven(), rig.backend, rank=1, world_size=4, clock=ManualClock()
     )
-    device_error(npu_state)
-    with pytest.raises(FakeDeviceError):
-        rig.host.step(rig.host.tokens(4))
+    step_into_a_device_error(rig, npu_state)
     engine.report_fault(Fault(FaultKind.DEVICE_ERROR, rank=1, info="FakeDeviceError"))
     assert engine.health is HealthStatus.UNHEALTHY
     result = engine.apply("retry", {}, "retry-1")

@@ -16,8 +16,8 @@ from ftengine.backends.npu import NpuBackend
 from ftengine.backends.npu_host import NpuHost, NpuTopology
 from ftengine.backends.npu_runtime import NpuRuntime, TorchNpuUnavailable
 from ftengine.errors import BackendError
-from tests.fakes.npu_install import fake_torch_npu
 from tests.fakes.npu_state import FakeNpuState
+from tests.unit.npu_fixtures import npu_state as npu_state
 
 NPU_MODULES = (
     "ftengine.backends.npu",
@@ -93,12 +93,6 @@ def test_a_torch_npu_without_cann_names_the_cann_environment(
     with pytest.raises(TorchNpuUnavailable, match=r"libhccl\.so.*set_env\.sh") as caught:
         NpuRuntime.load()
     assert caught.value.__cause__ is error
-
-
-@pytest.fixture
-def npu_state() -> Iterator[FakeNpuState]:
-    with fake_torch_npu() as state:
-        yield state
 
 
 def test_a_torch_npu_lacking_an_api_is_named(

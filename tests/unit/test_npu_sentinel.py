@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from pathlib import Path
-
 import pytest
 import torch
 
@@ -13,27 +10,19 @@ from ftengine.context import RedundancyFacts
 from ftengine.faults import FaultKind, HealthStatus, Phase
 from ftengine.policies import OrchestratorDriven
 from ftengine.sentinel import WorkerSentinel
-from ftengine.weights.checkpoint_gen import make_checkpoint
 from ftengine.weights.index import CheckpointIndex
 from tests.fakes.npu_host import NpuRig, SentinelHooks, make_npu_rig
-from tests.fakes.npu_install import fake_torch_npu
 from tests.fakes.npu_state import FakeDeviceError, FakeNpuState
+from tests.unit.npu_fixtures import TinyCheckpoints
+from tests.unit.npu_fixtures import npu_state as npu_state
+from tests.unit.npu_fixtures import tiny_checkpoints as tiny_checkpoints
 
 DISPATCH = "npu_moe_distribute_dispatch_v2"
 
 
-@pytest.fixture
-def npu_state() -> Iterator[FakeNpuState]:
-    with fake_torch_npu() as state:
-        yield state
-
-
 @pytest.fixture(scope="module")
-def index(tmp_path_factory: pytest.TempPathFactory) -> CheckpointIndex:
-    root: Path = tmp_path_factory.mktemp("npu-sentinel")
-    return CheckpointIndex.open(
-        make_checkpoint(root / "ckpt", layers=2, experts=8, hidden=32, intermediate=16)
-    )
+def index(tiny_checkpoints: TinyCheckpoints) -> CheckpointIndex:
+    return tiny_checkpoints.index(layers=2, experts=8)
 
 
 def sentinel_for(rig: NpuRig) -> tuple[WorkerSentinel, SentinelHooks]:

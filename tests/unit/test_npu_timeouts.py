@@ -2,36 +2,25 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from pathlib import Path
-
 import pytest
 
 from ftengine.backends.npu_config import NpuFtConfig
 from ftengine.backends.npu_runtime import NpuRuntime
 from ftengine.backends.npu_timeouts import OpTimeoutController, plan_op_timeout
 from ftengine.errors import ConfigError
-from ftengine.weights.checkpoint_gen import make_checkpoint
 from ftengine.weights.index import CheckpointIndex
 from tests.fakes.npu_host import make_npu_rig
-from tests.fakes.npu_install import fake_torch_npu
 from tests.fakes.npu_state import Call, FakeNpuState
+from tests.unit.npu_fixtures import TinyCheckpoints
+from tests.unit.npu_fixtures import npu_state as npu_state
+from tests.unit.npu_fixtures import tiny_checkpoints as tiny_checkpoints
 
 EVENT, EXEC = "HCCL_EVENT_TIMEOUT", "HCCL_EXEC_TIMEOUT"
 
 
-@pytest.fixture
-def npu_state() -> Iterator[FakeNpuState]:
-    with fake_torch_npu() as state:
-        yield state
-
-
 @pytest.fixture(scope="module")
-def index(tmp_path_factory: pytest.TempPathFactory) -> CheckpointIndex:
-    root: Path = tmp_path_factory.mktemp("npu-timeouts")
-    return CheckpointIndex.open(
-        make_checkpoint(root / "ckpt", layers=1, experts=4, hidden=32, intermediate=16)
-    )
+def index(tiny_checkpoints: TinyCheckpoints) -> CheckpointIndex:
+    return tiny_checkpoints.index(layers=1, experts=4)
 
 
 @pytest.mark.parametrize("seconds", [2, 3, 30, 120, 1800])

@@ -69,3 +69,22 @@ def test_bad_load_files_are_config_errors(tmp_path: Path) -> None:
     wrong.write_text("[[1, 2, 3]]")
     with pytest.raises(PlacementError, match="expected expert load"):
         load_from_file(wrong, 1, 2)
+
+
+def test_bad_values_are_located_in_the_error() -> None:
+    negative = torch.ones(2, 3)
+    negative[1, 2] = -0.5
+    with pytest.raises(PlacementError, match=r"layer 1, expert 2 is -0\.5"):
+        normalize_load(negative, 2, 3)
+    infinite = torch.ones(3)
+    infinite[1] = float("inf")
+    with pytest.raises(PlacementError, match=r"layer 0, expert 1 is inf"):
+        normalize_load(infinite, 2, 3)
+
+
+def test_a_corrupt_torch_file_is_a_config_error(tmp_path: Path) -> None:
+    garbage = tmp_path / "load.pt"
+    garbage.write_bytes(b"\x80\x02 not a torch file")
+    with pytest.raises(ConfigError, match="cannot read an expert load table") as caught:
+        load_from_file(garbage, 1, 2)
+    assert caught.value.__cause__ is not None

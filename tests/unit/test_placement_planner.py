@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import pytest
 import torch
 
+import ftengine.placement.apply as apply_module
+import ftengine.placement.planner as planner_module
 from ftengine.errors import PlacementError, PreconditionFailed
 from ftengine.placement.apply import apply_plan
 from ftengine.placement.initial import balanced_placement
@@ -138,3 +142,44 @@ def test_plans_agree_bit_for_bit() -> None:
     first = plan_redistribution(placement, {2, 4}, load=load, extra_reloads=5)
     second = plan_redistribution(placement.clone(), frozenset({4, 2}), load=load, extra_reloads=5)
     assert first == second and first.digest() == second.digest()
+
+
+@pytest.fixture
+def two_threads() -> Iterator[None]:
+    previous = torch.get_num_threads()
+    torch.set_num_threads(2)
+    yield
+    torch.set_num_threads(previous)
+
+
+@pytest.mark.usefixtures("two_threads")
+def test_a_failing_plan_restores_torch_threads(monkeypatch: pytest.MonkeyPatch) -> None:
+    seen: list[int] = []
+
+    def fail(*args: object) -> None:
+        seen.append(torch.get_num_threads())
+        raise PlacementError("planner bug")
+
+    monkeypatch.setattr(planner_module, "_plan", fail)
+    with pytest.raises(PlacementError, match="planner bug"):
+        plan_redistribution(ExpertPlacement.default(1, 6, 2, 4), {1})
+    assert seen == [1]  # one intra-op thread while planning ...
+    assert torch.get_num_threads() == 2  # ... and the caller's setting back after the error
+
+
+@pytest.mark.usefixtures("two_threads")
+def test_a_failing_apply_restores_torch_threads_and_the_maps(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    placement = ExpertPlacement.default(1, 6, 2, 4)
+    plan = plan_redistribution(placement, {1})
+    before = placement.clone()
+
+    def fail(*args: object) -> None:
+        raise PlacementError("row overflow")
+
+    monkeypatch.setattr(apply_module, "write_logical_rows", fail)
+    with pytest.raises(PlacementError, match="row overflow"):
+        apply_plan(placement, plan)
+    assert torch.get_num_threads() == 2
+    assert torch.equal(placement.physical_to_logical_map, before.physical_to_logical_map)

@@ -7,6 +7,7 @@ import math
 import pytest
 import torch
 
+from ftengine.errors import ConfigError, PreconditionFailed
 from ftengine.placement.maps import ExpertPlacement
 from ftengine.placement.scoring import (
     balancedness,
@@ -33,6 +34,14 @@ def test_balancedness_ignores_dead_ranks_whatever_they_hold() -> None:
     # Rank 2 is dead: experts 0 and 1 keep one replica each on rank 0 (load 2 vs 1).
     value = balancedness(p2l, load, num_logical=3, local_slots=2, dead_ep_ranks={2})
     assert value == pytest.approx(0.75)
+
+
+def test_balancedness_refuses_an_impossible_dead_set() -> None:
+    p2l, load = torch.tensor([[0, 1, 2, 2]]), torch.ones(1, 3)
+    with pytest.raises(PreconditionFailed, match=r"dead EP ranks \[2\] are out of range \[0, 2\)"):
+        balancedness(p2l, load, num_logical=3, local_slots=2, dead_ep_ranks={2})
+    with pytest.raises(PreconditionFailed, match="all 2 EP ranks are dead"):
+        balancedness(p2l, load, num_logical=3, local_slots=2, dead_ep_ranks={0, 1})
 
 
 def test_orphans_after_failure() -> None:
@@ -76,5 +85,8 @@ def test_zero_reload_bounds(experts: int, physical: int, ep: int, k: int, expect
 
 
 def test_unknown_k_is_refused() -> None:
-    with pytest.raises(ValueError, match="k must be 1 or 2"):
+    # ConfigError is an ftengine error and still a ValueError.
+    with pytest.raises(ConfigError, match="k must be 1 or 2, got 3"):
         zero_reload_bound(4, 8, 2, 3)
+    with pytest.raises(ConfigError, match="k must be 1 or 2, got 0"):
+        zero_reload_fraction(ExpertPlacement.default(1, 4, 4, 2), 0)

@@ -183,6 +183,11 @@ class TestFlapGuard:
         mine = ctx(rank=0, faults=self.history(0, [49.0, 50.0]))
         assert "this worker flaps" in _reason(FlapGuard(2, 5.0)(mine))
 
+    def test_a_flapping_peer_while_this_worker_is_confirmed_dead_gives_up(self) -> None:
+        # ctx's own rank is 0; a scale-down may never name it.
+        flapping = ctx(rank=2, faults=self.history(2, [49.0, 50.0]), dead_ranks={0})
+        assert "this worker's rank 0 is dead" in _reason(FlapGuard(2, 5.0)(flapping))
+
     def test_a_flapping_rank_the_survivors_cannot_lose_gives_up(self) -> None:
         flapping = ctx(rank=2, faults=self.history(2, [49.0, 50.0]), removed_ranks={3})
         reason = _reason(FlapGuard(2, 5.0)(attrs.evolve(flapping, redundancy=ENOUGH)))

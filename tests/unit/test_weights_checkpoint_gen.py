@@ -150,3 +150,20 @@ def test_refuses_to_overwrite_and_rejects_bad_sizes(tmp_path: Path) -> None:
         make_checkpoint(tmp_path / "bad", layers=0, experts=4, hidden=8, intermediate=4)
     with pytest.raises(ConfigError, match="dtype must be one of"):
         _make(tmp_path / "bad", dtype="int4")
+
+
+@pytest.mark.parametrize(
+    "sizes", [{"heads": 0}, {"kv_heads": 0}, {"head_dim": 0}, {"heads": 3, "kv_heads": 2}]
+)
+def test_impossible_attention_sizes_are_config_errors(tmp_path: Path, sizes: Any) -> None:
+    with pytest.raises(ConfigError, match="must be positive"):
+        _make(tmp_path / "bad", **sizes)
+    assert not (tmp_path / "bad").exists()
+
+
+def test_a_file_in_the_way_is_a_config_error(tmp_path: Path) -> None:
+    blocker = tmp_path / "ck"
+    blocker.write_text("not a directory")
+    with pytest.raises(ConfigError, match="is a file, expected a directory"):
+        _make(blocker)
+    assert blocker.read_text() == "not a directory"

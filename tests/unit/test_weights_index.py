@@ -135,6 +135,25 @@ def test_not_a_checkpoint(tmp_path: Path) -> None:
         CheckpointIndex.open(tmp_path)
 
 
+@pytest.mark.parametrize("name", ["model.safetensors.index.json", "config.json"])
+def test_json_that_is_not_an_object_is_refused(ckpt: Path, name: str) -> None:
+    (ckpt / name).write_text("[1, 2]")
+    with pytest.raises(WeightLoadError, match=r"expected a JSON object.*found list") as err:
+        CheckpointIndex.open(ckpt)
+    assert name in str(err.value)
+
+
+def test_a_config_size_that_is_not_an_integer_names_key_and_value(ckpt: Path) -> None:
+    config = json.loads((ckpt / "config.json").read_text())
+    (ckpt / "config.json").write_text(json.dumps({**config, "hidden_size": "wide"}))
+    index = CheckpointIndex.open(ckpt)
+    with pytest.raises(
+        WeightLoadError, match=r"'hidden_size' must be an integer, found 'wide'"
+    ) as err:
+        _ = index.hidden_size
+    assert isinstance(err.value.__cause__, ValueError)
+
+
 def _rewrite_without(shard: Path, name: str) -> None:
     with safe_open(str(shard), framework="pt") as handle:
         kept = {k: handle.get_tensor(k).clone() for k in handle.offset_keys() if k != name}

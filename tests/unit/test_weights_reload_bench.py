@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import json
+import os
 from collections import Counter
+from multiprocessing.connection import Connection
 from pathlib import Path
 
 import attrs
@@ -12,6 +14,8 @@ import torch
 
 from ftengine.cli import main
 from ftengine.errors import ConfigError, PlacementError, PreconditionFailed
+from ftengine.weights import bench_measure
+from ftengine.weights.bench_measure import BenchError, ChildJob, run_child
 from ftengine.weights.checkpoint_gen import remove_checkpoint
 from ftengine.weights.index import Quant
 from ftengine.weights.peak_rss import PeakRss
@@ -154,3 +158,35 @@ def test_cli_refuses_a_dead_rank_that_orphans_nothing(
     code = main(["bench", "reload", *args, "--checkpoint", str(tmp_path / "ck")])
     assert code == 1
     assert "nothing to reload" in capsys.readouterr().err
+
+
+def test_a_failing_child_keeps_its_traceback_as_the_cause(tmp_path: Path) -> None:
+    job = ChildJob(
+        mode="selective",
+        path=str(tmp_path / "nowhere"),
+        layers=1,
+        local_slots=1,
+        initial=(),
+        reload=(),
+        caches=("warm",),
+        repeat=1,
+    )
+    with pytest.raises(BenchError, match="selective child failed: WeightLoadError") as err:
+        run_child(job, timeout_s=120.0, progress=None)
+    cause = str(err.value.__cause__)
+    assert "Traceback" in cause and "index.py" in cause and "not a directory" in cause
+
+
+def _die_before_reporting(job: ChildJob, conn: Connection) -> None:
+    """A benchmark child killed before it says anything (as by the OOM killer)."""
+    os._exit(3)
+
+
+def test_a_child_that_dies_silently_is_a_bench_error(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(bench_measure, "_child", _die_before_reporting)
+    job = ChildJob(mode="naive", path=str(tmp_path), layers=1, local_slots=1, initial=(), reload=())
+    with pytest.raises(BenchError, match="naive child exited with code 3 before reporting") as err:
+        run_child(job, timeout_s=120.0, progress=None)
+    assert isinstance(err.value.__cause__, EOFError)

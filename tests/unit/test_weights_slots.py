@@ -10,10 +10,10 @@ import torch
 
 from ftengine.errors import WeightLoadError
 from ftengine.weights.checkpoint_gen import make_checkpoint
-from ftengine.weights.index import CheckpointIndex
+from ftengine.weights.index import CheckpointIndex, expert_tensor_name
 from ftengine.weights.nz import nz_shape
 from ftengine.weights.reload import load_experts_into_slots
-from ftengine.weights.slots import ExpertSlots
+from ftengine.weights.slots import ExpertSlots, SlotWeights
 
 H, INTER = 64, 32
 SIZES = {"layers": 2, "experts": 4, "hidden": H, "intermediate": INTER}
@@ -24,10 +24,14 @@ def _make(path: Path, **options: Any) -> Path:
     return make_checkpoint(path, **{**SIZES, **options})
 
 
+def _empty(**options: Any) -> ExpertSlots:
+    """Storage of the module's sizes: bfloat16, 2 layers x 4 slots unless ``options`` say."""
+    defaults = {"dtype": torch.bfloat16, "num_layers": 2, "local_slots": 4}
+    return ExpertSlots.empty(hidden=H, intermediate=INTER, **{**defaults, **options})
+
+
 def test_unquantized_storage_shapes() -> None:
-    slots = ExpertSlots.empty(
-        hidden=H, intermediate=INTER, dtype=torch.float16, num_layers=3, local_slots=5
-    )
+    slots = _empty(dtype=torch.float16, num_layers=3, local_slots=5)
     assert slots.w13.shape == (3, 5, H, 2 * INTER) and slots.w13.dtype == torch.float16
     assert slots.w2.shape == (3, 5, INTER, H) and slots.w2.dtype == torch.float16
     assert set(slots.tensors()) == {"w13", "w2"}
@@ -35,15 +39,7 @@ def test_unquantized_storage_shapes() -> None:
 
 
 def test_w8a8_storage_shapes_and_dtypes() -> None:
-    slots = ExpertSlots.empty(
-        hidden=H,
-        intermediate=INTER,
-        dtype=torch.bfloat16,
-        num_layers=2,
-        local_slots=4,
-        quant="w8a8_dynamic",
-        fused_scales=True,
-    )
+    slots = _empty(quant="w8a8_dynamic", fused_scales=True)
     assert slots.w13.dtype == torch.int8 and slots.w2.dtype == torch.int8
     assert slots.w13_scale is not None and slots.w2_scale is not None
     assert slots.w13_scale.shape == (2, 4, 2 * INTER) and slots.w13_scale.dtype == torch.float32
@@ -54,24 +50,14 @@ def test_w8a8_storage_shapes_and_dtypes() -> None:
 
 
 def test_nz_storage_shapes() -> None:
-    slots = ExpertSlots.empty(
-        hidden=H,
-        intermediate=INTER,
-        dtype=torch.bfloat16,
-        num_layers=1,
-        local_slots=2,
-        nz=True,
-        quant="w8a8_dynamic",
-    )
+    slots = _empty(num_layers=1, local_slots=2, nz=True, quant="w8a8_dynamic")
     assert slots.w13.shape == (1, 2, *nz_shape((H, 2 * INTER), torch.int8))
     assert slots.w2.shape == (1, 2, *nz_shape((INTER, H), torch.int8))
 
 
 def test_bad_sizes_are_refused() -> None:
     with pytest.raises(WeightLoadError, match="positive sizes"):
-        ExpertSlots.empty(
-            hidden=H, intermediate=INTER, dtype=torch.float16, num_layers=0, local_slots=1
-        )
+        _empty(num_layers=0, local_slots=1)
 
 
 def _ffn(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
@@ -117,3 +103,69 @@ def test_nz_float_view_equals_nd_float_view(tmp_path: Path) -> None:
     w13, w2 = nz.layer_float(0)
     assert w13.shape == (2, H, 2 * INTER) and w2.shape == (2, INTER, H)
     assert torch.equal(w13[1], nd.w13_float(0, 1))
+
+
+_ROLES = {"gate_proj": "gate", "up_proj": "up", "down_proj": "down"}
+_PARAMS = {"weight": "", "weight_scale": "_scale", "weight_offset": "_offset"}
+
+
+def _expert_parts(index: CheckpointIndex, layer: int, expert: int) -> dict[str, torch.Tensor]:
+    """One W8A8 expert's tensors by SlotWeights field, read straight from the checkpoint."""
+    return {
+        role + suffix: index.read(expert_tensor_name(layer, expert, projection, param))
+        for projection, role in _ROLES.items()
+        for param, suffix in _PARAMS.items()
+    }
+
+
+@pytest.mark.parametrize(
+    "broken",
+    [
+        {"down_scale": None},
+        {"up_scale": None},
+        {"down": torch.zeros(H, INTER + 1, dtype=torch.int8)},
+        {"up": torch.zeros(INTER, H + 1, dtype=torch.int8)},
+        {"gate": torch.zeros(INTER, H)},  # float weights for int8 storage
+        {"gate_scale": torch.ones(INTER + 1, 1)},
+        {"down_offset": torch.zeros(H + 1, 1)},
+    ],
+    ids=[
+        "no-down-scale",
+        "no-up-scale",
+        "down-shape",
+        "up-shape",
+        "gate-dtype",
+        "scale-shape",
+        "offset-shape",
+    ],
+)
+def test_write_slot_checks_everything_before_writing(
+    tmp_path: Path, broken: dict[str, torch.Tensor | None]
+) -> None:
+    index = CheckpointIndex.open(_make(tmp_path / "q", quant="w8a8_dynamic"))
+    slots = ExpertSlots.allocate(index, 2, 2, fused_scales=True)
+    load_experts_into_slots(index, slots, [(0, 0, 1), (0, 1, 2)])
+    before = {name: tensor.clone() for name, tensor in slots.tensors().items()}
+    fields: dict[str, Any] = {**_expert_parts(index, 0, 3), **broken}
+    weights = SlotWeights(**fields)
+    with pytest.raises(WeightLoadError, match="expected"):
+        slots.write_slot(0, 0, weights)
+    for name, tensor in slots.tensors().items():
+        assert torch.equal(tensor, before[name]), f"{name} was written before the error"
+    slots.write_slot(0, 0, SlotWeights(**_expert_parts(index, 0, 3)))  # the good one still fits
+    assert not torch.equal(slots.w13[0, 0], before["w13"][0, 0])
+
+
+def test_nz_write_casts_float_weights_like_the_nd_write() -> None:
+    gen = torch.Generator().manual_seed(3)
+    weights = SlotWeights(
+        gate=torch.randn(INTER, H, generator=gen),
+        up=torch.randn(INTER, H, generator=gen),
+        down=torch.randn(H, INTER, generator=gen),
+    )  # float32 weights for bfloat16 storage: both layouts cast them on write
+    nd, nz = _empty(), _empty(nz=True)
+    nd.write_slot(1, 2, weights)
+    nz.write_slot(1, 2, weights)
+    assert torch.equal(nz.w13_nd(1, 2), nd.w13_nd(1, 2))
+    assert torch.equal(nz.w2_nd(1, 2), nd.w2_nd(1, 2))
+    assert nd.w2_nd(1, 2).abs().sum() > 0

@@ -6,8 +6,8 @@ start-up error (a CUDA backend is future work). Tests pass their own ``backend_f
 
 from __future__ import annotations
 
-from collections.abc import Callable, MutableMapping
-from typing import TYPE_CHECKING
+from collections.abc import Callable
+from typing import TYPE_CHECKING, TypedDict
 
 import attrs
 import torch
@@ -23,11 +23,13 @@ from ftengine.integrations.vllm.hooks import VllmWorkerHooks
 from ftengine.integrations.vllm.messages import VllmMessages, import_vllm
 from ftengine.integrations.vllm.sentinel import FtengineWorkerSentinel
 from ftengine.integrations.vllm.shapes import VllmDistributed, WorkerLike
+from ftengine.placement.maps import ExpertPlacement
 from ftengine.sentinel import WorkerSentinel
 
 if TYPE_CHECKING:  # the NPU modules are imported only when an NPU backend is built
-    from ftengine.backends.npu_groups import GroupFactory
-    from ftengine.backends.npu_runtime import NpuRuntime
+    from typing import Unpack  # 3.11+; annotations are never evaluated at run time
+
+    from ftengine.backends.npu import NpuSeams
 
 PLATFORMS_MODULE = "vllm.platforms"
 NPU = "npu"
@@ -57,16 +59,12 @@ def npu_backend(
     worker: WorkerLike,
     hooks: VllmWorkerHooks,
     settings: VllmFtSettings,
-    *,
-    runtime: NpuRuntime | None = None,
-    group_factory: GroupFactory | None = None,
-    environ: MutableMapping[str, str] | None = None,
-    device: torch.device | None = None,
+    **seams: Unpack[NpuSeams],
 ) -> DeviceBackend:
     """ftengine's NPU backend over the worker (imports torch_npu; needs the model loaded).
 
-    The keyword arguments are ``NpuBackend``'s (defaults: the real torch_npu, torch's
-    process groups, ``os.environ``, the worker's NPU)."""
+    ``seams`` are ``NpuBackend``'s (defaults: the real torch_npu, torch's process groups,
+    ``os.environ``, the worker's NPU)."""
     from ftengine.backends.npu import NpuBackend
     from ftengine.backends.npu_host import NpuTopology
     from ftengine.backends.npu_preconditions import NpuDeployment
@@ -84,16 +82,7 @@ def npu_backend(
         model_runner="v2" if worker.use_v2_model_runner else "v1",
         eplb_enabled=bool(parallel.enable_eplb),
     )
-    backend = NpuBackend(
-        hooks,
-        topology,
-        config=settings.npu,
-        deployment=deployment,
-        runtime=runtime,
-        group_factory=group_factory,
-        environ=environ,
-        device=device,
-    )
+    backend = NpuBackend(hooks, topology, config=settings.npu, deployment=deployment, **seams)
     return DeviceBackend(backend, backend.elastic.tensor)
 
 
@@ -107,6 +96,16 @@ def backend_for_platform(device_type: str) -> BackendFactory:
         "Run without ftengine's plugin (VLLM_PLUGINS naming only the plugins you want) to "
         "use vLLM's own fault tolerance"
     )
+
+
+class SentinelSeams(TypedDict, total=False):
+    """``build_worker_sentinel``'s keyword arguments a test may swap in (mypy checks that
+    the two agree wherever these are passed on)."""
+
+    backend_factory: BackendFactory | None
+    dist: VllmDistributed | None
+    messages: VllmMessages | None
+    clock: Clock | None
 
 
 def build_worker_sentinel(
@@ -128,23 +127,15 @@ def build_worker_sentinel(
     hooks = VllmWorkerHooks(worker, dist if dist is not None else RealVllmDistributed())
     device = factory(worker, hooks, settings)
     parallel = worker.parallel_config
-    backend = VllmWorkerBackend(
-        device.backend, hooks, tp_size=parallel.tensor_parallel_size, mask=device.mask
-    )
-    placement = hooks.placement()
+    tp = parallel.tensor_parallel_size
     sentinel = WorkerSentinel(
         settings.build_policy(),
-        backend,
+        VllmWorkerBackend(device.backend, hooks, tp_size=tp, mask=device.mask),
         hooks,
         rank=parallel.data_parallel_rank,
         world_size=parallel.data_parallel_size,
         clock=clock,
-        redundancy=RedundancyFacts(
-            ep_size=placement.ep_size,
-            local_slots=placement.local_slots,
-            num_logical=placement.num_logical,
-            tp_size=parallel.tensor_parallel_size,
-        ),
+        redundancy=_redundancy(hooks.placement(), tp),
     )
     return FtengineWorkerSentinel(
         sentinel,
@@ -152,4 +143,14 @@ def build_worker_sentinel(
         messages=messages if messages is not None else VllmMessages.load(),
         ports=hooks,
         clock=sentinel.clock,
+    )
+
+
+def _redundancy(placement: ExpertPlacement, tp_size: int) -> RedundancyFacts:
+    """What the engine checks a scale-down against: EP size, slots per rank, experts."""
+    return RedundancyFacts(
+        ep_size=placement.ep_size,
+        local_slots=placement.local_slots,
+        num_logical=placement.num_logical,
+        tp_size=tp_size,
     )

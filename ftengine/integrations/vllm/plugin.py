@@ -16,20 +16,23 @@ import logging
 import os
 import sys
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from ftengine.clock import Clock
 from ftengine.integrations.vllm.config import VllmFtSettings
 from ftengine.integrations.vllm.factory import (
     NPU,
     BackendFactory,
+    SentinelSeams,
     backend_for_platform,
     build_worker_sentinel,
     current_device_type,
 )
-from ftengine.integrations.vllm.messages import VllmMessages, VllmUnavailable, import_vllm
+from ftengine.integrations.vllm.messages import VllmUnavailable, import_vllm
 from ftengine.integrations.vllm.sentinel import FtengineWorkerSentinel
-from ftengine.integrations.vllm.shapes import VllmDistributed, WorkerLike
+from ftengine.integrations.vllm.shapes import WorkerLike
+
+if TYPE_CHECKING:
+    from typing import Unpack  # 3.11+; annotations are never evaluated at run time
 
 logger = logging.getLogger(__name__)
 
@@ -58,37 +61,29 @@ class PluginWorkerSentinel:
     At construction (vLLM start-up, before the device and the model exist) it checks
     ftengine's settings and the platform, so a bad flag or an unsupported platform stops
     vLLM at once, and applies the NPU op timeout before the HCCL groups are created. The
-    ftengine sentinel is built by :meth:`attach` after ``load_model``. Keyword arguments
-    are for tests; vLLM passes only ``worker``.
+    ftengine sentinel is built by :meth:`attach` after ``load_model``. ``seams`` (see
+    ``build_worker_sentinel``) are for tests; vLLM passes only ``worker``.
     """
 
-    def __init__(
-        self,
-        worker: WorkerLike,
-        *,
-        backend_factory: BackendFactory | None = None,
-        dist: VllmDistributed | None = None,
-        messages: VllmMessages | None = None,
-        clock: Clock | None = None,
-    ) -> None:
+    def __init__(self, worker: WorkerLike, **seams: Unpack[SentinelSeams]) -> None:
         self.worker = worker
         self.settings = VllmFtSettings.from_vllm_config(worker.vllm_config)
-        if backend_factory is None:
-            device_type = current_device_type()
-            backend_factory = backend_for_platform(device_type)
-            if device_type == NPU:
-                _apply_npu_op_timeout(self.settings)
+        if seams.get("backend_factory") is None:
+            seams["backend_factory"] = self._platform_backend()
         self._build: Callable[[], FtengineWorkerSentinel] = functools.partial(
-            build_worker_sentinel,
-            worker,
-            settings=self.settings,
-            backend_factory=backend_factory,
-            dist=dist,
-            messages=messages,
-            clock=clock,
+            build_worker_sentinel, worker, settings=self.settings, **seams
         )
         self.ready: FtengineWorkerSentinel | None = None
         _wrap_worker(worker, self)
+
+    def _platform_backend(self) -> BackendFactory:
+        """vLLM's platform's backend (or ``UnsupportedPlatform``); on Ascend the op timeout
+        is applied now, before the HCCL groups exist."""
+        device_type = current_device_type()
+        factory = backend_for_platform(device_type)
+        if device_type == NPU:
+            _apply_npu_op_timeout(self.settings)
+        return factory
 
     def attach(self) -> FtengineWorkerSentinel:
         """Build the ftengine sentinel (once; the model and its EPLB maps must be loaded)."""
