@@ -36,7 +36,13 @@ class ControlMetrics:
 
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
         self.registry = registry if registry is not None else CollectorRegistry()
-        reg = self.registry
+        self._declare_engine_metrics(self.registry)
+        self._declare_recovery_metrics(self.registry)
+        self._declare_request_metrics(self.registry)
+        self._lock = threading.Lock()
+        self._cursors: dict[int, _Cursor] = {}
+
+    def _declare_engine_metrics(self, reg: CollectorRegistry) -> None:
         self.phase = Gauge(
             "ftengine_engine_phase", "1 for the phase an engine is in, 0 otherwise",
             ["engine", "phase"], registry=reg,
@@ -54,6 +60,8 @@ class ControlMetrics:
             "ftengine_fault_episodes", "fault episodes (first fault to healthy or dead) per engine",
             ["engine"], registry=reg,
         )  # fmt: skip
+
+    def _declare_recovery_metrics(self, reg: CollectorRegistry) -> None:
         self.recovery = Histogram(
             "ftengine_recovery_duration_seconds",
             "finished recovery steps by recovery kind (retry, scale_down, none) and step "
@@ -75,6 +83,8 @@ class ControlMetrics:
             "ftengine_reload_lower_bound",
             "fewest (layer, expert) reloads any plan could do, last scale-down", registry=reg,
         )  # fmt: skip
+
+    def _declare_request_metrics(self, reg: CollectorRegistry) -> None:
         self.commands = Counter(
             "ftengine_commands", "fault-tolerance commands finished, by instruction and outcome",
             ["instruction", "outcome"], registry=reg,
@@ -84,8 +94,6 @@ class ControlMetrics:
             registry=reg,
         )  # fmt: skip
         self.tokens = Counter("ftengine_generated_tokens", "tokens generated", registry=reg)
-        self._lock = threading.Lock()
-        self._cursors: dict[int, _Cursor] = {}
 
     def observe(self, view: ClusterView) -> None:
         """Bring every metric up to date with one status snapshot (idempotent)."""

@@ -8,21 +8,12 @@ import pytest
 
 from ftengine.cluster import LOGITS_ATOL, Generation, compare_outputs, reference_generate
 from ftengine.cluster.handles import describe_exit
-from ftengine.weights.checkpoint_gen import make_checkpoint
+from tests.gloo_support import tiny_checkpoint
 
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return make_checkpoint(
-        tmp_path_factory.mktemp("ref") / "ckpt",
-        layers=2,
-        experts=4,
-        hidden=16,
-        intermediate=8,
-        vocab=32,
-        heads=2,
-        kv_heads=1,
-    )
+    return tiny_checkpoint(tmp_path_factory.mktemp("ref") / "ckpt")
 
 
 def test_reference_is_deterministic_and_shaped(checkpoint: Path) -> None:

@@ -7,25 +7,16 @@ import torch
 
 from ftengine.backends.cpu_experts import CpuExperts
 from ftengine.errors import PlacementError, WeightLoadError
-from ftengine.weights.checkpoint_gen import make_checkpoint
+from ftengine.placement.elastic import densify_routing_ids
 from ftengine.weights.index import CheckpointIndex
 from ftengine.weights.reload import load_experts_into_slots
 from ftengine.weights.slots import ExpertSlots
+from tests.gloo_support import tiny_checkpoint
 
 
 @pytest.fixture(scope="module")
 def index(tmp_path_factory: pytest.TempPathFactory) -> CheckpointIndex:
-    path = make_checkpoint(
-        tmp_path_factory.mktemp("experts") / "ckpt",
-        layers=2,
-        experts=4,
-        hidden=16,
-        intermediate=8,
-        vocab=32,
-        heads=2,
-        kv_heads=1,
-    )
-    return CheckpointIndex.open(path)
+    return CheckpointIndex.open(tiny_checkpoint(tmp_path_factory.mktemp("experts") / "ckpt"))
 
 
 def logical_w13(index: CheckpointIndex, layer: int, expert: int) -> torch.Tensor:
@@ -50,6 +41,17 @@ def test_masking_densifies_routing_ids(index: CheckpointIndex) -> None:
     experts.mask(frozenset({1}))
     assert experts.elastic.tensor.tolist()[:4] == [1, 3, 0, 6]
     assert experts.densify(ids).tolist() == [[0, 2], [3, 1]]
+
+
+def test_the_unmasked_shortcut_agrees_with_elastic_info(index: CheckpointIndex) -> None:
+    experts = CpuExperts.load(index, rank=0, world=4, num_redundant=4)
+    ids = torch.tensor([[0, 1], [2, 3], [6, 7]])  # none on rank 2's slots 4 and 5
+    by_table = densify_routing_ids(ids, experts.elastic.table1(), experts.local_slots)
+    assert torch.equal(experts.densify(ids), by_table)
+    experts.mask(frozenset({2}))
+    assert experts.densify(ids).tolist() == [[0, 1], [2, 3], [4, 5]]
+    experts.mask(frozenset())  # nothing masked again: the lookup is the identity again
+    assert torch.equal(experts.densify(ids), by_table)
 
 
 def test_repair_rehosts_lost_experts_in_place(index: CheckpointIndex) -> None:

@@ -2,13 +2,10 @@
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Callable
-from typing import TypeVar
 
 import pytest
 import torch
-from torch._C._distributed_c10d import TCPStore
 
 from ftengine.backends.cpu_comm import GlooGroup
 from ftengine.backends.cpu_moe import (
@@ -21,8 +18,8 @@ from ftengine.backends.cpu_moe import (
 from ftengine.errors import PlacementError
 from ftengine.placement.elastic import ElasticInfo, densify_routing_ids
 from ftengine.placement.maps import ExpertPlacement
+from tests.gloo_support import on_ranks
 
-T = TypeVar("T")
 H, INTER, E = 8, 6, 4
 
 
@@ -42,32 +39,6 @@ class Experts:
 
     def w2(self, layer: int, slot: int) -> torch.Tensor:
         return self.logical(self.slot_of[slot])[1]
-
-
-def on_ranks(world: int, fn: Callable[[GlooGroup], T]) -> list[T]:
-    """Run ``fn(group)`` on ``world`` ranks (threads of this process, one gloo group)."""
-    store = TCPStore("127.0.0.1", 0, None, True, wait_for_workers=False)
-    results: list[T | None] = [None] * world
-    errors: list[BaseException] = []
-
-    def run(rank: int) -> None:
-        try:
-            # A TCPStore client is not thread-safe: each rank gets its own, as processes do.
-            client = TCPStore("127.0.0.1", store.port, is_master=False)
-            group = GlooGroup(
-                client, frozenset(range(world)), rank, 0, op_timeout_s=10, rendezvous_timeout_s=10
-            )
-            results[rank] = fn(group)
-        except BaseException as exc:
-            errors.append(exc)
-
-    threads = [threading.Thread(target=run, args=(r,)) for r in range(world)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(60)
-    assert not errors, errors
-    return [r for r in results if r is not None]
 
 
 def test_expert_ffn_rows_do_not_depend_on_the_batch() -> None:
@@ -104,6 +75,25 @@ def routed(tokens: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Te
     return hidden, ids, weights, torch.arange(tokens)
 
 
+def placed_moe(
+    group: GlooGroup, placement: ExpertPlacement, densify: Callable[[torch.Tensor], torch.Tensor]
+) -> DistributedMoe:
+    """The MoE layer of ``group.rank``: its slots of ``placement``, routed by its EPLB maps."""
+    start = group.rank * placement.local_slots
+    p2l = placement.physical_to_logical_map[0]
+    mine = {s: int(p2l[start + s]) for s in range(placement.local_slots)}
+    return DistributedMoe(
+        lambda: group,
+        Experts(mine),
+        lambda layer: (
+            placement.logical_to_physical_map[layer],
+            placement.logical_replica_count[layer],
+        ),
+        densify,
+        placement.local_slots,
+    )
+
+
 def test_two_rank_dispatch_combine_matches_the_local_reference_bit_for_bit() -> None:
     # 4 logical experts + 4 redundant on 2 ranks: every expert has a replica on each rank.
     placement = ExpertPlacement.default(1, E, E, 2)
@@ -111,18 +101,10 @@ def test_two_rank_dispatch_combine_matches_the_local_reference_bit_for_bit() -> 
     reference = LocalMoe(Experts({e: e for e in range(E)}))
 
     def layer_on(group: GlooGroup) -> tuple[torch.Tensor, torch.Tensor]:
-        start = group.rank * placement.local_slots
-        p2l = placement.physical_to_logical_map[0]
-        mine = {s: int(p2l[start + s]) for s in range(placement.local_slots)}
-        moe = DistributedMoe(
-            lambda: group,
-            Experts(mine),
-            lambda layer: (
-                placement.logical_to_physical_map[layer],
-                placement.logical_replica_count[layer],
-            ),
+        moe = placed_moe(
+            group,
+            placement,
             lambda ids: densify_routing_ids(ids, elastic.table1(), placement.local_slots),
-            placement.local_slots,
         )
         hidden, ids, weights, keys = routed(3 + 2 * group.rank, seed=group.rank)
         return moe(0, hidden, ids, weights, keys), reference(0, hidden, ids, weights, keys)
@@ -135,19 +117,7 @@ def test_a_rank_without_tokens_still_takes_part() -> None:
     placement = ExpertPlacement.default(1, E, E, 2)
 
     def layer_on(group: GlooGroup) -> torch.Size:
-        start = group.rank * placement.local_slots
-        p2l = placement.physical_to_logical_map[0]
-        mine = {s: int(p2l[start + s]) for s in range(placement.local_slots)}
-        moe = DistributedMoe(
-            lambda: group,
-            Experts(mine),
-            lambda layer: (
-                placement.logical_to_physical_map[layer],
-                placement.logical_replica_count[layer],
-            ),
-            lambda ids: ids,
-            placement.local_slots,
-        )
+        moe = placed_moe(group, placement, lambda ids: ids)
         hidden, ids, weights, keys = routed(0 if group.rank == 0 else 4, seed=5)
         return moe(0, hidden, ids, weights, keys).shape
 
