@@ -10,7 +10,6 @@ heartbeats and engine polls fall on the FT-off rounds (the idle FT-off cluster b
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 
 import attrs
@@ -60,6 +59,10 @@ class OverheadRounds:
         }
 
 
+StepTime = Callable[[BenchCluster, Sequence[Sequence[int]], int], float]
+"""``step_time(cluster, prompts, tokens)``: seconds per decode step of one round."""
+
+
 def interleaved_rounds(
     on: BenchCluster,
     off: BenchCluster,
@@ -68,24 +71,24 @@ def interleaved_rounds(
     rounds: int,
     *,
     cpu: Callable[[Iterable[int | None]], float] = cpu_seconds,
+    step_time: StepTime = step_time_s,
 ) -> OverheadRounds:
     """One warm-up round each, then ``rounds`` pairs of rounds of ``tokens`` decode steps
     over ``prompts``, alternating which cluster goes first."""
     clusters = {"on": on, "off": off}
     for cluster in clusters.values():
-        step_time_s(cluster, prompts, tokens)
+        step_time(cluster, prompts, tokens)
     times: dict[str, list[float]] = {"on": [], "off": []}
     idle_cpu = {"on": 0.0, "off": 0.0}
-    wall = {"on": 0.0, "off": 0.0}
     for index in range(rounds):
         for name in ("on", "off") if index % 2 == 0 else ("off", "on"):
             other = clusters["off" if name == "on" else "on"].pids().values()
-            cpu_before, start = cpu(other), time.monotonic()
-            times[name].append(step_time_s(clusters[name], prompts, tokens))
-            wall[name] += time.monotonic() - start
-            idle_cpu[name] += cpu(other) - cpu_before
+            before = cpu(other)
+            times[name].append(step_time(clusters[name], prompts, tokens))
+            idle_cpu[name] += cpu(other) - before
+    seconds = {name: sum(values) * tokens for name, values in times.items()}
     idle = {
-        "ft_on_idle_during_off_rounds": idle_cpu["off"] / max(wall["off"], 1e-9),
-        "ft_off_idle_during_on_rounds": idle_cpu["on"] / max(wall["on"], 1e-9),
+        "ft_on_idle_during_off_rounds": idle_cpu["off"] / max(seconds["off"], 1e-9),
+        "ft_off_idle_during_on_rounds": idle_cpu["on"] / max(seconds["on"], 1e-9),
     }
     return OverheadRounds(tuple(times["on"]), tuple(times["off"]), idle)

@@ -1,34 +1,36 @@
 """Selective, validate-all-then-copy reload of expert weights into existing slot storage.
 
-Only the tensors of the requested (layer, slot, logical expert) assignments are read, with
-``safetensors.safe_open`` (never a whole-file load), grouped per file. First every tensor is
-checked against the index and the shard headers as they are now (present, dtype, shape,
-file long enough; with a manifest also its sha256), then each slot is transformed straight
-into its existing storage (same ``data_ptr``), a chunk of slots at a time so that resident
-memory stays near one chunk. Any problem found by the checks raises WeightLoadError naming
-the file and the tensor and leaves the storage untouched. Shards must not be rewritten
-while a reload runs: with safetensors' mmap backend that would fault, not raise.
+Only the tensors of the requested (layer, slot, logical expert) assignments are read, as
+large positioned reads of coalesced byte ranges (``range_reader``; never a whole file, no
+mmap). First every tensor is checked against the index and the shard headers as they are
+now (present, dtype, shape, file long enough; with a manifest also its sha256), then each
+slot is transformed straight into its existing storage (same ``data_ptr``), a chunk of
+slots at a time while the next chunk is read, so resident memory stays near two chunks.
+Any problem found by the checks raises WeightLoadError naming the file and the tensor and
+leaves the storage untouched; a shard cut short during the reload fails the chunk being
+read before any of its slots is written.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 from typing import TypeVar
 
 import attrs
+import torch
 
 from ftengine.weights.index import CheckpointIndex
 from ftengine.weights.integrity import Manifest
+from ftengine.weights.range_reader import Loaded, RangeReader
+from ftengine.weights.safetensors_header import TensorInfo
 from ftengine.weights.shard_reader import (
     CHUNK_BYTES,
-    ShardReader,
     check_shard,
-    chunk_files,
     chunked,
 )
 from ftengine.weights.slot_jobs import Assignment, SlotJob, plan_slot_jobs, tensors_by_file
@@ -37,6 +39,9 @@ from ftengine.weights.slots import ExpertSlots, SlotWeights
 __all__ = ["Assignment", "ProgressFn", "ReloadStats", "load_experts_into_slots"]
 
 logger = logging.getLogger(__name__)
+
+_DEPTH = 2
+"""Chunks in flight: the one being written and the next, read meanwhile."""
 
 ProgressFn = Callable[[int, int], None]
 """Called with (bytes done, bytes total) as slots are written."""
@@ -63,47 +68,47 @@ def _map(workers: int, fn: Callable[[_T], _R], items: Sequence[_T]) -> list[_R]:
         return list(pool.map(fn, items))
 
 
-def _verify(
-    chunks: Sequence[Sequence[SlotJob]], headers: Mapping[Path, int], manifest: Manifest
-) -> int:
+def _verify(chunks: Sequence[Sequence[SlotJob]], manifest: Manifest) -> int:
     """Hash every needed tensor against the manifest before anything is written."""
-    read = 0
-    for chunk in chunks:
-        files = chunk_files(chunk)
-        with ShardReader(files) as reader:
+    with RangeReader(_DEPTH) as reader:
+        for chunk, loaded in zip(chunks, reader.chunks([_infos(c) for c in chunks]), strict=True):
             for job in chunk:
-                for field, tensor in reader.tensors(job).items():
-                    info = job.parts[field]
-                    manifest.check_tensor(info.name, tensor, info.file)
-        read += sum(headers[file] for file in files) + sum(job.nbytes for job in chunk)
-    return read
+                for info in job.parts.values():
+                    manifest.check_tensor(info.name, loaded[(info.file, info.name)], info.file)
+    return reader.bytes_read
+
+
+def _infos(chunk: Iterable[SlotJob]) -> list[TensorInfo]:
+    return [info for job in chunk for info in job.parts.values()]
+
+
+def _fields(job: SlotJob, loaded: Loaded) -> dict[str, torch.Tensor]:
+    return {field: loaded[(info.file, info.name)] for field, info in job.parts.items()}
 
 
 def _write(
     slots: ExpertSlots,
     chunks: Sequence[Sequence[SlotJob]],
-    headers: Mapping[Path, int],
     workers: int,
     progress: ProgressFn | None,
 ) -> int:
-    """Transform every slot into place, chunk by chunk; returns the bytes read."""
+    """Transform every slot into place, chunk by chunk, the next chunks read meanwhile;
+    returns the bytes read."""
     needed = sum(job.nbytes for chunk in chunks for job in chunk)
-    done, read = [0], 0
+    done = [0]
     lock = threading.Lock()
-    for chunk in chunks:
-        files = chunk_files(chunk)
-        with ShardReader(files) as reader:
 
-            def write(job: SlotJob, reader: ShardReader = reader) -> None:
-                slots.write_slot(job.layer, job.slot, SlotWeights(**reader.tensors(job)))
-                with lock:
-                    done[0] += job.nbytes
-                    if progress is not None:
-                        progress(done[0], needed)
+    def write(job: SlotJob, loaded: Loaded) -> None:
+        slots.write_slot(job.layer, job.slot, SlotWeights(**_fields(job, loaded)))
+        with lock:
+            done[0] += job.nbytes
+            if progress is not None:
+                progress(done[0], needed)
 
-            _map(workers, write, chunk)
-        read += sum(headers[file] for file in files) + sum(job.nbytes for job in chunk)
-    return read
+    with RangeReader(_DEPTH) as reader:
+        for chunk, loaded in zip(chunks, reader.chunks([_infos(c) for c in chunks]), strict=True):
+            _map(workers, functools.partial(write, loaded=loaded), chunk)
+    return reader.bytes_read
 
 
 def load_experts_into_slots(
@@ -126,13 +131,12 @@ def load_experts_into_slots(
     started = time.perf_counter()
     jobs = plan_slot_jobs(index, slots, assignments)
     by_file = tensors_by_file(jobs)
-    sizes = _map(workers, lambda file: check_shard(file, by_file[file]), list(by_file))
-    headers = dict(zip(by_file, sizes, strict=True))
+    headers = _map(workers, lambda file: check_shard(file, by_file[file]), list(by_file))
     chunks = chunked(jobs, chunk_bytes)
-    read = sum(headers.values())
+    read = sum(headers)
     if manifest is not None:
-        read += _verify(chunks, headers, manifest)
-    read += _write(slots, chunks, headers, workers, progress)
+        read += _verify(chunks, manifest)
+    read += _write(slots, chunks, workers, progress)
     needed = sum(info.nbytes for infos in by_file.values() for info in infos)
     seconds = time.perf_counter() - started
     stats = ReloadStats(len(jobs), read, needed, len(by_file), seconds)

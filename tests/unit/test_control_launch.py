@@ -9,8 +9,11 @@ from ftengine.control.launch import (
     CheckpointSize,
     add_checkpoint_args,
     add_cluster_args,
+    add_run_args,
     checkpoint_dir,
     cluster_config,
+    prompts_for,
+    run_checkpoint,
     size_from_args,
 )
 
@@ -46,3 +49,17 @@ def test_an_existing_checkpoint_is_reused_untouched(tmp_path: Path) -> None:
         assert path == tmp_path
     assert [p.name for p in tmp_path.iterdir()] == ["config.json"]
     assert (tmp_path / "config.json").read_text() == "{}"
+
+
+def test_the_run_helpers_combine_flags_checkpoint_and_prompts(tmp_path: Path) -> None:
+    parser = argparse.ArgumentParser()
+    add_run_args(parser, CheckpointSize(layers=5), policy="auto")
+    args = parser.parse_args(["--checkpoint", str(tmp_path), "--dp-size", "2"])
+    assert (size_from_args(args).layers, args.policy, args.dp_size) == (5, "auto", 2)
+    (tmp_path / "config.json").write_text('{"vocab_size": 7}')
+    with run_checkpoint(args) as path:
+        assert path == tmp_path
+        prompts = prompts_for(path, 5)
+    assert len(prompts) == 5 and all(0 <= token < 7 for p in prompts for token in p)
+    assert prompts == prompts_for(tmp_path, 5)  # reproducible
+    assert cluster_config(args, tmp_path, fault_tolerance=False).fault_tolerance is False

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -13,12 +14,13 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from ftengine.errors import PlacementError, WeightLoadError
-from ftengine.weights import shard_reader
+from ftengine.weights import range_reader, reload, shard_reader
 from ftengine.weights.checkpoint_gen import make_checkpoint
 from ftengine.weights.index import CheckpointIndex, expert_tensor_name
 from ftengine.weights.integrity import Manifest
 from ftengine.weights.layout import to_w2, to_w13
 from ftengine.weights.nz import from_fractal_nz
+from ftengine.weights.range_reader import GAP_BYTES, coalesce
 from ftengine.weights.reload import load_experts_into_slots
 from ftengine.weights.slot_jobs import SlotJob, plan_slot_jobs
 from ftengine.weights.slots import ExpertSlots
@@ -76,8 +78,11 @@ def test_loads_exactly_the_assigned_experts(ckpt: Path) -> None:
     assert stats.bytes_needed == 3 * per_expert
     touched = _files(PLAN, ckpt)
     headers = sum(h.header_bytes for h in index.files.values() if h.file.name in touched)
-    # Tensor data once; each touched header twice (the check, then safe_open).
-    assert stats.bytes_read == stats.bytes_needed + 2 * headers
+    # Each touched header once (the check), then the coalesced runs of tensor data.
+    infos = [info for job in _jobs(index, slots) for info in job.parts.values()]
+    runs = sum(run.nbytes for run in coalesce(infos))
+    assert stats.bytes_read == runs + headers
+    assert stats.bytes_needed <= runs <= stats.bytes_needed + GAP_BYTES * len(infos)
     assert stats.files == len(_files(PLAN, ckpt))
     assert stats.seconds > 0
 
@@ -94,38 +99,29 @@ def _files(plan: list[tuple[int, int, int]], ckpt: Path) -> set[str]:
 def test_reads_no_other_tensor(ckpt: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     index = CheckpointIndex.open(ckpt)
     slots = _filled(index)
-    requested: list[str] = []
+    runs: list[range_reader.Run] = []
+    real = range_reader.RangeReader._read_run
 
-    class Recording:
-        def __init__(self, path: str, **kwargs: Any) -> None:
-            self._inner = safe_open(path, **kwargs)
+    def recording(self: range_reader.RangeReader, run: range_reader.Run, into: Any) -> None:
+        runs.append(run)
+        real(self, run, into)
 
-        def __enter__(self) -> Recording:
-            self._handle = self._inner.__enter__()  # type: ignore[no-untyped-call]
-            return self
-
-        def __exit__(self, *exc: object) -> None:
-            self._inner.__exit__(*exc)  # type: ignore[no-untyped-call]
-
-        def keys(self) -> list[str]:
-            return list(self._handle.keys())
-
-        def get_slice(self, name: str) -> Any:
-            return self._handle.get_slice(name)
-
-        def get_tensor(self, name: str) -> torch.Tensor:
-            requested.append(name)
-            tensor: torch.Tensor = self._handle.get_tensor(name)
-            return tensor
-
-    monkeypatch.setattr(shard_reader, "safe_open", Recording)
+    monkeypatch.setattr(range_reader.RangeReader, "_read_run", recording)
     load_experts_into_slots(index, slots, PLAN)
     wanted = {
         expert_tensor_name(layer, expert, f"{p}_proj")
         for layer, _, expert in PLAN
         for p in ("gate", "up", "down")
     }
-    assert sorted(requested) == sorted(wanted)
+    # Every tensor whose bytes any read touched, whether needed or not.
+    touched = {
+        name
+        for name, info in index.tensors.items()
+        for run in runs
+        if run.file == info.file and run.begin < info.end and info.begin < run.end
+    }
+    assert touched == wanted
+    assert sum(run.nbytes for run in runs) == sum(index.info(n).nbytes for n in wanted)
 
 
 def test_writes_in_place(ckpt: Path) -> None:
@@ -136,26 +132,16 @@ def test_writes_in_place(ckpt: Path) -> None:
     assert slots.data_ptrs() == before
 
 
-def test_small_chunks_give_the_same_slots(ckpt: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_small_chunks_give_the_same_slots(ckpt: Path) -> None:
     index = CheckpointIndex.open(ckpt)
     whole, pieces = _filled(index), _filled(index)
-    opened: list[str] = []
-    real = safe_open
-
-    def counting(path: str, **kwargs: Any) -> Any:
-        opened.append(path)
-        return real(path, **kwargs)
-
     load_experts_into_slots(index, whole, PLAN)
-    monkeypatch.setattr(shard_reader, "safe_open", counting)
     stats = load_experts_into_slots(index, pieces, PLAN, chunk_bytes=1)
     assert torch.equal(whole.w13, pieces.w13) and torch.equal(whole.w2, pieces.w2)
-    # One chunk per slot: each slot's shards are opened (and so released) on their own.
-    assert len(opened) == sum(len(shard_reader.chunk_files([job])) for job in _jobs(index, whole))
     headers = {h.file: h.header_bytes for h in index.files.values()}
     once = sum(headers[f] for f in {f for job in _jobs(index, whole) for f in _job_files(job)})
-    reopened = sum(headers[Path(p)] for p in opened)
-    assert stats.bytes_read == stats.bytes_needed + once + reopened
+    # One chunk per slot: each slot's tensors are adjacent, so exactly the needed bytes.
+    assert stats.bytes_read == stats.bytes_needed + once
 
 
 def _jobs(index: CheckpointIndex, slots: ExpertSlots) -> list[SlotJob]:
@@ -263,6 +249,26 @@ def test_truncated_shard(ckpt: Path, opened: Any) -> None:
     with pytest.raises(WeightLoadError, match="truncated") as err:
         load_experts_into_slots(index, slots, PLAN)
     assert shard.name in str(err.value)
+    _assert_unchanged(slots, before)
+
+
+def test_shard_cut_short_during_the_reload(
+    ckpt: Path, opened: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    index, slots, before = opened
+    shard = _shard_of(ckpt, LAST)
+    real = shard_reader.check_shard
+
+    def check_then_truncate(file: Path, infos: Any) -> int:
+        size = real(file, infos)
+        if file == shard:  # the header passed; the data vanishes before it is read
+            os.truncate(shard, index.info(LAST).begin + 1)
+        return size
+
+    monkeypatch.setattr(reload, "check_shard", check_then_truncate)
+    with pytest.raises(WeightLoadError, match="end of file") as err:
+        load_experts_into_slots(index, slots, PLAN)
+    assert shard.name in str(err.value) and repr(LAST) in str(err.value)
     _assert_unchanged(slots, before)
 
 
