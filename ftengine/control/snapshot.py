@@ -13,6 +13,7 @@ import attrs
 
 from ftengine.errors import FTEngineError
 from ftengine.faults import HealthStatus
+from ftengine.timeline import StepRecord as StepMark
 
 
 class StatusShapeError(FTEngineError, ValueError):
@@ -28,23 +29,6 @@ class PhaseMark:
     dest: str
     at: float
     reason: str = ""
-
-
-@attrs.frozen
-class StepMark:
-    """One recovery step (detect, quarantine, mask, comm_rebuild, expert_repair, validate,
-    device_reset) of one attempt; ``end`` is None while it runs, ``error`` set if it failed."""
-
-    name: str
-    attempt: int
-    start: float
-    end: float | None = None
-    error: str | None = None
-
-    @property
-    def seconds(self) -> float | None:
-        """Duration in seconds, None while running."""
-        return None if self.end is None else self.end - self.start
 
 
 @attrs.frozen
@@ -107,7 +91,7 @@ class Episode:
                 started=float(raw["started"]),
                 ended=None if raw.get("ended") is None else float(raw["ended"]),
                 phases=tuple(phases),
-                steps=tuple(_step(step) for step in raw.get("steps") or ()),
+                steps=tuple(StepMark.from_dict(step) for step in raw.get("steps") or ()),
                 repair=_repair(raw.get("repair")),
             )
         except (KeyError, TypeError, ValueError) as exc:
@@ -115,17 +99,6 @@ class Episode:
                 f"timeline {dict(raw)!r} is not a Timeline.to_dict() (episode, faults, "
                 f"started, ended, phases, steps, repair): {exc!r}"
             ) from exc
-
-
-def _step(raw: Mapping[str, Any]) -> StepMark:
-    end = raw.get("end")
-    return StepMark(
-        name=str(raw["name"]),
-        attempt=int(raw.get("attempt") or 0),
-        start=float(raw["start"]),
-        end=None if end is None else float(end),
-        error=_opt_str(raw.get("error")),
-    )
 
 
 def _repair(raw: Mapping[str, Any] | None) -> Repair | None:
