@@ -13,7 +13,10 @@ import attrs
 
 from ftengine.errors import FTEngineError
 from ftengine.faults import HealthStatus
-from ftengine.timeline import StepRecord as StepMark
+from ftengine.timeline import StepRecord
+
+# One recovery step of one attempt, as the engine's timeline records it.
+StepMark = StepRecord
 
 
 class StatusShapeError(FTEngineError, ValueError):
