@@ -123,6 +123,11 @@ def _add_error_handlers(app: FastAPI) -> None:
 def _add_fault_tolerance_routes(
     app: FastAPI, plane: ControlPlane, require_key: Callable[..., None]
 ) -> None:
+    _add_apply_route(app, plane, require_key)
+    _add_status_routes(app, plane)
+
+
+def _add_apply_route(app: FastAPI, plane: ControlPlane, require_key: Callable[..., None]) -> None:
     @app.post(
         "/v1/fault_tolerance/apply",
         status_code=202,
@@ -144,6 +149,8 @@ def _add_fault_tolerance_routes(
         status, body = await run_in_threadpool(plane.submit, await request.body())
         return _json(status, body)
 
+
+def _add_status_routes(app: FastAPI, plane: ControlPlane) -> None:
     @app.get(
         "/v1/fault_tolerance/status",
         summary="vLLM-shaped status plus phase, removed ranks, epoch and timeline per engine",
