@@ -115,7 +115,7 @@ class CpuBackend:
         # Dropping the group never talks to peers; gloo cannot abort a running op anyway,
         # and this runs after the op that failed has returned.
         self.quarantined = True
-        self._group = None
+        self._drop_group()
         logger.info(
             "quarantined",
             extra={"rank": self.rank, "epoch": self.epoch, "fault": fault.kind.value},
@@ -123,10 +123,10 @@ class CpuBackend:
 
     def reset_device(self) -> None:
         # A CPU has no device state to reset; the groups are rebuilt next.
-        self._group = None
+        self._drop_group()
 
     def rebuild_groups(self, alive_ranks: frozenset[int], epoch: int) -> None:
-        self._group = None
+        self._drop_group()
         self._group = GlooGroup(
             self._store,
             alive_ranks,
@@ -167,8 +167,14 @@ class CpuBackend:
 
     def close(self) -> None:
         """Drop the process group (the store belongs to whoever created it)."""
-        self._group = None
+        self._drop_group()
         self.quarantined = True
+
+    def _drop_group(self) -> None:
+        """Forget the current group; its teardown runs off this thread (GlooGroup.release)."""
+        group, self._group = self._group, None
+        if group is not None:
+            group.release()
 
     def synchronize(self) -> None:
         # CPU collectives here are blocking: nothing is ever queued.

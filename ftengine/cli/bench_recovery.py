@@ -28,6 +28,7 @@ from ftengine.control.bench_trials import (
     summary,
     timed_restart,
 )
+from ftengine.control.scenario import serving_waiter
 from ftengine.control.traffic import TrafficStream
 
 BENCH = "recovery"
@@ -109,7 +110,12 @@ class _Bench:
 
     def stream(self, cluster: BenchCluster) -> TrafficStream:
         return TrafficStream(
-            cluster.generate, self.prompts, self.first_tokens, max_tokens=1, backoff_s=0.005
+            cluster.generate,
+            self.prompts,
+            self.first_tokens,
+            max_tokens=1,
+            backoff_s=0.005,
+            ready=serving_waiter(cluster),
         ).start()
 
     def chain(self, cluster: BenchCluster, kinds: Sequence[str], stream: TrafficStream) -> None:

@@ -18,6 +18,11 @@ logger = logging.getLogger(__name__)
 Generate = Callable[[list[int], int], list[int]]
 """``(prompt_token_ids, max_tokens) -> new token ids`` (``Cluster.generate``)."""
 
+Ready = Callable[[float], bool]
+"""``(timeout_s) -> serving``: waits up to ``timeout_s`` until the cluster serves again."""
+
+READY_CHECK_S = 0.25  # how long one wait for the cluster to serve lasts (stop() waits for it)
+
 
 @attrs.frozen
 class Sample:
@@ -36,7 +41,10 @@ class TrafficStream:
     """Cycles through ``prompts`` with ``max_tokens`` each, until ``stop()``.
 
     ``expected[i]`` is the reference continuation of ``prompts[i]``. After an error the
-    stream waits ``backoff_s`` before the next request (the cluster is recovering).
+    stream waits ``backoff_s`` before the next request (the cluster is recovering); with
+    ``ready`` (e.g. :func:`ftengine.control.scenario.serving_waiter`) it instead waits until
+    ``ready`` says the cluster serves again, so the first request after a recovery is not
+    held back by a poll interval (``backoff_s`` still applies when ``ready`` already holds).
     """
 
     def __init__(
@@ -47,6 +55,7 @@ class TrafficStream:
         *,
         max_tokens: int,
         backoff_s: float = 0.02,
+        ready: Ready | None = None,
     ) -> None:
         if len(prompts) != len(expected) or not prompts:
             raise ValueError(
@@ -58,6 +67,7 @@ class TrafficStream:
         self._expected = [list(e) for e in expected]
         self._max_tokens = max_tokens
         self._backoff_s = backoff_s
+        self._ready = ready
         self._stop = threading.Event()
         self._lock = threading.Lock()
         self._samples: list[Sample] = []
@@ -92,7 +102,16 @@ class TrafficStream:
                 self._samples.append(sample)
             index += 1
             if sample.error is not None:
-                self._stop.wait(self._backoff_s)
+                self._pause()
+
+    def _pause(self) -> None:
+        """Wait before retrying after an error: until ``ready`` holds, or ``backoff_s``."""
+        ready = self._ready
+        if ready is None or ready(0.0):
+            self._stop.wait(self._backoff_s)
+            return
+        while not self._stop.is_set() and not ready(READY_CHECK_S):
+            pass
 
     def _one(self, index: int) -> Sample:
         start = time.monotonic()
