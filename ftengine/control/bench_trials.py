@@ -73,16 +73,21 @@ def wait_detected(
     return max(e.started for e in _episodes_since(view, survivors, since))
 
 
-def wait_healthy(cluster: BenchCluster, ranks: Sequence[int], timeout_s: float) -> ClusterView:
-    """Wait until every engine in ``ranks`` is HEALTHY."""
+def wait_all(
+    cluster: BenchCluster, ranks: Sequence[int], status: HealthStatus, timeout_s: float
+) -> ClusterView:
+    """Wait until every engine in ``ranks`` reports ``status``."""
     view = wait_until(
-        cluster,
-        lambda v: all(v.engine(r).status is HealthStatus.HEALTHY for r in ranks),
-        timeout_s,
+        cluster, lambda v: all(v.engine(r).status is status for r in ranks), timeout_s
     )
     if view is None:
-        raise BenchError(f"engines {list(ranks)} not HEALTHY within {timeout_s}s")
+        raise BenchError(f"engines {list(ranks)} not {status.name} within {timeout_s}s")
     return view
+
+
+def wait_healthy(cluster: BenchCluster, ranks: Sequence[int], timeout_s: float) -> ClusterView:
+    """Wait until every engine in ``ranks`` is HEALTHY."""
+    return wait_all(cluster, ranks, HealthStatus.HEALTHY, timeout_s)
 
 
 def first_correct(stream: TrafficStream, after: float, timeout_s: float) -> float:
@@ -163,13 +168,7 @@ def retry_trial(cluster: BenchCluster, timeout_s: float) -> RetryTrial:
     """Wait until traffic trips an injected ``raise`` fault (every engine UNHEALTHY), then
     send ``retry`` and wait until every engine is HEALTHY."""
     ranks = sorted(cluster.live_ranks())
-    view = wait_until(
-        cluster,
-        lambda v: all(v.engine(r).status is HealthStatus.UNHEALTHY for r in ranks),
-        timeout_s,
-    )
-    if view is None:
-        raise BenchError(f"the injected fault did not make every engine UNHEALTHY in {timeout_s}s")
+    view = wait_all(cluster, ranks, HealthStatus.UNHEALTHY, timeout_s)
     detected = min(e.started for e in _episodes_since(view, ranks, 0.0))
     command_at = time.monotonic()
     result = cluster.apply("retry", {}, f"bench-retry-{command_at:.6f}")
