@@ -33,7 +33,10 @@ from ftengine.control.traffic import TrafficStream
 
 BENCH = "recovery"
 # About 600 MB of bf16 weights (experts dominate), so that reloading experts costs real I/O.
-BENCH_SIZE = launch.CheckpointSize(layers=4, experts=16, hidden=1024, intermediate=1536, vocab=512)
+# Many small experts (moe_intermediate < hidden), as in Qwen3-MoE and DeepSeek, rather than a
+# few large ones: a decode step streams one expert's weights per (token, expert) pair, so the
+# expert size, not the checkpoint size, sets the step time.
+BENCH_SIZE = launch.CheckpointSize(layers=4, experts=64, hidden=1024, intermediate=384, vocab=512)
 CHAIN_VICTIMS = (1, 3, 2)  # rank 3 holds the last copies of rank 1's experts: 2nd kill reloads
 CHECK_TOKENS = 4
 FT_OFF_NOTE = (
@@ -50,8 +53,17 @@ def register(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--plot", type=Path, default=None, help="write a tokens/s PNG here")
     parser.add_argument("--kill-trials", type=int, default=10, help="SIGKILL trials (>= 1)")
     parser.add_argument("--stop-trials", type=int, default=10, help="SIGSTOP trials (>= 1)")
-    parser.add_argument("--overhead-rounds", type=int, default=8, help="FT on/off step rounds")
-    parser.add_argument("--overhead-tokens", type=int, default=24, help="decode steps per round")
+    parser.add_argument(
+        "--overhead-rounds", type=int, default=16, help="FT on/off rounds (each launch once)"
+    )
+    parser.add_argument("--overhead-tokens", type=int, default=8, help="decode steps per round")
+    parser.add_argument(
+        "--overhead-launches",
+        type=int,
+        default=2,
+        help="cluster launches per side (FT on, FT off) for the overhead rounds; each "
+        "launch of the default checkpoint holds about 3.5 GB",
+    )
     parser.add_argument(
         "--settle", type=float, default=1.0, help="seconds of steady traffic before each fault"
     )
@@ -86,17 +98,19 @@ class _Bench:
         self.marks: list[Mark] = []
         self.pauses: list[tuple[float, float]] = []
 
-    def start_cluster(self, *, cold: bool = False, **overrides: object) -> BenchCluster:
+    def start_cluster(
+        self, *, cold: bool = False, sample: bool = True, **overrides: object
+    ) -> BenchCluster:
         """Launch a cluster (``overrides`` on the flags' config) and time it to its first
         token; ``cold`` evicts the checkpoint from the page cache first. FT-on launches count
-        as full-restart samples."""
+        as full-restart samples unless ``sample`` is False."""
         from ftengine.cluster import Cluster
 
         def start() -> BenchCluster:
             return Cluster.launch(launch.cluster_config(self.args, self.checkpoint, **overrides))
 
         cluster, restart = timed_restart(start, self.prompts[0], self.checkpoint, cold=cold)
-        if overrides.get("fault_tolerance", True):
+        if sample and overrides.get("fault_tolerance", True):
             self.restarts.append(restart)
         return cluster
 
@@ -140,17 +154,25 @@ class _Bench:
 
 
 def _overhead(bench: _Bench, on: BenchCluster) -> dict[str, object]:
-    """Step time of ``on`` (FT on) against an FT-off cluster on the same checkpoint, in
-    interleaved rounds (``ftengine.control.bench_overhead``)."""
-    off = bench.start_cluster(fault_tolerance=False)
+    """Step time of ``on`` and ``--overhead-launches - 1`` more FT-on launches against as
+    many FT-off launches on the same checkpoint, in interleaved rounds
+    (``ftengine.control.bench_overhead``); the extra launches are not restart samples."""
+    args = bench.args
+    launches = max(1, args.overhead_launches)
+    extra: list[BenchCluster] = []
     try:
-        args = bench.args
+        for _ in range(launches):
+            extra.append(bench.start_cluster(fault_tolerance=False))
+        for _ in range(launches - 1):
+            extra.append(bench.start_cluster(sample=False))
+        offs, ons = extra[:launches], [on, *extra[launches:]]
         rounds = interleaved_rounds(
-            on, off, bench.prompts, args.overhead_tokens, args.overhead_rounds
+            ons, offs, bench.prompts, args.overhead_tokens, args.overhead_rounds
         )
     finally:
-        off.shutdown()
-    return rounds.to_dict()
+        for cluster in extra:
+            cluster.shutdown()
+    return {**rounds.to_dict(), "ft_overhead_launches": launches}
 
 
 def _first_launch(bench: _Bench, kinds: Sequence[str]) -> dict[str, Any]:

@@ -76,15 +76,18 @@ def free_donor_slots(state: PlanState, needed: torch.Tensor, incoming: torch.Ten
     Freeing a replica raises the ranks holding the expert's other replicas, and the freed
     slot's rank will take an orphan (``incoming [layers, steps]``: orphan loads, heaviest
     first, reserved on that rank now). Each step frees the slot that keeps the highest of
-    those ranks lowest (ties: the slot on the most loaded rank, then the lowest slot).
+    those ranks lowest (ties: the slot on the rank with the fewest slots freed so far in
+    that layer, so that the reloads, and with them the repair time, are spread over the
+    survivors; then the most loaded rank; then the lowest slot).
     """
     rows = state.rows
     loads = state.rank_loads()
+    freed = torch.zeros_like(loads)
     cap = replica_load_cap(state.load, state.counts, needed)
     for step in range(int(needed.max()) if needed.numel() else 0):
         active = needed > step
         reserve = incoming[:, min(step, incoming.shape[1] - 1)]
-        slot, expert, share, rise = _pick_donor(state, loads, reserve, cap)
+        slot, expert, share, rise = _pick_donor(state, loads, reserve, cap, freed)
         rows_now, slot_now, expert_now = rows[active], slot[active], expert[active]
         state.slots[rows_now, slot_now] = EMPTY
         state.counts[rows_now, expert_now] -= 1
@@ -95,6 +98,7 @@ def free_donor_slots(state: PlanState, needed: torch.Tensor, incoming: torch.Ten
         rank_now = state.slot_rank[slot_now]
         loads[rows_now, rank_now] -= share[active]
         loads[rows_now, rank_now] += reserve[active]
+        freed[rows_now, rank_now] += 1
 
 
 def replica_load_cap(
@@ -122,9 +126,16 @@ def replica_load_cap(
 
 
 def _pick_donor(
-    state: PlanState, loads: torch.Tensor, reserve: torch.Tensor, cap: torch.Tensor
+    state: PlanState,
+    loads: torch.Tensor,
+    reserve: torch.Tensor,
+    cap: torch.Tensor,
+    freed: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Per layer: the slot to free, its expert, that replica's load and the others' rise."""
+    """Per layer: the slot to free, its expert, that replica's load and the others' rise.
+
+    ``freed [layers, ranks]`` counts the slots already freed on each rank (tie-break).
+    """
     held = state.slots.clamp(min=0)
     count = state.counts.gather(1, held).to(state.load.dtype)
     expert_load = state.load.gather(1, held)
@@ -140,6 +151,9 @@ def _pick_donor(
     score = torch.where(donor, torch.maximum(others, own), _INF)
     best = score.min(dim=1, keepdim=True).values
     tied = donor & (score == best)
+    freed_on = freed[:, state.slot_rank]
+    fewest = torch.where(tied, freed_on, _INF).min(dim=1, keepdim=True).values
+    tied &= freed_on == fewest
     slot = torch.where(tied, on_rank, -_INF).argmax(dim=1)
     rows = state.rows
     return slot, state.slots[rows, slot], share[rows, slot], rise[rows, slot]

@@ -54,9 +54,9 @@ def test_rounds_interleave_and_report_the_ratio_of_medians_with_its_spread() -> 
     def cpu(pids: Iterable[int | None]) -> float:
         return sum(cpu_used[pid] for pid in pids if pid is not None)
 
-    rounds = interleaved_rounds(on, off, PROMPTS, 5, 4, cpu=cpu, step_time=step_time)
+    rounds = interleaved_rounds([on], [off], PROMPTS, 5, 4, cpu=cpu, step_time=step_time)
     assert order == ["on", "off", "on", "off", "off", "on", "on", "off", "off", "on"]
-    assert rounds.on_s == (1.1, 1.1, 3.0, 1.1) and rounds.off_s == (1.0,) * 4
+    assert rounds.on_s == ((1.1, 1.1, 3.0, 1.1),) and rounds.off_s == ((1.0,) * 4,)
     fields = rounds.to_dict()
     assert fields["ft_overhead_ratio"] == pytest.approx(1.1)
     paired = fields["ft_overhead_round_ratios"]
@@ -67,6 +67,39 @@ def test_rounds_interleave_and_report_the_ratio_of_medians_with_its_spread() -> 
         "ft_on_idle_during_off_rounds": pytest.approx(0.2 / 20.0),
         "ft_off_idle_during_on_rounds": 0.0,
     }
+
+
+def test_several_launches_per_side_are_pooled_with_their_own_noise_beside() -> None:
+    # Two launches per side; launch 1 of each side is 4 % slower than launch 0 of it.
+    on = [Timed("on0", [9.0] + [1.00] * 3, {0: 1}), Timed("on1", [9.0] + [1.04] * 3, {0: 2})]
+    off = [Timed("off0", [9.0] + [1.00] * 3, {0: 3}), Timed("off1", [9.0] + [1.04] * 3, {0: 4})]
+    order: list[str] = []
+
+    def step_time(cluster: Any, prompts: Sequence[Sequence[int]], tokens: int) -> float:
+        order.append(cluster.name)
+        return float(cluster.steps.pop(0))
+
+    rounds = interleaved_rounds(on, off, PROMPTS, 2, 3, cpu=lambda pids: 0.0, step_time=step_time)
+    warm, first, second = order[:4], order[4:8], order[8:12]
+    assert warm == first == ["on0", "off0", "on1", "off1"]
+    assert second == ["off0", "on1", "off1", "on0"]  # each round starts one launch later
+    fields = rounds.to_dict()
+    assert fields["ft_overhead_ratio"] == pytest.approx(1.0)
+    assert fields["ft_overhead_launch_ratios"] == {
+        "on0/off0": pytest.approx(1.0),
+        "on0/off1": pytest.approx(1 / 1.04),
+        "on1/off0": pytest.approx(1.04),
+        "on1/off1": pytest.approx(1.0),
+    }
+    assert fields["ft_overhead_same_mode_ratios"] == {
+        "on0/on1": pytest.approx(1 / 1.04),
+        "off0/off1": pytest.approx(1 / 1.04),
+    }
+
+
+def test_rounds_need_a_cluster_on_each_side() -> None:
+    with pytest.raises(ValueError, match="at least one cluster per side"):
+        interleaved_rounds([], [Timed("off", [1.0], {})], PROMPTS, 1, 1)
 
 
 def test_quantiles_and_spread() -> None:

@@ -34,6 +34,19 @@ def test_orphans_of_a_dead_rank_land_on_survivors_balanced() -> None:
     assert balancedness(p2l, ones, num_logical=6, local_slots=2, dead_ep_ranks={1}) == 1.0
 
 
+def test_equally_good_donors_spread_the_reloads_over_the_survivors() -> None:
+    # Ranks 0 and 2 hold experts 0-7, ranks 1 and 3 hold 8-15: with 1 and 3 dead, any slot
+    # of 0 or 2 can take an orphan, and the repair lasts as long as the busiest reload.
+    placement = ExpertPlacement.default(4, 16, 16, 4)
+    plan = plan_redistribution(placement, {1, 3})
+    assert plan.reloads == plan.lower_bound == 32
+    assert [len(plan.local_assignments(rank)) for rank in (0, 2)] == [16, 16]
+    apply_plan(placement, plan)
+    p2l = placement.physical_to_logical_map
+    ones = torch.ones(4, 16)
+    assert balancedness(p2l, ones, num_logical=16, local_slots=8, dead_ep_ranks={1, 3}) == 1.0
+
+
 def test_moves_are_sorted_and_mirrored_in_the_table() -> None:
     placement = ExpertPlacement.default(3, 6, 2, 4)
     plan = plan_redistribution(placement, {1})

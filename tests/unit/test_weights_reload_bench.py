@@ -17,7 +17,7 @@ from ftengine.errors import ConfigError, PlacementError, PreconditionFailed
 from ftengine.weights import bench_measure
 from ftengine.weights.bench_measure import BenchError, ChildJob, run_child
 from ftengine.weights.checkpoint_gen import remove_checkpoint
-from ftengine.weights.index import Quant
+from ftengine.weights.index import CheckpointIndex, Quant
 from ftengine.weights.peak_rss import PeakRss
 from ftengine.weights.reload_bench import BenchSetup, plan_worker_reload, prepare_checkpoint
 
@@ -115,6 +115,18 @@ def test_checkpoint_is_reused_only_when_identical(tmp_path: Path) -> None:
     assert not reused
 
 
+def test_storage_read_reads_exactly_the_named_tensors(tmp_path: Path) -> None:
+    path, _ = prepare_checkpoint(BenchSetup(size_mb=0.5, layers=1), tmp_path / "ck")
+    index = CheckpointIndex.open(path)
+    every = list(index.experts.values())
+    wanted = every[: len(every) // 3]
+    # Small chunks: the runs of one chunk never merge with the next chunk's.
+    assert bench_measure.storage_read(index, wanted, chunk_bytes=1) == sum(
+        index.info(name).nbytes for name in wanted
+    )
+    assert bench_measure.storage_read(index, every) == index.expert_bytes_total
+
+
 def test_a_foreign_directory_is_never_overwritten_or_removed(tmp_path: Path) -> None:
     foreign = tmp_path / "model"
     foreign.mkdir()
@@ -141,6 +153,10 @@ def test_cli_json_has_every_issue_field(tmp_path: Path, capsys: pytest.CaptureFi
     assert result["bytes_read"] >= result["bytes_needed"]
     assert result["naive_peak_rss_delta_bytes"] > result["peak_rss_delta_bytes"]
     assert set(result["targets_met"]) == {"bytes_read", "peak_rss", "speedup", "reload_vs_raw_read"}
+    assert result["storage_needed_read_s"] > 0 and result["storage_all_read_s"] > 0
+    assert result["ratios"]["storage_all_over_needed_s"] == pytest.approx(
+        result["storage_all_read_s"] / result["storage_needed_read_s"], rel=1e-3
+    )
     # Cold by default: every shard left the page cache before each timed run.
     assert result["cache"] == "cold"
     assert result["evicted"] is True
