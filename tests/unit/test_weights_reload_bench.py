@@ -115,16 +115,18 @@ def test_checkpoint_is_reused_only_when_identical(tmp_path: Path) -> None:
     assert not reused
 
 
-def test_storage_read_reads_exactly_the_named_tensors(tmp_path: Path) -> None:
+def test_storage_reads_read_exactly_what_they_say(tmp_path: Path) -> None:
     path, _ = prepare_checkpoint(BenchSetup(size_mb=0.5, layers=1), tmp_path / "ck")
     index = CheckpointIndex.open(path)
     every = list(index.experts.values())
     wanted = every[: len(every) // 3]
     # Small chunks: the runs of one chunk never merge with the next chunk's.
-    assert bench_measure.storage_read(index, wanted, chunk_bytes=1) == sum(
+    assert bench_measure.needed_read(index, wanted, chunk_bytes=1) == sum(
         index.info(name).nbytes for name in wanted
     )
-    assert bench_measure.storage_read(index, every) == index.expert_bytes_total
+    assert bench_measure.needed_read(index, every) == index.expert_bytes_total
+    sizes = sum(file.stat().st_size for file in index.files)
+    assert bench_measure.stream_read(index.files, chunk_bytes=4096) == sizes
 
 
 def test_a_foreign_directory_is_never_overwritten_or_removed(tmp_path: Path) -> None:
