@@ -29,8 +29,7 @@ from ftengine.weights.page_cache import cached_fraction, disk_read_bytes, evict
 from ftengine.weights.peak_rss import PeakRss
 from ftengine.weights.range_reader import RangeReader
 from ftengine.weights.reload import Assignment, ReloadStats, load_experts_into_slots
-from ftengine.weights.safetensors_header import TensorInfo
-from ftengine.weights.shard_reader import CHUNK_BYTES
+from ftengine.weights.shard_reader import CHUNK_BYTES, chunked
 from ftengine.weights.slots import ExpertSlots, SlotWeights
 
 Cache = Literal["cold", "warm"]
@@ -127,16 +126,8 @@ def needed_read(
     """The reload's own reads of ``names`` without its transform: coalesced runs in file
     order, a chunk of the reload's size at a time, into a reused buffer. Returns bytes read."""
     infos = sorted((index.info(name) for name in names), key=lambda i: (i.file, i.begin))
-    chunks: list[list[TensorInfo]] = [[]]
-    size = 0
-    for info in infos:
-        if size >= chunk_bytes:
-            chunks.append([])
-            size = 0
-        chunks[-1].append(info)
-        size += info.nbytes
     with RangeReader(depth=1) as reader:
-        for _ in reader.chunks(chunks):
+        for _ in reader.chunks(chunked(infos, chunk_bytes)):
             pass
     return reader.bytes_read
 

@@ -9,10 +9,10 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Protocol, TypeVar
 
 from ftengine.errors import WeightLoadError
 from ftengine.weights.safetensors_header import TensorInfo, read_header
-from ftengine.weights.slot_jobs import SlotJob
 
 CHUNK_BYTES = 16 * 2**20
 """Tensor bytes staged per chunk: small enough that reading the next one overlaps
@@ -37,14 +37,24 @@ def check_shard(file: Path, infos: Sequence[TensorInfo]) -> int:
     return header.header_bytes
 
 
-def chunked(jobs: Sequence[SlotJob], limit: int = CHUNK_BYTES) -> list[list[SlotJob]]:
-    """Consecutive runs of jobs of about ``limit`` tensor bytes each (at least one job)."""
-    chunks: list[list[SlotJob]] = []
+class Sized(Protocol):
+    """Anything with a byte count (a SlotJob, a TensorInfo)."""
+
+    @property
+    def nbytes(self) -> int: ...
+
+
+_S = TypeVar("_S", bound=Sized)
+
+
+def chunked(items: Sequence[_S], limit: int = CHUNK_BYTES) -> list[list[_S]]:
+    """Consecutive runs of ``items`` of about ``limit`` bytes each (at least one item)."""
+    chunks: list[list[_S]] = []
     size = limit
-    for job in jobs:
+    for item in items:
         if size >= limit:
             chunks.append([])
             size = 0
-        chunks[-1].append(job)
-        size += job.nbytes
+        chunks[-1].append(item)
+        size += item.nbytes
     return chunks
