@@ -15,6 +15,7 @@ from typing import Any
 
 import attrs
 
+from ftengine.cli.options import at_least
 from ftengine.control import launch
 from ftengine.control.bench_overhead import interleaved_rounds
 from ftengine.control.bench_plot import Mark, plot_throughput
@@ -51,15 +52,27 @@ def register(parser: argparse.ArgumentParser) -> None:
     """Add ``bench recovery``'s flags."""
     parser.add_argument("--json", action="store_true", help="(always JSON; kept for symmetry)")
     parser.add_argument("--plot", type=Path, default=None, help="write a tokens/s PNG here")
-    parser.add_argument("--kill-trials", type=int, default=10, help="SIGKILL trials (>= 1)")
-    parser.add_argument("--stop-trials", type=int, default=10, help="SIGSTOP trials (>= 1)")
     parser.add_argument(
-        "--overhead-rounds", type=int, default=16, help="FT on/off rounds (each launch once)"
+        "--kill-trials",
+        type=at_least(
+            2, "the last trial of each launch only measures detection, so one scale-down needs two"
+        ),
+        default=10,
+        help="SIGKILL trials (>= 2)",
     )
-    parser.add_argument("--overhead-tokens", type=int, default=8, help="decode steps per round")
+    parser.add_argument("--stop-trials", type=at_least(1), default=10, help="SIGSTOP trials (>= 1)")
+    parser.add_argument(
+        "--overhead-rounds",
+        type=at_least(1),
+        default=16,
+        help="FT on/off rounds (each launch once)",
+    )
+    parser.add_argument(
+        "--overhead-tokens", type=at_least(1), default=8, help="decode steps per round"
+    )
     parser.add_argument(
         "--overhead-launches",
-        type=int,
+        type=at_least(1),
         default=2,
         help="cluster launches per side (FT on, FT off) for the overhead rounds; each "
         "launch of the default checkpoint holds about 3.5 GB",
@@ -158,7 +171,7 @@ def _overhead(bench: _Bench, on: BenchCluster) -> dict[str, object]:
     many FT-off launches on the same checkpoint, in interleaved rounds
     (``ftengine.control.bench_overhead``); the extra launches are not restart samples."""
     args = bench.args
-    launches = max(1, args.overhead_launches)
+    launches = args.overhead_launches
     extra: list[BenchCluster] = []
     try:
         for _ in range(launches):
@@ -283,7 +296,7 @@ def run(args: argparse.Namespace) -> int:
     """Run every measurement and print the JSON object."""
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(message)s")
     start = time.monotonic()
-    chains = _chains(max(1, args.kill_trials), max(1, args.stop_trials))
+    chains = _chains(args.kill_trials, args.stop_trials)
     with launch.run_checkpoint(args) as checkpoint:
         size_mb = sum(f.stat().st_size for f in checkpoint.iterdir()) / 1e6
         bench = _Bench(args, checkpoint)
