@@ -18,6 +18,7 @@ import attrs
 
 from ftengine.cluster.protocol import PhaseEvent
 from ftengine.faults import HealthStatus, Phase
+from ftengine.status import EngineStatus
 
 EPISODE_HISTORY = 64
 """Fault episodes each engine's status keeps (the last ones); ``fault_episodes`` counts all."""
@@ -129,15 +130,17 @@ class WorkerHandle:
 
 
 def _blank_status(rank: int) -> dict[str, Any]:
-    return {
-        "id": rank,
-        "status": int(HealthStatus.HEALTHY),
-        "phase": Phase.RUNNING.value,
-        "fault_info": None,
-        "last_ft_request_id": None,
-        "ft_error": None,
-        "removed_ranks": [],
-        "epoch": 0,
-        "attempts": 0,
-        "timeline": None,
-    }
+    """What a worker that has not reported yet shows: a fresh engine's status."""
+    fresh = EngineStatus(
+        id=rank,
+        status=HealthStatus.HEALTHY,
+        phase=Phase.RUNNING,
+        fault_info=None,
+        last_ft_request_id=None,
+        ft_error=None,
+        removed_ranks=frozenset(),
+        epoch=0,
+        attempts=0,
+        timeline=None,
+    )
+    return fresh.to_dict()

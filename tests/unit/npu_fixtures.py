@@ -18,6 +18,9 @@ from ftengine.weights.index import CheckpointIndex
 from tests.fakes.npu_install import fake_torch_npu
 from tests.fakes.npu_state import FakeNpuState
 
+DISPATCH, COMBINE = "npu_moe_distribute_dispatch_v2", "npu_moe_distribute_combine_v2"
+"""The MC2 ops as the fake torch_npu records them."""
+
 HIDDEN, INTERMEDIATE = 32, 16
 
 

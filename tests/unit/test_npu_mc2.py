@@ -13,11 +13,9 @@ from ftengine.placement.elastic import ElasticInfo
 from ftengine.weights.index import CheckpointIndex
 from tests.fakes.npu_host import NpuRig, make_npu_rig
 from tests.fakes.npu_state import FakeNpuState, Mc2ArgumentError
-from tests.unit.npu_fixtures import TinyCheckpoints
+from tests.unit.npu_fixtures import COMBINE, DISPATCH, TinyCheckpoints
 from tests.unit.npu_fixtures import npu_state as npu_state
 from tests.unit.npu_fixtures import tiny_checkpoints as tiny_checkpoints
-
-DISPATCH, COMBINE = "npu_moe_distribute_dispatch_v2", "npu_moe_distribute_combine_v2"
 
 
 @pytest.fixture(scope="module")

@@ -12,7 +12,7 @@ from ftengine.policies import OrchestratorDriven
 from ftengine.weights.index import CheckpointIndex
 from tests.fakes.npu_host import NpuRig, make_npu_rig
 from tests.fakes.npu_state import Call, FakeDeviceError, FakeNpuState
-from tests.unit.npu_fixtures import TinyCheckpoints
+from tests.unit.npu_fixtures import COMBINE, DISPATCH, TinyCheckpoints
 from tests.unit.npu_fixtures import npu_state as npu_state
 from tests.unit.npu_fixtures import tiny_checkpoints as tiny_checkpoints
 
@@ -23,7 +23,6 @@ RESET = [
     "distributed.reinit_process_group",
     "npu.synchronize",
 ]
-DISPATCH, COMBINE = "npu_moe_distribute_dispatch_v2", "npu_moe_distribute_combine_v2"
 
 
 @pytest.fixture(scope="module")

@@ -13,11 +13,9 @@ from ftengine.sentinel import WorkerSentinel
 from ftengine.weights.index import CheckpointIndex
 from tests.fakes.npu_host import NpuRig, SentinelHooks, make_npu_rig
 from tests.fakes.npu_state import FakeDeviceError, FakeNpuState
-from tests.unit.npu_fixtures import TinyCheckpoints
+from tests.unit.npu_fixtures import DISPATCH, TinyCheckpoints
 from tests.unit.npu_fixtures import npu_state as npu_state
 from tests.unit.npu_fixtures import tiny_checkpoints as tiny_checkpoints
-
-DISPATCH = "npu_moe_distribute_dispatch_v2"
 
 
 @pytest.fixture(scope="module")
