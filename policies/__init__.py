@@ -4,6 +4,15 @@ A policy is any callable ``RecoveryContext -> Decision | None``. Compose with ``
 (first opinion wins) and ``&`` (every policy is asked; the most escalated decision wins).
 """
 
+# This folder is the source of ``ftengine.policies`` (pyproject's package-dir; a symlink
+# ftengine/policies points here for tools run from the repository root). Imported under any
+# other name, the same files would load a second time as unrelated modules.
+if __name__ != "ftengine.policies":
+    raise ImportError(
+        f"{__name__!r} is the source folder of ftengine.policies; import ftengine.policies instead"
+    )
+
+
 from ftengine.policies.algebra import (
     AllOf,
     Composable,

@@ -2,16 +2,12 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 
 from ftengine.errors import PlacementError
 from ftengine.placement.maps import EMPTY, ExpertPlacement, slot_map_digest, write_logical_rows
+from ftengine.placement.plan import RedistributionPlan
 from ftengine.placement.threads import one_intra_op_thread
-
-if TYPE_CHECKING:
-    from ftengine.placement.planner import RedistributionPlan
 
 
 def apply_plan(placement: ExpertPlacement, plan: RedistributionPlan) -> None:

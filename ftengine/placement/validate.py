@@ -2,15 +2,32 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 
 from ftengine.errors import PlacementError
-from ftengine.placement.maps import EMPTY, derive_logical_maps
+from ftengine.placement.logical import EMPTY, derive_logical_maps
 
-if TYPE_CHECKING:
-    from ftengine.placement.maps import ExpertPlacement
+
+class ExpertPlacement(Protocol):
+    """What the checks read of ``maps.ExpertPlacement`` (a Protocol, so that ``maps`` can
+    call these checks without the two modules importing each other)."""
+
+    @property
+    def physical_to_logical_map(self) -> torch.Tensor: ...
+    @property
+    def logical_to_physical_map(self) -> torch.Tensor: ...
+    @property
+    def logical_replica_count(self) -> torch.Tensor: ...
+    @property
+    def num_layers(self) -> int: ...
+    @property
+    def num_physical(self) -> int: ...
+    @property
+    def num_logical(self) -> int: ...
+    @property
+    def max_replicas(self) -> int: ...
 
 
 def check_consistent(placement: ExpertPlacement, *, require_every_expert: bool = False) -> None:
