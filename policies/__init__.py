@@ -33,7 +33,7 @@ from ftengine.policies.decisions import (
     merge,
     strictest,
 )
-from ftengine.policies.registry import POLICIES, by_name
+from ftengine.policies.registry import POLICIES, Deployment, by_name
 
 __all__ = [
     "POLICIES",
@@ -41,6 +41,7 @@ __all__ = [
     "AutoRecovery",
     "Composable",
     "Decision",
+    "Deployment",
     "ExponentialBackoff",
     "FirstOf",
     "FlapGuard",
