@@ -13,9 +13,9 @@ import attrs
 
 from ftengine.backends.npu_timeouts import ABORT_TIMEOUT_KEY, validate_abort_timeout
 from ftengine.errors import ConfigError
+from ftengine.policies.registry import check_name
 
 FTENGINE_KEY = "ftengine"
-POLICIES = ("orchestrator", "auto")
 
 
 def _positive_seconds(value: object, key: str) -> float:
@@ -29,9 +29,10 @@ def _optional_seconds(value: object, key: str) -> float | None:
 
 
 def _policy(value: object, key: str) -> str:
-    if value not in POLICIES:
-        raise ConfigError(f"{key} must be one of {', '.join(POLICIES)}, found {value!r}")
-    return str(value)
+    try:
+        return check_name(value)
+    except ConfigError as exc:
+        raise ConfigError(f"{key}: {exc}") from exc
 
 
 def _flag(value: object, key: str) -> bool:
@@ -40,12 +41,24 @@ def _flag(value: object, key: str) -> bool:
     return value
 
 
+def ftengine_options(additional_config: Mapping[str, object]) -> Mapping[str, object]:
+    """The ``ftengine`` sub-dict of ``additional_config`` ({} if absent); ``ConfigError`` if it
+    is not a JSON object."""
+    sub = additional_config.get(FTENGINE_KEY, {})
+    if not isinstance(sub, Mapping):
+        raise ConfigError(
+            f'{FTENGINE_KEY} must be a JSON object such as {{"policy": "auto"}}, found {sub!r}'
+        )
+    return sub
+
+
 @attrs.frozen
 class NpuFtConfig:
     """Fault-tolerance options of one NPU worker.
 
     ``communication_abort_timeout_s``: T (0 = off), see ``npu_timeouts``.
-    ``policy``: "orchestrator" (wait for a command, vLLM's behaviour) or "auto".
+    ``policy``: a name in ``ftengine.policies.registry`` ("orchestrator": wait for a command,
+    vLLM's behaviour; "auto").
     ``scale_down``: whether scale-down must be possible (its preconditions are then
     checked at start-up). ``recovery_timeout_s``: how long to wait for a command before
     DEAD. ``cpu_distributed_timeout_s``: timeout of the gloo groups ftengine owns
@@ -63,12 +76,7 @@ class NpuFtConfig:
         """Read the config from vLLM's ``additional_config`` dict; bad values → ``ConfigError``."""
         config = dict(additional_config or {})
         timeout = validate_abort_timeout(config.get(ABORT_TIMEOUT_KEY, 0), key=ABORT_TIMEOUT_KEY)
-        sub = config.get(FTENGINE_KEY, {})
-        if not isinstance(sub, Mapping):
-            raise ConfigError(
-                f'{FTENGINE_KEY} must be a JSON object such as {{"policy": "auto"}}, found {sub!r}'
-            )
-        return cls.from_options(sub, communication_abort_timeout_s=timeout)
+        return cls.from_options(ftengine_options(config), communication_abort_timeout_s=timeout)
 
     @classmethod
     def from_options(

@@ -15,7 +15,8 @@ import re
 from collections.abc import Callable, Mapping, Sequence
 from typing import Protocol
 
-from ftengine.backends.base import Backend, RepairReport
+from ftengine.backends.base import Backend
+from ftengine.backends.delegating import DelegatingBackend
 from ftengine.clock import Clock, MonotonicClock
 from ftengine.commands import CommandResult
 from ftengine.context import RedundancyFacts
@@ -74,7 +75,7 @@ def classify_exception(exc: BaseException) -> FaultKind:
     return FaultKind.TRANSIENT
 
 
-class HostedBackend:
+class HostedBackend(DelegatingBackend):
     """The backend the engine drives: the device backend plus the host's hooks.
 
     ``quarantine`` also cleans the host's state, and ``run_dummy_batch`` runs the
@@ -83,34 +84,15 @@ class HostedBackend:
     """
 
     def __init__(self, backend: Backend, hooks: WorkerHooks) -> None:
-        self.device = backend
+        super().__init__(backend)
         self.hooks = hooks
-        self.name = backend.name
-
-    def set_op_timeout(self, seconds: float) -> None:
-        self.device.set_op_timeout(seconds)
 
     def quarantine(self, fault: Fault) -> None:
-        self.device.quarantine(fault)
+        super().quarantine(fault)
         self.hooks.clean_state()
-
-    def reset_device(self) -> None:
-        self.device.reset_device()
-
-    def rebuild_groups(self, alive_ranks: frozenset[int], epoch: int) -> None:
-        self.device.rebuild_groups(alive_ranks, epoch)
-
-    def mask_ranks(self, dead_ranks: frozenset[int]) -> None:
-        self.device.mask_ranks(dead_ranks)
-
-    def repair_experts(self, dead_ranks: frozenset[int]) -> RepairReport:
-        return self.device.repair_experts(dead_ranks)
 
     def run_dummy_batch(self) -> None:
         self.hooks.run_dummy_batch()
-
-    def synchronize(self) -> None:
-        self.device.synchronize()
 
 
 class WorkerSentinel:

@@ -42,7 +42,7 @@ from ftengine.policies.decisions import (
     merge,
     strictest,
 )
-from ftengine.policies.registry import POLICIES, by_name
+from ftengine.policies.registry import POLICIES, Deployment, by_name
 
 __all__ = [
     "POLICIES",
@@ -50,6 +50,7 @@ __all__ = [
     "AutoRecovery",
     "Composable",
     "Decision",
+    "Deployment",
     "ExponentialBackoff",
     "FirstOf",
     "FlapGuard",

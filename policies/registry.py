@@ -1,31 +1,125 @@
-"""Policies by name, for configuration files and command lines (``by_name("auto")``)."""
+"""Policies by name: the one registry behind every configuration surface (``by_name`` for
+library users, ``ClusterConfig.policy``, vLLM's ``additional_config`` and the NPU backend's).
+
+In the style of vLLM EPLB's policy registry: ``POLICIES`` maps every ``PolicyName`` to a
+factory, checked against each other at import, and every factory takes the same arguments:
+``factory(deployment, **params)``. ``deployment`` is where one name means more in a
+deployment than on its own (see :class:`Deployment`), so no configuration surface keeps a
+registry of its own.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from types import MappingProxyType
+from typing import Any, Literal, Protocol, TypeGuard, get_args
+
+import attrs
 
 from ftengine.errors import ConfigError
+from ftengine.faults import FaultKind
 from ftengine.policies.algebra import Policy
 from ftengine.policies.builtin import AutoRecovery, OrchestratorDriven
+from ftengine.validators import seconds
 
-POLICIES: Mapping[str, Callable[..., Policy]] = MappingProxyType(
-    {"orchestrator": OrchestratorDriven, "auto": AutoRecovery}
+PolicyName = Literal["orchestrator", "auto"]
+
+LOCAL_FAULT_KINDS = frozenset({FaultKind.TRANSIENT, FaultKind.DEVICE_ERROR})
+"""Faults of this worker's own making: retrying them needs no word about any peer."""
+
+
+@attrs.frozen
+class Deployment:
+    """Where a policy runs as one worker of many (the CPU cluster, vLLM's workers).
+
+    There a collective error only says *some* peer closed or stopped answering
+    (``DEAD_PEER`` / ``HUNG_PEER`` without a rank); someone outside the worker (the
+    cluster's supervisor) later names the dead rank, or says "transient, everyone is
+    alive", and an orchestrator may send a command up to ``recovery_timeout`` s after the
+    first fault. Retrying a rank-less peer fault at once would rebuild a group with a dead
+    member, so a deployed policy waits for that verdict or command, and what it leaves
+    undecided goes to :meth:`fallback`.
+    """
+
+    recovery_timeout: float = attrs.field(validator=seconds(positive=True))
+
+    def fallback(self) -> OrchestratorDriven:
+        """The last word in a deployment: wait ``recovery_timeout`` s for a command."""
+        return OrchestratorDriven(recovery_timeout=self.recovery_timeout)
+
+
+class PolicyFactory(Protocol):
+    """``factory(deployment, **params)``: the policy a name stands for, built with its
+    keyword ``params``; alone when ``deployment`` is None, else as a deployed worker runs it.
+    Raises ``TypeError`` for parameters it does not take."""
+
+    def __call__(self, deployment: Deployment | None, /, **params: Any) -> Policy: ...
+
+
+def _orchestrator(deployment: Deployment | None, /, **params: Any) -> Policy:
+    """``OrchestratorDriven(**params)``, vLLM's behaviour; deployed, the deployment's fallback."""
+    if deployment is None:
+        return OrchestratorDriven(**params)
+    return OrchestratorDriven(recovery_timeout=deployment.recovery_timeout, **params)
+
+
+def _auto(deployment: Deployment | None, /, **params: Any) -> Policy:
+    """``AutoRecovery(**params)``; deployed, it retries only ``LOCAL_FAULT_KINDS`` (unless
+    ``retry_kinds`` says otherwise) and hands what it abstains on to the fallback."""
+    if deployment is None:
+        return AutoRecovery(**params)
+    return AutoRecovery(**{"retry_kinds": LOCAL_FAULT_KINDS, **params}) | deployment.fallback()
+
+
+POLICIES: Mapping[PolicyName, PolicyFactory] = MappingProxyType(
+    {"orchestrator": _orchestrator, "auto": _auto}
 )
+POLICY_NAMES: tuple[PolicyName, ...] = tuple(sorted(POLICIES))
+
+if set(POLICIES) != set(get_args(PolicyName)):  # the registry and the typed names agree
+    raise ImportError(
+        f"POLICIES registers {sorted(POLICIES)}, expected PolicyName's {get_args(PolicyName)}"
+    )
 
 
-def by_name(name: str, **params: object) -> Policy:
+def _registered(name: object) -> TypeGuard[PolicyName]:
+    return isinstance(name, str) and name in POLICIES
+
+
+def _unknown(name: object) -> ConfigError:
+    known = ", ".join(repr(n) for n in POLICY_NAMES)
+    return ConfigError(f"unknown policy {name!r}: expected one of {known}")
+
+
+def check_name(name: object) -> str:
+    """``name`` if it names a registered policy; else ``ConfigError`` listing the names.
+
+    Configuration surfaces check their policy option with this when they parse it.
+    """
+    # Only registered names for now; a factory's import path ("package.module:factory")
+    # would be the second kind of name accepted here and resolved by ``factory_of``.
+    if not _registered(name):
+        raise _unknown(name)
+    return name
+
+
+def factory_of(name: str) -> PolicyFactory:
+    """The factory registered as ``name``; ``ConfigError`` listing the names if none is."""
+    if not _registered(name):
+        raise _unknown(name)
+    return POLICIES[name]
+
+
+def by_name(name: str, *, deployment: Deployment | None = None, **params: Any) -> Policy:
     """Build the policy registered as ``name`` with keyword ``params``.
 
     ``"orchestrator"`` -> ``OrchestratorDriven(recovery_timeout=...)`` (vLLM's default),
-    ``"auto"`` -> ``AutoRecovery(...)``. Raises ``ConfigError`` for an unknown name or
-    parameters the policy does not take.
+    ``"auto"`` -> ``AutoRecovery(...)``; with a ``deployment`` as its workers run them
+    (``"auto"``: ``AutoRecovery(retry_kinds=LOCAL_FAULT_KINDS) | deployment.fallback()``).
+    Raises ``ConfigError`` for an unknown name or parameters the policy does not take.
     """
-    factory = POLICIES.get(name)
-    if factory is None:
-        known = ", ".join(repr(n) for n in sorted(POLICIES))
-        raise ConfigError(f"unknown policy {name!r}: expected one of {known}")
+    factory = factory_of(name)
     try:
-        return factory(**params)
+        return factory(deployment, **params)
     except TypeError as exc:
         raise ConfigError(f"policy {name!r} does not take parameters {params!r}: {exc}") from exc

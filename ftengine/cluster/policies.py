@@ -2,23 +2,12 @@
 
 from __future__ import annotations
 
-from ftengine.errors import ConfigError
-from ftengine.faults import FaultKind
-from ftengine.policies import AutoRecovery, OrchestratorDriven, Policy
+from ftengine.policies import Deployment, Policy, by_name
 
 
 def build_policy(name: str, recovery_timeout_s: float) -> Policy:
-    """``"orchestrator"``: wait up to ``recovery_timeout_s`` for a command (vLLM's default).
-
-    ``"auto"``: retry transient faults and scale down peers the supervisor confirmed
-    dead. A collective error only says *some* peer closed or stopped answering, so those
-    (``DEAD_PEER`` / ``HUNG_PEER`` without a rank) wait for the supervisor's verdict — a
-    dead rank, or "transient, everyone is alive" — or a command, up to
-    ``recovery_timeout_s``; retrying at once would rebuild a group with a dead member.
+    """The registry's policy ``name`` as a deployed worker runs it: the supervisor confirms
+    which peer died and an orchestrator may command for ``recovery_timeout_s`` (see
+    :class:`~ftengine.policies.Deployment` for why "auto" waits on rank-less peer faults).
     """
-    if name == "orchestrator":
-        return OrchestratorDriven(recovery_timeout=recovery_timeout_s)
-    if name == "auto":
-        auto = AutoRecovery(retry_kinds=frozenset({FaultKind.TRANSIENT, FaultKind.DEVICE_ERROR}))
-        return auto | OrchestratorDriven(recovery_timeout=recovery_timeout_s)
-    raise ConfigError(f"unknown cluster policy {name!r}: expected 'orchestrator' or 'auto'")
+    return by_name(name, deployment=Deployment(recovery_timeout=recovery_timeout_s))

@@ -55,6 +55,7 @@ def test_full_surface_is_read() -> None:
     [
         ({"polcy": "auto"}, "ftengine.polcy"),
         ({"policy": "eager"}, "ftengine.policy"),
+        ({"policy": ["auto"]}, "ftengine.policy"),
         ({"scale_down": "yes"}, "ftengine.scale_down"),
         ({"recovery_timeout_sec": 0}, "ftengine.recovery_timeout_sec"),
         ({"recovery_timeout_sec": True}, "ftengine.recovery_timeout_sec"),
@@ -64,6 +65,15 @@ def test_full_surface_is_read() -> None:
 def test_invalid_ftengine_options_name_the_key(sub: dict[str, object], key: str) -> None:
     with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
         NpuFtConfig.from_additional_config({"ftengine": sub})
+
+
+def test_an_unknown_policy_lists_the_registered_names() -> None:
+    with pytest.raises(ConfigError) as raised:
+        NpuFtConfig.from_options({"policy": "eager"})
+    assert str(raised.value) == (
+        "ftengine.policy: unknown policy 'eager': expected one of 'auto', 'orchestrator'"
+    )
+    assert isinstance(raised.value.__cause__, ConfigError)
 
 
 def test_ftengine_must_be_an_object() -> None:

@@ -1,4 +1,4 @@
-"""Decisions, the policy algebra and the name registry."""
+"""Decisions and the policy algebra (the name registry: ``test_policies_registry``)."""
 
 from __future__ import annotations
 
@@ -12,19 +12,16 @@ from ftengine.errors import ConfigError
 from ftengine.faults import Fault, FaultKind, Phase
 from ftengine.policies import (
     AllOf,
-    AutoRecovery,
     Decision,
     FirstOf,
     FromCallable,
     GiveUp,
     MaxAttempts,
     NotAPolicyError,
-    OrchestratorDriven,
     Retry,
     ScaleDown,
     WaitForOrchestrator,
     as_policy,
-    by_name,
     decide,
     describe,
     merge,
@@ -141,18 +138,3 @@ def test_describe_is_short_text() -> None:
     assert describe(Retry(0.5)) == "retry after 0.5s"
     assert describe(ScaleDown({3, 1})) == "scale down ranks [1, 3]"
     assert describe(GiveUp("why")) == "give up: why"
-
-
-def test_registry_builds_policies_by_name() -> None:
-    assert by_name("orchestrator") == OrchestratorDriven()
-    assert by_name("orchestrator", recovery_timeout=30.0) == OrchestratorDriven(30.0)
-    assert by_name("auto", max_attempts=5) == AutoRecovery(max_attempts=5)
-
-
-def test_registry_errors_name_the_choices() -> None:
-    with pytest.raises(ConfigError, match="unknown policy 'magic': expected one of 'auto', "):
-        by_name("magic")
-    with pytest.raises(ConfigError, match="does not take parameters"):
-        by_name("auto", recovery_timeout=3.0)
-    with pytest.raises(ConfigError, match="recovery_timeout must be finite seconds > 0"):
-        by_name("orchestrator", recovery_timeout=0)

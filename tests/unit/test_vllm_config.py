@@ -12,8 +12,9 @@ from typing import Any
 
 import pytest
 
+from ftengine.faults import FaultKind
 from ftengine.integrations.vllm.config import VllmConfigError, VllmFtSettings
-from ftengine.policies import OrchestratorDriven
+from ftengine.policies import AutoRecovery, Deployment, OrchestratorDriven, by_name
 from tests.unit.test_vllm_standin import ModelConfig
 
 config = pytest.importorskip("vllm.config", reason="vllm is not installed")
@@ -54,6 +55,9 @@ def test_auto_policy_falls_back_to_waiting_for_the_orchestrator() -> None:
     s = settings({"ftengine": {"policy": "auto"}}, recovery=45)
     assert s.policy == "auto"
     assert "OrchestratorDriven(recovery_timeout=45.0)" in repr(s.build_policy())
+    local = frozenset({FaultKind.TRANSIENT, FaultKind.DEVICE_ERROR})
+    assert s.build_policy() == AutoRecovery(retry_kinds=local) | OrchestratorDriven(45.0)
+    assert s.build_policy() == by_name("auto", deployment=Deployment(recovery_timeout=45.0))
 
 
 def test_fault_tolerance_off_is_reported() -> None:

@@ -11,8 +11,8 @@ from typing import Protocol
 
 import torch
 
-from ftengine.backends.base import Backend, RepairReport
-from ftengine.faults import Fault
+from ftengine.backends.base import Backend
+from ftengine.backends.delegating import DelegatingBackend
 from ftengine.placement.ranks import dp_to_ep_ranks
 
 
@@ -24,11 +24,11 @@ class WorkerSteps(Protocol):
     def rebuild_dp_group(self, alive_dp_ranks: frozenset[int], epoch: int) -> None: ...
 
 
-class VllmWorkerBackend:
+class VllmWorkerBackend(DelegatingBackend):
     """``device`` plus ``steps``: after the device masks ranks, the all2all manager gets the
     dead EP ranks and ``mask`` (the device's mask tensor, e.g. the NPU ``elastic_info``);
     after the device rebuilds its groups, the worker's DP group is rebuilt. Ranks are
-    original DP ranks; ``tp_size`` maps them to EP ranks."""
+    original DP ranks; ``tp_size`` maps them to EP ranks. Every other call is the device's."""
 
     def __init__(
         self,
@@ -38,34 +38,15 @@ class VllmWorkerBackend:
         tp_size: int = 1,
         mask: torch.Tensor | None = None,
     ) -> None:
-        self.device = device
+        super().__init__(device)
         self.steps = steps
         self.tp_size = tp_size
         self.mask = mask
-        self.name = device.name
-
-    def set_op_timeout(self, seconds: float) -> None:
-        self.device.set_op_timeout(seconds)
-
-    def quarantine(self, fault: Fault) -> None:
-        self.device.quarantine(fault)
-
-    def reset_device(self) -> None:
-        self.device.reset_device()
 
     def rebuild_groups(self, alive_ranks: frozenset[int], epoch: int) -> None:
-        self.device.rebuild_groups(alive_ranks, epoch)
+        super().rebuild_groups(alive_ranks, epoch)
         self.steps.rebuild_dp_group(alive_ranks, epoch)
 
     def mask_ranks(self, dead_ranks: frozenset[int]) -> None:
-        self.device.mask_ranks(dead_ranks)
+        super().mask_ranks(dead_ranks)
         self.steps.mask_all2all(dp_to_ep_ranks(dead_ranks, self.tp_size), self.mask)
-
-    def repair_experts(self, dead_ranks: frozenset[int]) -> RepairReport:
-        return self.device.repair_experts(dead_ranks)
-
-    def run_dummy_batch(self) -> None:
-        self.device.run_dummy_batch()
-
-    def synchronize(self) -> None:
-        self.device.synchronize()

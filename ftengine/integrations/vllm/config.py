@@ -17,11 +17,10 @@ from collections.abc import Mapping
 
 import attrs
 
-from ftengine.backends.npu_config import FTENGINE_KEY, NpuFtConfig
+from ftengine.backends.npu_config import FTENGINE_KEY, NpuFtConfig, ftengine_options
 from ftengine.errors import ConfigError
-from ftengine.faults import FaultKind
 from ftengine.integrations.vllm.shapes import VllmConfigLike
-from ftengine.policies import AutoRecovery, OrchestratorDriven, Policy
+from ftengine.policies import Deployment, Policy, by_name
 
 FT_CONFIG_FLAG = "--fault-tolerance-config"
 CPU_TIMEOUT_FLAG = "--cpu-distributed-timeout-seconds"
@@ -52,13 +51,10 @@ def _additional(vllm_config: VllmConfigLike) -> tuple[Mapping[str, object], Mapp
             f"Invalid {ADDITIONAL_FLAG}: expected a JSON object such as "
             f'\'{{"{FTENGINE_KEY}": {{"policy": "auto"}}}}\', found {type(raw).__name__}'
         )
-    sub = additional.get(FTENGINE_KEY, {})
-    if not isinstance(sub, Mapping):
-        raise VllmConfigError(
-            f"Invalid {ADDITIONAL_FLAG}: {FTENGINE_KEY} must be a JSON object such as "
-            f'{{"policy": "auto"}}, found {sub!r}'
-        )
-    return additional, sub
+    try:
+        return additional, ftengine_options(additional)
+    except ConfigError as exc:
+        raise VllmConfigError(f"Invalid {ADDITIONAL_FLAG}: {exc}") from exc
 
 
 @attrs.frozen
@@ -67,7 +63,7 @@ class VllmFtSettings:
 
     ``enabled``: ``--enable-fault-tolerance``. ``npu``: the NPU backend's options with the
     recovery and CPU-group timeouts resolved (seconds; ``cpu_distributed_timeout_s`` None =
-    torch's default). ``policy``: "orchestrator" or "auto".
+    torch's default). ``policy``: a registered policy name ("orchestrator" or "auto").
     """
 
     enabled: bool
@@ -113,11 +109,6 @@ class VllmFtSettings:
         return cls(enabled=enabled, npu=npu)
 
     def build_policy(self) -> Policy:
-        """``orchestrator``: wait ``recovery_timeout_s`` for a command (vLLM's behaviour).
-        ``auto``: retry local faults, scale down confirmed dead peers, else wait likewise."""
-        wait = OrchestratorDriven(recovery_timeout=self.recovery_timeout_s)
-        if self.policy == "auto":
-            local = frozenset({FaultKind.TRANSIENT, FaultKind.DEVICE_ERROR})
-            auto = AutoRecovery(retry_kinds=local)
-            return auto | wait
-        return wait
+        """The registry's ``policy`` as a deployed worker runs it, waiting up to
+        ``recovery_timeout_s`` for a command (see :class:`~ftengine.policies.Deployment`)."""
+        return by_name(self.policy, deployment=Deployment(recovery_timeout=self.recovery_timeout_s))
