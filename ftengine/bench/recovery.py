@@ -1,11 +1,12 @@
 """Recovery benchmark on the CPU cluster: SIGKILL/SIGSTOP detection, scale-down interruption
 vs a full restart (warm and cold page cache), retry time, FT overhead against the same
 checkpoint on a fault-tolerance-off cluster, and expert reloads, measured side by side on one
-checkpoint. Prints one JSON object; ``--plot`` draws tokens/s with fault and recovery marks."""
+checkpoint. Prints one JSON object; with ``plot`` it draws tokens/s with fault and recovery
+marks (``ftengine bench recovery``)."""
 
 from __future__ import annotations
 
-import argparse
+import contextlib
 import json
 import logging
 import time
@@ -15,12 +16,12 @@ from typing import Any
 
 import attrs
 
-from ftengine.cli.options import at_least
-from ftengine.control import launch
-from ftengine.control.bench_overhead import interleaved_rounds
-from ftengine.control.bench_plot import Mark, plot_throughput
-from ftengine.control.bench_trials import (
-    BenchCluster,
+from ftengine.bench.overhead import interleaved_rounds
+from ftengine.bench.plot import Mark, plot_throughput
+from ftengine.bench.prompts import prompts_for
+from ftengine.bench.protocol import BenchCluster, ConfigFor
+from ftengine.bench.traffic import TrafficStream
+from ftengine.bench.trials import (
     Restart,
     Trial,
     TrialPlan,
@@ -29,15 +30,8 @@ from ftengine.control.bench_trials import (
     summary,
     timed_restart,
 )
-from ftengine.control.scenario import serving_waiter
-from ftengine.control.traffic import TrafficStream
+from ftengine.bench.waits import serving_waiter
 
-BENCH = "recovery"
-# About 600 MB of bf16 weights (experts dominate), so that reloading experts costs real I/O.
-# Many small experts (moe_intermediate < hidden), as in Qwen3-MoE and DeepSeek, rather than a
-# few large ones: a decode step streams one expert's weights per (token, expert) pair, so the
-# expert size, not the checkpoint size, sets the step time.
-BENCH_SIZE = launch.CheckpointSize(layers=4, experts=64, hidden=1024, intermediate=384, vocab=512)
 CHAIN_VICTIMS = (1, 3, 2)  # rank 3 holds the last copies of rank 1's experts: 2nd kill reloads
 CHECK_TOKENS = 4
 FT_OFF_NOTE = (
@@ -48,40 +42,23 @@ FT_OFF_NOTE = (
 logger = logging.getLogger(__name__)
 
 
-def register(parser: argparse.ArgumentParser) -> None:
-    """Add ``bench recovery``'s flags."""
-    parser.add_argument("--json", action="store_true", help="(always JSON; kept for symmetry)")
-    parser.add_argument("--plot", type=Path, default=None, help="write a tokens/s PNG here")
-    parser.add_argument(
-        "--kill-trials",
-        type=at_least(
-            2, "the last trial of each launch only measures detection, so one scale-down needs two"
-        ),
-        default=10,
-        help="SIGKILL trials (>= 2)",
-    )
-    parser.add_argument("--stop-trials", type=at_least(1), default=10, help="SIGSTOP trials (>= 1)")
-    parser.add_argument(
-        "--overhead-rounds",
-        type=at_least(1),
-        default=16,
-        help="FT on/off rounds (each launch once)",
-    )
-    parser.add_argument(
-        "--overhead-tokens", type=at_least(1), default=8, help="decode steps per round"
-    )
-    parser.add_argument(
-        "--overhead-launches",
-        type=at_least(1),
-        default=2,
-        help="cluster launches per side (FT on, FT off) for the overhead rounds; each "
-        "launch of the default checkpoint holds about 3.5 GB",
-    )
-    parser.add_argument(
-        "--settle", type=float, default=1.0, help="seconds of steady traffic before each fault"
-    )
-    launch.add_run_args(parser, BENCH_SIZE)
-    parser.set_defaults(func=run)
+@attrs.frozen
+class RecoveryOptions:
+    """What the benchmark's flags ask for: trial counts (each launch runs up to
+    ``len(CHAIN_VICTIMS)`` trials of one kind), FT-overhead rounds, decode steps per round
+    and launches per side, ``settle`` seconds of steady traffic before each fault, and the
+    cluster's DP size, op timeout and heartbeat (seconds, reported beside the results)."""
+
+    kill_trials: int = 10
+    stop_trials: int = 10
+    overhead_rounds: int = 16
+    overhead_tokens: int = 8
+    overhead_launches: int = 2
+    settle: float = 1.0
+    dp_size: int = 4
+    op_timeout: float = 2.0
+    heartbeat: float = 0.25
+    plot: Path | None = None
 
 
 def _chains(kills: int, stops: int) -> list[list[str]]:
@@ -96,12 +73,13 @@ def _chains(kills: int, stops: int) -> list[list[str]]:
 class _Bench:
     """State shared by the steps of one benchmark run."""
 
-    def __init__(self, args: argparse.Namespace, checkpoint: Path) -> None:
+    def __init__(self, options: RecoveryOptions, checkpoint: Path, config: ConfigFor) -> None:
         from ftengine.cluster import compare_outputs, reference_generate
 
-        self.args = args
+        self.options = options
         self.checkpoint = checkpoint
-        self.prompts = launch.prompts_for(checkpoint, 8)
+        self.config = config
+        self.prompts = prompts_for(checkpoint, 8)
         self.reference = reference_generate(checkpoint, self.prompts, CHECK_TOKENS)
         self.first_tokens = [list(g.token_ids[:1]) for g in self.reference]
         self.compare: Callable[..., Any] = compare_outputs
@@ -120,7 +98,7 @@ class _Bench:
         from ftengine.cluster import Cluster
 
         def start() -> BenchCluster:
-            return Cluster.launch(launch.cluster_config(self.args, self.checkpoint, **overrides))
+            return Cluster.launch(self.config(self.checkpoint, **overrides))
 
         cluster, restart = timed_restart(start, self.prompts[0], self.checkpoint, cold=cold)
         if sample and overrides.get("fault_tolerance", True):
@@ -147,11 +125,11 @@ class _Bench:
 
     def chain(self, cluster: BenchCluster, kinds: Sequence[str], stream: TrafficStream) -> None:
         removed: frozenset[int] = frozenset()
-        timeout = self.args.op_timeout + 30.0
+        timeout = self.options.op_timeout + 30.0
         for index, kind in enumerate(kinds):
             victim = CHAIN_VICTIMS[index]
             plan = TrialPlan(kind, victim, removed, index < len(kinds) - 1, timeout)
-            time.sleep(self.args.settle)  # steady traffic before the fault, for the plot
+            time.sleep(self.options.settle)  # steady traffic before the fault, for the plot
             trial = run_trial(cluster, stream, plan, lambda: self.outputs_match(cluster))
             self.trials.append(trial)
             self._mark(trial)
@@ -167,11 +145,11 @@ class _Bench:
 
 
 def _overhead(bench: _Bench, on: BenchCluster) -> dict[str, object]:
-    """Step time of ``on`` and ``--overhead-launches - 1`` more FT-on launches against as
+    """Step time of ``on`` and ``overhead_launches - 1`` more FT-on launches against as
     many FT-off launches on the same checkpoint, in interleaved rounds
-    (``ftengine.control.bench_overhead``); the extra launches are not restart samples."""
-    args = bench.args
-    launches = args.overhead_launches
+    (``ftengine.bench.overhead``); the extra launches are not restart samples."""
+    options = bench.options
+    launches = options.overhead_launches
     extra: list[BenchCluster] = []
     try:
         for _ in range(launches):
@@ -180,7 +158,7 @@ def _overhead(bench: _Bench, on: BenchCluster) -> dict[str, object]:
             extra.append(bench.start_cluster(sample=False))
         offs, ons = extra[:launches], [on, *extra[launches:]]
         rounds = interleaved_rounds(
-            ons, offs, bench.prompts, args.overhead_tokens, args.overhead_rounds
+            ons, offs, bench.prompts, options.overhead_tokens, options.overhead_rounds
         )
     finally:
         for cluster in extra:
@@ -191,8 +169,8 @@ def _overhead(bench: _Bench, on: BenchCluster) -> dict[str, object]:
 def _first_launch(bench: _Bench, kinds: Sequence[str]) -> dict[str, Any]:
     """Launch A: FT overhead, then an injected transient fault and retry, then a trial chain;
     its traffic is the one plotted."""
-    args = bench.args
-    steps_before = 1 + (args.overhead_rounds + 1) * args.overhead_tokens
+    options = bench.options
+    steps_before = 1 + (options.overhead_rounds + 1) * options.overhead_tokens
     inject = f"rank=0,step={steps_before + 10},kind=raise"
     cluster = bench.start_cluster(inject_fault=inject)
     try:
@@ -218,7 +196,7 @@ def _result(
     overhead = {k: v for k, v in measured.items() if k.startswith(("ft_", "step_time_"))}
     return {
         "checkpoint_mb": round(size_mb, 1),
-        "dp_size": bench.args.dp_size,
+        "dp_size": bench.options.dp_size,
         **_detection(bench),
         **_interruption(bench),
         "retry_s": measured.get("retry_s"),
@@ -235,8 +213,8 @@ def _detection(bench: _Bench) -> dict[str, Any]:
     return {
         "sigkill_detect_s": summary([t.detect_s for t in bench.trials if t.kind == "sigkill"]),
         "sigstop_detect_s": summary([t.detect_s for t in bench.trials if t.kind == "sigstop"]),
-        "op_timeout_s": bench.args.op_timeout,
-        "heartbeat_s": bench.args.heartbeat,
+        "op_timeout_s": bench.options.op_timeout,
+        "heartbeat_s": bench.options.heartbeat,
     }
 
 
@@ -292,14 +270,17 @@ def _trial_fields(trial: Trial) -> dict[str, object]:
     return fields
 
 
-def run(args: argparse.Namespace) -> int:
-    """Run every measurement and print the JSON object."""
+def run_recovery(
+    options: RecoveryOptions, checkpoint: contextlib.AbstractContextManager[Path], config: ConfigFor
+) -> int:
+    """Enter ``checkpoint`` (made or reused), run every measurement on clusters from
+    ``config`` and print the JSON object; 0 only if every output matched the reference."""
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(message)s")
     start = time.monotonic()
-    chains = _chains(args.kill_trials, args.stop_trials)
-    with launch.run_checkpoint(args) as checkpoint:
-        size_mb = sum(f.stat().st_size for f in checkpoint.iterdir()) / 1e6
-        bench = _Bench(args, checkpoint)
+    chains = _chains(options.kill_trials, options.stop_trials)
+    with checkpoint as path:
+        size_mb = sum(f.stat().st_size for f in path.iterdir()) / 1e6
+        bench = _Bench(options, path, config)
         measured = _first_launch(bench, chains[0])
         for index, kinds in enumerate(chains[1:]):
             # Every other launch is cold: a restart after a real fault reads its weights from disk.
@@ -311,8 +292,8 @@ def run(args: argparse.Namespace) -> int:
                 stream.stop()
                 cluster.shutdown()
     result = _result(bench, measured, size_mb, time.monotonic() - start)
-    if args.plot is not None:
-        result["plot"] = str(_plot(bench, measured["plot_samples"], args.plot))
+    if options.plot is not None:
+        result["plot"] = str(_plot(bench, measured["plot_samples"], options.plot))
     print(json.dumps(result, indent=None), flush=True)
     return 0 if result["outputs_match"] else 1
 
@@ -323,7 +304,7 @@ def _plot(bench: _Bench, samples: Sequence[Any], path: Path) -> Path:
     marks = [m for m in bench.marks if begin <= m.at <= end]
     pauses = [(a, b) for a, b in bench.pauses if begin <= a <= end]
     title = (
-        f"DP={bench.args.dp_size} CPU cluster: injected fault + retry, then SIGKILL/SIGSTOP "
+        f"DP={bench.options.dp_size} CPU cluster: injected fault + retry, then SIGKILL/SIGSTOP "
         "trials with scale-down (orchestrator acting at once)"
     )
     return plot_throughput(samples, marks, path, start=begin, end=end, title=title, pauses=pauses)

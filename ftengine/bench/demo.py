@@ -1,9 +1,9 @@
-"""Run the main job end to end: SIGKILL a rank of a DP=4 CPU cluster under traffic and watch
-it recover (scale down), checked against a fault-free reference. Exits 0 only if all held."""
+"""The demo: SIGKILL a rank of a CPU cluster under traffic and watch it recover (scale down),
+checked against a fault-free reference; shown as a live table on a terminal, as timestamped
+lines, or as one JSON object (``ftengine demo [--plain | --json]``)."""
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import json
 import logging
@@ -15,36 +15,37 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import attrs
 from rich.console import Console
 from rich.table import Table
 
-from ftengine.control import launch
-from ftengine.control.live import NullReporter, PlainReporter, Reporter, RichReporter, Watcher
-from ftengine.control.scenario import SCENARIO, ScenarioResult, ScenarioSettings, run_scenario
+from ftengine.bench.live import NullReporter, PlainReporter, Reporter, RichReporter, Watcher
+from ftengine.bench.prompts import prompts_for
+from ftengine.bench.protocol import ConfigFor
+from ftengine.bench.scenario import SCENARIO, ScenarioResult, ScenarioSettings, run_scenario
 from ftengine.errors import FTEngineError
 
-COMMAND = "demo"
-DEMO_SIZE = launch.CheckpointSize(layers=2, experts=8, hidden=64, intermediate=64, vocab=256)
+
+@attrs.frozen
+class DemoOptions:
+    """What the demo's flags ask for: ``victim`` is the DP rank SIGKILLed, ``prompts`` the
+    number of fixed prompts, ``json`` one JSON object only, ``plain`` timestamped lines
+    instead of a live table; ``policy`` and ``dp_size`` are the cluster's."""
+
+    victim: int = 3
+    prompts: int = 4
+    max_tokens: int = 8
+    policy: str = "orchestrator"
+    dp_size: int = 4
+    json: bool = False
+    plain: bool = False
 
 
-def register(parser: argparse.ArgumentParser) -> None:
-    """Add ``demo``'s flags."""
-    parser.add_argument("--json", action="store_true", help="print one JSON object only")
-    parser.add_argument("--victim", type=int, default=3, help="DP rank to SIGKILL")
-    parser.add_argument("--prompts", type=int, default=4, help="number of fixed prompts")
-    parser.add_argument("--max-tokens", type=int, default=8, help="tokens generated per prompt")
-    parser.add_argument(
-        "--plain", action="store_true", help="timestamped lines instead of a live table"
-    )
-    launch.add_run_args(parser, DEMO_SIZE)
-    parser.set_defaults(func=run)
-
-
-def _reporter(args: argparse.Namespace, t0: float) -> Reporter:
-    if args.json:
+def _reporter(options: DemoOptions, t0: float) -> Reporter:
+    if options.json:
         return NullReporter()
     console = Console()
-    if console.is_terminal and not args.plain:
+    if console.is_terminal and not options.plain:
         return RichReporter(console, t0)
     return PlainReporter(sys.stdout, t0)
 
@@ -67,25 +68,28 @@ def _worker_stderr(path: Path, redirect: bool) -> Iterator[None]:
         os.close(saved)
 
 
-def run(args: argparse.Namespace) -> int:
-    """Make a checkpoint, compute the reference, launch, run the scenario, report."""
+def run_demo(
+    options: DemoOptions, checkpoint: contextlib.AbstractContextManager[Path], config: ConfigFor
+) -> int:
+    """Enter ``checkpoint`` (made or reused), compute the reference, launch a cluster from
+    ``config``, run the scenario and report; 0 only if every check held."""
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(message)s")
     t0 = time.monotonic()
-    reporter = _reporter(args, t0)
+    reporter = _reporter(options, t0)
     try:
-        with launch.run_checkpoint(args) as checkpoint:
-            result, launch_s = _run_on(args, checkpoint, reporter, t0)
+        with checkpoint as path:
+            result, launch_s = _run_on(options, path, config, reporter, t0)
     except FTEngineError as exc:
         reporter.close()
         error = f"{type(exc).__name__}: {exc}"
-        if args.json:
+        if options.json:
             print(json.dumps({"scenario": SCENARIO, "ok": False, "error": error}), flush=True)
         else:
             print(f"ftengine demo: FAIL: {error}", file=sys.stderr)
         return 1
     timings = {**result.timings, "launch_s": launch_s, "total_s": time.monotonic() - t0}
     report = {**result.to_dict(), "timings": timings}
-    if args.json:
+    if options.json:
         print(json.dumps(report), flush=True)
     else:
         _print_summary(result, report)
@@ -93,28 +97,28 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _run_on(
-    args: argparse.Namespace, checkpoint: Path, reporter: Reporter, t0: float
+    options: DemoOptions, checkpoint: Path, config: ConfigFor, reporter: Reporter, t0: float
 ) -> tuple[ScenarioResult, float]:
     """Reference, launch, scenario on ``checkpoint``; returns (result, launch seconds)."""
     from ftengine.cluster import Cluster, compare_outputs, reference_generate
 
-    prompts = launch.prompts_for(checkpoint, args.prompts)
+    prompts = prompts_for(checkpoint, options.prompts)
     reporter.note(time.monotonic(), f"checkpoint ready: {checkpoint}")
-    reference = reference_generate(checkpoint, prompts, args.max_tokens)
+    reference = reference_generate(checkpoint, prompts, options.max_tokens)
     reporter.note(time.monotonic(), f"reference computed for {len(prompts)} prompts")
     start = time.monotonic()
     rich = isinstance(reporter, RichReporter)
     log = Path(tempfile.gettempdir()) / f"ftengine-demo-workers-{os.getpid()}.log"
     with _worker_stderr(log, rich):
-        cluster = Cluster.launch(launch.cluster_config(args, checkpoint))
+        cluster = Cluster.launch(config(checkpoint))
     launch_s = time.monotonic() - start
-    reporter.note(time.monotonic(), f"cluster of {args.dp_size} workers up ({args.policy})")
+    reporter.note(time.monotonic(), f"cluster of {options.dp_size} workers up ({options.policy})")
     if rich:
         reporter.note(time.monotonic(), f"worker logs: {log}")
     watcher = Watcher(cluster, reporter).start()
     try:
         settings = ScenarioSettings(
-            victim=args.victim, policy=args.policy, max_tokens=args.max_tokens
+            victim=options.victim, policy=options.policy, max_tokens=options.max_tokens
         )
         result = run_scenario(
             cluster, prompts, reference, settings=settings, reporter=reporter,

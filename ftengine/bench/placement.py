@@ -1,6 +1,8 @@
-"""Placement benchmark: every issue-3 target, measured, printed as one JSON object.
+"""Placement benchmark: plan + apply time, elastic_info rebuild time, balancedness against
+reloads and failure-aware zero-reload fractions, each beside its target, as one JSON object.
 
-Run: ``.venv/bin/python bench/bench_placement.py`` (a minute or two on 2 busy cores).
+Run: ``ftengine bench placement`` or ``python bench/bench_placement.py`` (a minute or two
+on 2 busy cores).
 Each target is ``{"value", "target", "met"}``; ``environment`` says how busy the host was.
 """
 
@@ -147,7 +149,7 @@ def _row(table: object, kind: str) -> dict[str, float]:
     return {key: float(value) for key, value in row.items()}
 
 
-def main() -> int:
+def run_placement() -> int:
     """Run every benchmark and print one JSON object."""
     report = {
         "environment": {
@@ -164,7 +166,3 @@ def main() -> int:
     json.dump(report, sys.stdout)
     print()
     return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())
