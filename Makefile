@@ -17,7 +17,7 @@ $(VENV)/.base:
 	touch $@
 
 $(VENV)/.deps: $(VENV)/.base pyproject.toml
-	$(PIP) install --quiet -e '.[dev]' --config-settings editable_mode=strict
+	$(PIP) install --quiet -e '.[dev,bench]' --config-settings editable_mode=strict
 	touch $@
 
 # The published vLLM wheel (no deps) plus the pure-Python packages its fault-tolerance

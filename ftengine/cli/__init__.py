@@ -3,6 +3,11 @@
 Every module in this package that defines ``COMMAND`` (a subcommand name) and
 ``register(parser)`` becomes ``ftengine COMMAND``; modules that define ``BENCH``
 become ``ftengine bench BENCH``. Each registered parser sets ``func`` (args -> exit code).
+
+Building the parser imports every module here, so none imports ``ftengine.bench`` at module
+level: ``demo`` and the benches import it inside their ``run``, under
+:func:`ftengine.cli.extras.bench_extra`, and the other commands work without the ``bench``
+extra.
 """
 
 from __future__ import annotations

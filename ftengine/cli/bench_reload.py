@@ -11,18 +11,19 @@ import json
 import sys
 import tempfile
 from pathlib import Path
-from typing import Any, get_args
-
-from rich.console import Console
-from rich.table import Table
+from typing import TYPE_CHECKING, Any, get_args
 
 from ftengine.cli.checkpoint import phase_progress
+from ftengine.cli.extras import bench_extra
 from ftengine.cli.options import options_from_args
 from ftengine.errors import FTEngineError
-from ftengine.weights.bench_measure import Cache
 from ftengine.weights.checkpoint_gen import is_generated_checkpoint, remove_checkpoint
 from ftengine.weights.index import Quant
-from ftengine.weights.reload_bench import BenchSetup, run_bench
+
+if TYPE_CHECKING:
+    from rich.table import Table
+
+    from ftengine.bench.reload_measure import Cache
 
 BENCH = "reload"
 
@@ -61,6 +62,8 @@ def register(parser: argparse.ArgumentParser) -> None:
 
 
 def _table(result: dict[str, Any]) -> Table:
+    from rich.table import Table
+
     table = Table(title="selective expert reload")
     table.add_column("metric")
     table.add_column("value", justify="right")
@@ -81,7 +84,13 @@ def _caches(args: argparse.Namespace) -> tuple[Cache, ...]:
 
 
 def run(args: argparse.Namespace) -> int:
-    """Run the benchmark; print JSON (``--json``) or a table. Exit 0 even if a target is missed."""
+    """Run the benchmark (``ftengine.bench.reload``); print JSON (``--json``) or a table.
+    Exit 0 even if a target is missed."""
+    with bench_extra(f"bench {BENCH}"):
+        from rich.console import Console
+
+        from ftengine.bench.reload import BenchSetup, run_bench
+
     setup = options_from_args(BenchSetup, args, repeat=max(1, args.repeat), caches=_caches(args))
     root = args.checkpoint or default_checkpoint(args.size_mb, args.quant)
     try:

@@ -8,22 +8,15 @@ import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import get_args
+from typing import TYPE_CHECKING, get_args
 
-from rich.console import Console
-from rich.progress import (
-    BarColumn,
-    DownloadColumn,
-    Progress,
-    TaskID,
-    TextColumn,
-    TimeRemainingColumn,
-    TransferSpeedColumn,
-)
-
+from ftengine.cli.extras import missing_extra
 from ftengine.errors import FTEngineError
 from ftengine.weights.checkpoint_gen import make_checkpoint
 from ftengine.weights.index import CheckpointIndex, Quant
+
+if TYPE_CHECKING:
+    from rich.progress import Progress, TaskID
 
 COMMAND = "make-checkpoint"
 
@@ -35,11 +28,41 @@ PhaseProgress = Callable[[str, int, int], None]
 def phase_progress(enabled: bool) -> Iterator[PhaseProgress | None]:
     """A rich progress bar on stderr, one row per phase, fed (phase, bytes done, bytes total).
 
-    Yields None when not ``enabled`` (callers pass ``sys.stderr.isatty()``).
+    Yields None when not ``enabled`` (callers pass ``sys.stderr.isatty()``), and when rich
+    is not installed: it comes with the ``bench`` extra, and ``make-checkpoint`` does its
+    whole job without a bar.
     """
-    if not enabled:
+    try:
+        bar = _progress_bar() if enabled else None
+    except ModuleNotFoundError as exc:
+        if missing_extra(exc) is None:
+            raise
+        bar = None
+    if bar is None:
         yield None
         return
+    with bar as live:
+        tasks: dict[str, TaskID] = {}
+
+        def update(phase: str, done: int, total: int) -> None:
+            if phase not in tasks:
+                tasks[phase] = live.add_task(phase, total=total)
+            live.update(tasks[phase], completed=done, total=total)
+
+        yield update
+
+
+def _progress_bar() -> Progress:
+    from rich.console import Console
+    from rich.progress import (
+        BarColumn,
+        DownloadColumn,
+        Progress,
+        TextColumn,
+        TimeRemainingColumn,
+        TransferSpeedColumn,
+    )
+
     columns = (
         TextColumn("{task.description:<20}"),
         BarColumn(),
@@ -47,15 +70,7 @@ def phase_progress(enabled: bool) -> Iterator[PhaseProgress | None]:
         TransferSpeedColumn(),
         TimeRemainingColumn(),
     )
-    with Progress(*columns, console=Console(stderr=True), transient=True) as bar:
-        tasks: dict[str, TaskID] = {}
-
-        def update(phase: str, done: int, total: int) -> None:
-            if phase not in tasks:
-                tasks[phase] = bar.add_task(phase, total=total)
-            bar.update(tasks[phase], completed=done, total=total)
-
-        yield update
+    return Progress(*columns, console=Console(stderr=True), transient=True)
 
 
 @contextmanager

@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 from types import FrameType
 
-from ftengine.control import launch
+from ftengine.cli import launch
 from ftengine.control.auth import API_KEY_ENV, check_bind
 from ftengine.errors import ConfigError
 

@@ -1,5 +1,5 @@
-"""``ftengine bench recovery`` end to end on a tiny checkpoint: one process, every JSON field
-the issue names, outputs checked after the scale-down, the plot written, two launches per
+"""``ftengine bench recovery`` end to end on a tiny checkpoint: one process, every headline
+JSON field set, outputs checked after the scale-down, the plot written, two launches per
 side in the overhead rounds, and no process of its session left behind."""
 
 from __future__ import annotations

@@ -1,7 +1,8 @@
 """The control API end to end: a real ``ftengine serve`` (uvicorn, loopback, ephemeral port)
-over a real DP=4 CPU cluster, driven purely through HTTP: the seed's two scenarios, auth,
-bad input, /health flipping during recovery and /metrics counters moving. Each server is
-stopped with SIGTERM by pid, and every process it started must be gone afterwards."""
+over a real DP=4 CPU cluster, driven purely through HTTP: injected fault + retry and SIGKILL
++ scale-down, auth, bad input, /health flipping during recovery and /metrics counters moving.
+Each server is stopped with SIGTERM by pid, and every process it started must be gone
+afterwards."""
 
 from __future__ import annotations
 

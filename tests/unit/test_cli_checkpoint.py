@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import json
+import sys
 from pathlib import Path
 
 import pytest
@@ -87,7 +88,7 @@ def test_progress_reaches_the_total(tmp_path: Path) -> None:
 def test_progress_bar_renders_when_enabled(monkeypatch: pytest.MonkeyPatch) -> None:
     sink = io.StringIO()
     monkeypatch.setattr(
-        "ftengine.cli.checkpoint.Console",
+        "rich.console.Console",
         lambda **_: Console(file=sink, force_terminal=True, width=100),
     )
     with phase_progress(True) as update:
@@ -97,3 +98,16 @@ def test_progress_bar_renders_when_enabled(monkeypatch: pytest.MonkeyPatch) -> N
     assert "writing checkpoint" in sink.getvalue()
     with phase_progress(False) as update:
         assert update is None
+
+
+def test_without_rich_there_is_no_bar_and_the_checkpoint_is_still_written(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # rich comes with the 'bench' extra; a None entry makes importing it fail as if absent.
+    for name in ("rich", "rich.console", "rich.progress"):
+        monkeypatch.setitem(sys.modules, name, None)
+    with phase_progress(True) as update:
+        assert update is None
+    monkeypatch.setattr("sys.stderr.isatty", lambda: True)
+    assert main(["make-checkpoint", str(tmp_path / "ck")]) == 0
+    assert json.loads(capsys.readouterr().out)["path"] == str(tmp_path / "ck")

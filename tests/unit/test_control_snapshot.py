@@ -6,10 +6,10 @@ from __future__ import annotations
 import pytest
 
 from ftengine.backends.base import RepairReport
-from ftengine.control.bench_trials import summary
-from ftengine.control.breakdown import breakdown, interruption_s
+from ftengine.bench.breakdown import breakdown, interruption_s
+from ftengine.bench.traffic import Sample, tokens_per_second
+from ftengine.bench.trials import summary
 from ftengine.control.snapshot import ClusterView, EngineView, Episode, StatusShapeError
-from ftengine.control.traffic import Sample, tokens_per_second
 from ftengine.faults import Fault, FaultKind, HealthStatus, Phase
 from ftengine.timeline import TimelineBuilder
 

@@ -5,14 +5,14 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from ftengine.control.launch import (
+from ftengine.bench.prompts import prompts_for
+from ftengine.cli.launch import (
     CheckpointSize,
     add_checkpoint_args,
     add_cluster_args,
     add_run_args,
     checkpoint_dir,
     cluster_config,
-    prompts_for,
     run_checkpoint,
     size_from_args,
 )

@@ -1,15 +1,12 @@
 """Shared command-line plumbing for ``serve``, ``demo`` and ``bench recovery``: checkpoint
-size flags, cluster flags, making (or reusing) a checkpoint, fixed prompts and building a
-ClusterConfig. The commands use :func:`add_run_args`, :func:`run_checkpoint`,
-:func:`prompts_for` and :func:`cluster_config`.
+size flags, cluster flags, making (or reusing) a checkpoint and building a ClusterConfig.
+The commands use :func:`add_run_args`, :func:`run_checkpoint` and :func:`cluster_config`.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
-import json
-import random
 import shutil
 import tempfile
 from collections.abc import Iterator
@@ -107,22 +104,6 @@ def size_from_args(args: argparse.Namespace) -> CheckpointSize:
         quant="w8a8_dynamic" if args.quant == "w8a8_dynamic" else "none",
         seed=args.seed,
     )
-
-
-def fixed_prompts(count: int, vocab: int, seed: int = 1234) -> list[list[int]]:
-    """``count`` reproducible prompts of 3 to 8 token ids below ``vocab``."""
-    rng = random.Random(seed)
-    return [[rng.randrange(vocab) for _ in range(3 + i % 6)] for i in range(count)]
-
-
-def checkpoint_vocab(path: Path) -> int:
-    """The vocabulary size in a checkpoint's ``config.json`` (prompts must stay below it)."""
-    return int(json.loads((path / "config.json").read_text())["vocab_size"])
-
-
-def prompts_for(checkpoint: Path, count: int) -> list[list[int]]:
-    """``count`` reproducible prompts within ``checkpoint``'s vocabulary."""
-    return fixed_prompts(count, checkpoint_vocab(checkpoint))
 
 
 def make_checkpoint_at(path: Path, size: CheckpointSize) -> Path:

@@ -1,4 +1,4 @@
-"""The demo's scenario (issue 5, scenario 2) driven end to end on a live cluster: serve,
+"""The demo's scenario, SIGKILL then scale-down, driven end to end on a live cluster: serve,
 SIGKILL a rank under traffic, see survivors UNHEALTHY and the victim DEAD, have the DEAD
 engine reject retry, scale down, see survivors HEALTHY and answer as the reference does.
 """
@@ -8,42 +8,19 @@ from __future__ import annotations
 import signal
 import time
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, Protocol, runtime_checkable
 
 import attrs
 
-from ftengine.control.breakdown import BreakdownRow, breakdown, interruption_s
-from ftengine.control.live import Reporter, Watchable
+from ftengine.bench.breakdown import BreakdownRow, breakdown, interruption_s
+from ftengine.bench.live import Reporter
+from ftengine.bench.protocol import Compare, GenerationLike, ScenarioCluster, Watchable
+from ftengine.bench.traffic import Sample, TrafficStream
+from ftengine.bench.waits import serving_waiter, wait_until
 from ftengine.control.snapshot import ClusterView, Episode
-from ftengine.control.traffic import Sample, TrafficStream
 from ftengine.errors import FTEngineError
 from ftengine.faults import HealthStatus
 
 SCENARIO = "sigkill-scale-down"
-
-
-class GenerationLike(Protocol):
-    """``ftengine.cluster.Generation``'s fields."""
-
-    @property
-    def token_ids(self) -> tuple[int, ...]: ...
-    @property
-    def final_logits(self) -> tuple[float, ...]: ...
-
-
-class ScenarioCluster(Watchable, Protocol):
-    """The ``Cluster`` API the scenario drives."""
-
-    def apply(self, instruction: str, params: Mapping[str, object], request_id: str) -> Any: ...
-    def generate(self, prompt_token_ids: list[int], max_tokens: int) -> list[int]: ...
-    def generate_batch(
-        self, prompts: Sequence[Sequence[int]], max_tokens: int
-    ) -> Sequence[GenerationLike]: ...
-    def kill(self, rank: int, sig: int = ...) -> None: ...
-
-
-Compare = Callable[..., Any]
-"""``ftengine.cluster.compare_outputs``: returns an object with ``.match`` and ``.to_dict()``."""
 
 
 @attrs.frozen
@@ -116,56 +93,6 @@ class ScenarioResult:
             "outputs": dict(self.outputs),
             "checks": [check.to_dict() for check in self.checks],
         }
-
-
-@runtime_checkable
-class StatusWaitable(Protocol):
-    """A cluster that wakes waiters when its status changes (``Cluster.wait_for``)."""
-
-    def wait_for(
-        self, predicate: Callable[[Mapping[str, Any]], bool], timeout: float
-    ) -> float | None: ...
-
-
-def wait_until(
-    cluster: Watchable, predicate: Callable[[ClusterView], bool], timeout_s: float
-) -> ClusterView | None:
-    """Wait until ``predicate`` holds; the view that satisfied it, or None on timeout.
-
-    Woken by every status change when the cluster offers ``wait_for`` (a fixed poll
-    interval would add up to its length to each recovery the demo and benchmark time);
-    otherwise polls status every 20 ms.
-    """
-    if isinstance(cluster, StatusWaitable):
-        seen: list[ClusterView] = []
-
-        def holds(status: Mapping[str, Any]) -> bool:
-            view = ClusterView.from_status(status)
-            if predicate(view):
-                seen.append(view)
-            return bool(seen)
-
-        cluster.wait_for(holds, timeout_s)
-        return seen[0] if seen else None
-    deadline = time.monotonic() + timeout_s
-    while True:
-        view = ClusterView.from_status(cluster.status())
-        if predicate(view):
-            return view
-        if time.monotonic() >= deadline:
-            return None
-        time.sleep(0.02)
-
-
-def serving(view: ClusterView) -> bool:
-    """Every live engine HEALTHY and every dead one scaled away by all of them."""
-    dead = [engine.id for engine in view.engines if not engine.live]
-    return view.healthy and all(rank in e.removed_ranks for e in view.live for rank in dead)
-
-
-def serving_waiter(cluster: Watchable) -> Callable[[float], bool]:
-    """A ``TrafficStream`` ``ready`` hook: waits up to the given seconds for :func:`serving`."""
-    return lambda timeout_s: wait_until(cluster, serving, timeout_s) is not None
 
 
 class _Run:

@@ -3,7 +3,7 @@
 A checkpoint of about N MB is built (or reused); the placement planner
 (``ftengine.placement``) plans the scale-down from vLLM's default placement after one
 rank dies; the survivor with the most reloads (or the one asked for) is measured. Each
-loader runs in a fresh child process (``bench_measure``) so their memory does not mix,
+loader runs in a fresh child process (``reload_measure``) so their memory does not mix,
 from a cold page cache (as after a real fault) and, for comparison, a warm one.
 """
 
@@ -16,15 +16,15 @@ from typing import Any, Literal
 
 import attrs
 
-from ftengine.errors import ConfigError, PlacementError
-from ftengine.placement import ExpertPlacement, plan_redistribution
-from ftengine.weights.bench_measure import (
+from ftengine.bench.reload_measure import (
     BenchError,
     Cache,
     ChildJob,
     ProgressFn,
     run_child,
 )
+from ftengine.errors import ConfigError, PlacementError
+from ftengine.placement import ExpertPlacement, plan_redistribution
 from ftengine.weights.checkpoint_gen import (
     GENERATOR_KEY,
     ModelShape,
@@ -51,7 +51,8 @@ COLD_CACHED_MAX = 0.05
 
 @attrs.frozen
 class BenchSetup:
-    """What to build and measure; sizes default to the issue's DP=4 scenario.
+    """What to build and measure; sizes default to DP=4 with 64 experts per layer and 32
+    redundant slots, rank 1 lost.
 
     ``worker_rank`` None measures the survivor with the most reloads. ``caches`` are the
     page-cache states measured; the first is the headline, the others are reported beside.
@@ -222,8 +223,8 @@ def _describe(setup: BenchSetup, plan: WorkerPlan, index: CheckpointIndex) -> di
 def _headline(
     common: Mapping[str, Any], head: Mapping[str, Any], speedup_target: float
 ) -> tuple[dict[str, float], dict[str, bool]]:
-    """The issue's byte and memory ratios beside the headline cache state's timing ratios,
-    and whether each target is met."""
+    """The byte and memory ratios beside the headline cache state's timing ratios, and
+    whether each target is met."""
     needed = common["bytes_needed"]
     ratios = {
         "bytes_read_over_needed": _ratio(common["bytes_read"], needed),
@@ -250,7 +251,8 @@ def summarize(
     selective: Mapping[str, Any],
     naive: Mapping[str, Any],
 ) -> dict[str, Any]:
-    """The benchmark's JSON object: measurements, the issue's ratios and whether each is met.
+    """The benchmark's JSON object: measurements, their target ratios and whether each
+    is met.
 
     Headline fields are for the first of ``setup.caches``; each other cache state gets a
     sub-object (e.g. ``warm``) with its times, ratios and timing targets, and ``compare``

@@ -6,7 +6,7 @@ import threading
 
 import pytest
 
-from ftengine.control.traffic import TrafficStream
+from ftengine.bench.traffic import TrafficStream
 from ftengine.errors import BackendError
 
 PROMPTS = [[1, 2], [3]]

@@ -7,9 +7,9 @@ import threading
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from ftengine.control.scenario import serving, serving_waiter, wait_until
+from ftengine.bench.traffic import READY_CHECK_S, TrafficStream
+from ftengine.bench.waits import serving, serving_waiter, wait_until
 from ftengine.control.snapshot import ClusterView
-from ftengine.control.traffic import READY_CHECK_S, TrafficStream
 from ftengine.errors import BackendError
 
 

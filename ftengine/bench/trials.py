@@ -10,28 +10,20 @@ import signal
 import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import Protocol
 
 import attrs
 
-from ftengine.control.scenario import GenerationLike, ScenarioCluster, wait_until
+from ftengine.bench.page_cache import cached_fraction, evict
+from ftengine.bench.protocol import BenchCluster, GenerationLike
+from ftengine.bench.traffic import TrafficStream
+from ftengine.bench.waits import wait_until
 from ftengine.control.snapshot import ClusterView, Episode
-from ftengine.control.traffic import TrafficStream
 from ftengine.errors import FTEngineError
 from ftengine.faults import HealthStatus
-from ftengine.weights.page_cache import cached_fraction, evict
 
 
 class BenchError(FTEngineError, RuntimeError):
     """A benchmark step did not reach the state it waits for (names what and how long)."""
-
-
-class BenchCluster(ScenarioCluster, Protocol):
-    """The ``Cluster`` API the benchmark drives."""
-
-    def live_ranks(self) -> frozenset[int]: ...
-    def pids(self) -> Mapping[int, int | None]: ...
-    def shutdown(self) -> None: ...
 
 
 @attrs.frozen

@@ -12,14 +12,14 @@ import attrs
 import pytest
 import torch
 
+from ftengine.bench import reload_measure
+from ftengine.bench.peak_rss import PeakRss
+from ftengine.bench.reload import BenchSetup, plan_worker_reload, prepare_checkpoint
+from ftengine.bench.reload_measure import BenchError, ChildJob, run_child
 from ftengine.cli import main
 from ftengine.errors import ConfigError, PlacementError, PreconditionFailed
-from ftengine.weights import bench_measure
-from ftengine.weights.bench_measure import BenchError, ChildJob, run_child
 from ftengine.weights.checkpoint_gen import remove_checkpoint
 from ftengine.weights.index import CheckpointIndex, Quant
-from ftengine.weights.peak_rss import PeakRss
-from ftengine.weights.reload_bench import BenchSetup, plan_worker_reload, prepare_checkpoint
 
 FIELDS = (
     "expert_bytes_total",
@@ -121,12 +121,12 @@ def test_storage_reads_read_exactly_what_they_say(tmp_path: Path) -> None:
     every = list(index.experts.values())
     wanted = every[: len(every) // 3]
     # Small chunks: the runs of one chunk never merge with the next chunk's.
-    assert bench_measure.needed_read(index, wanted, chunk_bytes=1) == sum(
+    assert reload_measure.needed_read(index, wanted, chunk_bytes=1) == sum(
         index.info(name).nbytes for name in wanted
     )
-    assert bench_measure.needed_read(index, every) == index.expert_bytes_total
+    assert reload_measure.needed_read(index, every) == index.expert_bytes_total
     sizes = sum(file.stat().st_size for file in index.files)
-    assert bench_measure.stream_read(index.files, chunk_bytes=4096) == sizes
+    assert reload_measure.stream_read(index.files, chunk_bytes=4096) == sizes
 
 
 def test_a_foreign_directory_is_never_overwritten_or_removed(tmp_path: Path) -> None:
@@ -141,7 +141,9 @@ def test_a_foreign_directory_is_never_overwritten_or_removed(tmp_path: Path) -> 
     assert (foreign / "model.safetensors").read_bytes() == b"precious"
 
 
-def test_cli_json_has_every_issue_field(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_cli_json_has_every_measured_and_target_field(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     args = ["--size-mb", "2", "--layers", "1", "--repeat", "1", "--timeout", "120", "--remove"]
     code = main(["bench", "reload", "--json", *args, "--checkpoint", str(tmp_path / "ck")])
     assert code == 0
@@ -203,7 +205,7 @@ def _die_before_reporting(job: ChildJob, conn: Connection) -> None:
 def test_a_child_that_dies_silently_is_a_bench_error(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(bench_measure, "_child", _die_before_reporting)
+    monkeypatch.setattr(reload_measure, "_child", _die_before_reporting)
     job = ChildJob(mode="naive", path=str(tmp_path), layers=1, local_slots=1, initial=(), reload=())
     with pytest.raises(BenchError, match="naive child exited with code 3 before reporting") as err:
         run_child(job, timeout_s=120.0, progress=None)

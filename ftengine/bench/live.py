@@ -6,15 +6,16 @@ rich live table of every engine's phase on a terminal).
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable
 from functools import partial
-from typing import IO, Any, Protocol
+from typing import IO, Protocol
 
 from rich.console import Console, Group
 from rich.live import Live
 from rich.table import Table
 from rich.text import Text
 
+from ftengine.bench.protocol import Watchable
 from ftengine.control.snapshot import ClusterView
 
 PHASE_STYLE = {
@@ -25,40 +26,6 @@ PHASE_STYLE = {
     "scaling_down": "magenta",
     "dead": "bold red",
 }
-
-
-class PhaseEventLike(Protocol):
-    """``ftengine.cluster.protocol.PhaseEvent``'s fields."""
-
-    @property
-    def source(self) -> str: ...
-    @property
-    def dest(self) -> str: ...
-    @property
-    def at(self) -> float: ...
-    @property
-    def reason(self) -> str: ...
-
-
-class EventLike(Protocol):
-    """``ftengine.cluster.ClusterEvent``'s fields."""
-
-    @property
-    def at(self) -> float: ...
-    @property
-    def kind(self) -> str: ...
-    @property
-    def rank(self) -> int | None: ...
-    @property
-    def detail(self) -> str: ...
-
-
-class Watchable(Protocol):
-    """What the watcher reads from a cluster (``ftengine.cluster.Cluster`` has it)."""
-
-    def status(self) -> Mapping[str, Any]: ...
-    def phase_changes(self) -> Mapping[int, Sequence[PhaseEventLike]]: ...
-    def events(self) -> Sequence[EventLike]: ...
 
 
 class Reporter(Protocol):

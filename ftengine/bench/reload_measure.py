@@ -23,10 +23,10 @@ import attrs
 import torch
 from safetensors import safe_open
 
+from ftengine.bench.page_cache import cached_fraction, disk_read_bytes, evict
+from ftengine.bench.peak_rss import PeakRss
 from ftengine.errors import FTEngineError
 from ftengine.weights.index import CheckpointIndex
-from ftengine.weights.page_cache import cached_fraction, disk_read_bytes, evict
-from ftengine.weights.peak_rss import PeakRss
 from ftengine.weights.range_reader import RangeReader
 from ftengine.weights.reload import Assignment, ReloadStats, load_experts_into_slots
 from ftengine.weights.shard_reader import CHUNK_BYTES, chunked
@@ -150,7 +150,7 @@ def naive_reload(
     assignments: Iterable[Assignment],
     progress: Callable[[int, int], None] | None = None,
 ) -> None:
-    """The seed's first version: load every expert to host memory, then pick the needed ones."""
+    """The naive baseline: load every expert to host memory, then pick the needed ones."""
     everything: dict[str, torch.Tensor] = {}
     total, done = index.expert_bytes_total, 0
     for file in sorted(index.files):

@@ -10,9 +10,9 @@ from typing import Any
 
 import pytest
 
-from ftengine.control import bench_trials
-from ftengine.control.bench_overhead import interleaved_rounds
-from ftengine.control.bench_trials import quantile, spread, timed_restart
+from ftengine.bench import trials
+from ftengine.bench.overhead import interleaved_rounds
+from ftengine.bench.trials import quantile, spread, timed_restart
 
 PROMPTS = [[1, 2], [3]]
 
@@ -124,8 +124,8 @@ def test_a_cold_restart_evicts_the_checkpoint_before_launching(
         (tmp_path / name).write_text("x")
     (tmp_path / "subdir").mkdir()
     calls: list[tuple[str, object]] = []
-    monkeypatch.setattr(bench_trials, "evict", lambda files: calls.append(("evict", files)))
-    monkeypatch.setattr(bench_trials, "cached_fraction", lambda files: 0.0)
+    monkeypatch.setattr(trials, "evict", lambda files: calls.append(("evict", files)))
+    monkeypatch.setattr(trials, "cached_fraction", lambda files: 0.0)
     cluster = Timed("on", [], {})
 
     def launch() -> Any:

@@ -8,11 +8,11 @@ from pathlib import Path
 
 import pytest
 
+from ftengine.bench import reload_measure
+from ftengine.bench.page_cache import cached_fraction, disk_read_bytes, evict
+from ftengine.bench.reload import cache_label
+from ftengine.bench.reload_measure import CachePrep
 from ftengine.cli import main
-from ftengine.weights import bench_measure
-from ftengine.weights.bench_measure import CachePrep
-from ftengine.weights.page_cache import cached_fraction, disk_read_bytes, evict
-from ftengine.weights.reload_bench import cache_label
 
 
 def _written(path: Path, mb: int) -> Path:
@@ -69,7 +69,7 @@ def test_cold_prep_evicts_every_shard_before_each_run(
         calls.append(list(paths))
         return evict(paths)
 
-    monkeypatch.setattr(bench_measure, "evict", record)
+    monkeypatch.setattr(reload_measure, "evict", record)
     prep = CachePrep(files, "cold")
     prep()
     prep()
@@ -82,9 +82,9 @@ def test_warm_prep_reads_the_shards_once_and_never_evicts(
 ) -> None:
     files = [_written(tmp_path / "s.safetensors", 1)]
     evict(files)
-    monkeypatch.setattr(bench_measure, "evict", lambda paths: pytest.fail("evicted"))
+    monkeypatch.setattr(reload_measure, "evict", lambda paths: pytest.fail("evicted"))
     warmed: list[list[Path]] = []
-    monkeypatch.setattr(bench_measure, "warm_page_cache", lambda paths: warmed.append(paths))
+    monkeypatch.setattr(reload_measure, "warm_page_cache", lambda paths: warmed.append(paths))
     prep = CachePrep(files, "warm")
     prep()
     prep()

@@ -20,7 +20,8 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 import attrs
 import psutil
 
-from ftengine.control.bench_trials import BenchCluster, quantile, spread, step_time_s
+from ftengine.bench.protocol import BenchCluster
+from ftengine.bench.trials import quantile, spread, step_time_s
 
 
 def cpu_seconds(pids: Iterable[int | None]) -> float:

@@ -1,0 +1,84 @@
+"""The library imports none of the ``bench`` extra's packages (rich, matplotlib, psutil): only
+``ftengine.bench`` does, and the command line reaches it only inside the demo and bench
+commands, where a missing package is named together with the command that installs it."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import tomllib
+
+from ftengine.cli.extras import BENCH_EXTRA
+
+LIBRARY = (
+    "ftengine",
+    "ftengine.engine",
+    "ftengine.sentinel",
+    "ftengine.backends.cpu",
+    "ftengine.cluster",
+    "ftengine.control.app",
+)
+PYPROJECT = Path(__file__).resolve().parents[2] / "pyproject.toml"
+
+
+def _python(code: str) -> subprocess.CompletedProcess[str]:
+    """Run ``code`` in a fresh interpreter (nothing imported yet), capturing its output."""
+    return subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=180, check=False
+    )
+
+
+def _loaded_after(*steps: str) -> list[list[str]]:
+    """The bench extra's packages in ``sys.modules`` after each of ``steps`` (statements run
+    one after the other in one fresh interpreter)."""
+    report = f"print(json.dumps(sorted(m for m in {sorted(BENCH_EXTRA)!r} if m in sys.modules)))"
+    done = _python("\n".join(["import json, sys", *(f"{step}\n{report}" for step in steps)]))
+    assert done.returncode == 0, done.stderr[-3000:]
+    return [json.loads(line) for line in done.stdout.splitlines()[-len(steps) :]]
+
+
+def _names(requirements: list[str]) -> set[str]:
+    return {re.split(r"[<>=!~\[; ]", line, maxsplit=1)[0] for line in requirements}
+
+
+def test_the_extra_is_the_one_pyproject_declares_and_the_core_lacks() -> None:
+    project = tomllib.loads(PYPROJECT.read_text())["project"]
+    assert _names(project["optional-dependencies"]["bench"]) == BENCH_EXTRA
+    assert {"matplotlib", "psutil", "rich"} == BENCH_EXTRA
+    assert not _names(project["dependencies"]) & BENCH_EXTRA
+
+
+def test_the_library_imports_no_package_of_the_bench_extra() -> None:
+    library = "; ".join(f"import {name}" for name in LIBRARY)
+    parser = "from ftengine.cli import build_parser; build_parser()"
+    # The last step shows that the probe sees them once imported: the demo's live view.
+    assert _loaded_after(library, parser, "import ftengine.bench.live") == [[], [], ["rich"]]
+
+
+@pytest.mark.parametrize(
+    ("argv", "missing"),
+    [
+        (["demo", "--json"], "rich"),
+        (["bench", "reload", "--json"], "rich"),
+        (["bench", "recovery", "--plot", "out.png"], "matplotlib"),
+        (["bench", "recovery"], "psutil"),
+    ],
+)
+def test_a_missing_package_is_named_with_the_install_command(argv: list[str], missing: str) -> None:
+    done = _python(
+        "import sys\n"
+        f"sys.modules[{missing!r}] = None  # importing it now fails as if not installed\n"
+        "from ftengine.cli import main\n"
+        f"main({argv!r})\n"
+    )
+    assert done.returncode == 2, done.stderr[-3000:]
+    command = " ".join(argv[:2] if argv[0] == "bench" else argv[:1])
+    assert f"ftengine {command}: needs the 'bench' extra, but {missing!r} is not installed" in (
+        done.stderr
+    )
+    assert "pip install 'ftengine[bench]'" in done.stderr
