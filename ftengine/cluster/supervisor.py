@@ -94,7 +94,7 @@ class Cluster:
         fault = cfg.inject_fault if cfg.inject_fault is not None else FaultSpec.from_env()
         ctx = multiprocessing.get_context("spawn")
         for rank in range(cfg.dp_size):
-            spec = WorkerSpec.for_rank(
+            spec = WorkerSpec.from_config(
                 cfg, rank, store_port=self._store.port, num_redundant=redundant, inject_fault=fault
             )
             parent, child = ctx.Pipe(duplex=True)
