@@ -17,7 +17,8 @@ from ftengine.cluster.reference import (
     compare_outputs,
     reference_generate,
 )
-from ftengine.cluster.supervisor import Cluster, ClusterError
+from ftengine.cluster.roster import ClusterError
+from ftengine.cluster.supervisor import Cluster
 
 __all__ = [
     "INJECT_ENV_VAR",

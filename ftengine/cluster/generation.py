@@ -9,17 +9,15 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
 
 import attrs
 
+from ftengine.cluster.config import ClusterConfig
 from ftengine.cluster.handles import WorkerHandle
 from ftengine.cluster.protocol import PeerFault, StepItem, StepReply, StepRequest
+from ftengine.cluster.roster import Roster
 from ftengine.errors import ConfigError, FTEngineError
 from ftengine.faults import FaultKind, Phase
-
-if TYPE_CHECKING:
-    from ftengine.cluster.supervisor import Cluster
 
 SERVING = (Phase.RUNNING, Phase.HEALTHY)
 # Step errors that only say a peer misbehaved (the rank itself is not the culprit).
@@ -59,10 +57,11 @@ class _Request:
 
 
 class StepRunner:
-    """Runs batches of requests as lockstep steps on a Cluster's live workers."""
+    """Runs batches of requests as lockstep steps on a roster's live workers."""
 
-    def __init__(self, cluster: Cluster) -> None:
-        self._cluster = cluster
+    def __init__(self, roster: Roster, config: ClusterConfig) -> None:
+        self._roster = roster
+        self._config = config
         self._replies: dict[int, dict[int, StepReply]] = {}
         self._next_step = 0
         self._next_request = 0
@@ -74,7 +73,7 @@ class StepRunner:
         return self._next_step
 
     def file_reply(self, reply: StepReply) -> None:
-        """Called by a reader thread (cluster lock held) for each StepReply."""
+        """Called by a reader thread (roster lock held) for each StepReply."""
         waiting = self._replies.get(reply.step)
         if waiting is not None:
             waiting[reply.rank] = reply
@@ -99,15 +98,15 @@ class StepRunner:
         return [Generation(tuple(r.generated), r.logits) for r in requests]
 
     def _serving_workers(self) -> list[WorkerHandle]:
-        with self._cluster.lock:
-            workers = self._cluster.workers()
+        with self._roster.lock:
+            workers = self._roster.workers()
             down = [w.rank for w in workers if not w.alive and not w.removed]
             if down:
                 raise RequestAborted(
                     f"cluster is not serving: engine {down[0]} status is DEAD; "
                     "scale it down (or wait for auto-recovery) first"
                 )
-            live = [w for w in workers if w.live]
+            live = [w for w in workers if w.alive]
             unhealthy = [w for w in live if w.engine_phase() not in SERVING]
             if unhealthy or not live:
                 phases = {w.rank: str(w.status and w.status["phase"]) for w in unhealthy}
@@ -120,7 +119,7 @@ class StepRunner:
     def _step(self, workers: list[WorkerHandle], requests: list[_Request]) -> None:
         step = self._next_step
         self._next_step += 1
-        with self._cluster.lock:
+        with self._roster.lock:
             self._replies[step] = {}
         for worker in workers:
             items = tuple(r.item() for r in requests if r.rank == worker.rank and not r.done)
@@ -142,12 +141,12 @@ class StepRunner:
     def _collect(self, step: int, workers: list[WorkerHandle]) -> dict[int, StepReply]:
         """Wait for every live worker's reply; fence a worker that stays silent once its
         peers have failed (a hung main thread) or past a generous step budget."""
-        cfg = self._cluster.config
+        cfg = self._config
         watch_hung = cfg.fault_tolerance
         budget = 60.0 + 10 * cfg.op_timeout_s
         start = time.monotonic()
         trouble_at: float | None = None
-        with self._cluster.lock:
+        with self._roster.lock:
             while True:
                 got = self._replies[step]
                 pending = [w for w in workers if w.rank not in got and w.alive]
@@ -161,8 +160,8 @@ class StepRunner:
                 late = trouble_at is not None and now > trouble_at + cfg.op_timeout_s + HUNG_GRACE_S
                 if watch_hung and (late or now > start + budget):
                     for w in pending:
-                        self._cluster.fence(w.rank, f"hung: no reply to step {step}")
-                self._cluster.lock.wait(0.05)
+                        self._roster.fence(w.rank, f"hung: no reply to step {step}")
+                self._roster.lock.wait(0.05)
             return self._replies.pop(step)
 
     def _abort(
@@ -174,8 +173,8 @@ class StepRunner:
         requests: list[_Request],
     ) -> None:
         detail = "; ".join(f"rank {rank}: {why}" for rank, why in sorted(failed.items()))
-        self._cluster.record("step_failed", min(failed), f"step {step}: {detail}")
-        if self._cluster.config.fault_tolerance and all(w.alive for w in workers):
+        self._roster.record("step_failed", min(failed), f"step {step}: {detail}")
+        if self._config.fault_tolerance and all(w.alive for w in workers):
             self._announce_transient(step, workers, replies, failed)
         for r in requests:
             self._release.setdefault(r.rank, []).append(r.request_id)

@@ -1,5 +1,6 @@
 """The supervisor's view of one worker process: its pipe, its last reports (status, phase
-changes, the history of its fault episodes), its liveness; and the events the supervisor logs.
+changes, the history of its fault episodes), its lifecycle state (moved only through
+``ftengine.cluster.lifecycle``'s table); and the events the supervisor logs.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from typing import Any
 
 import attrs
 
+from ftengine.cluster.lifecycle import INITIAL, WorkerEvent, WorkerState, next_state
 from ftengine.cluster.protocol import PhaseEvent
 from ftengine.faults import HealthStatus, Phase
 from ftengine.status import EngineStatus
@@ -60,19 +62,16 @@ def describe_exit(exitcode: int | None) -> str:
 
 
 class WorkerHandle:
-    """Supervisor-side state of DP rank ``rank`` (guarded by the cluster's lock)."""
+    """Supervisor-side state of DP rank ``rank`` (guarded by the roster's lock)."""
 
     def __init__(self, rank: int, process: BaseProcess, conn: Connection) -> None:
         self.rank = rank
         self.process = process
         self.conn = conn
         self.pid: int | None = process.pid
-        self.ready = False
-        self.alive = True
+        self._state = INITIAL
         self.exit_info: str | None = None  # why the process is gone
-        self.fenced_for: str | None = None  # set before the supervisor kills it on purpose
-        self.removed = False  # scaled away by a successful scale_down
-        self.retiring = False  # fenced for a scale_down: its exit is not news
+        self.fenced_for: str | None = None  # why the supervisor killed it on purpose
         self.failure: str | None = None  # a WorkerFailed report (start-up or crash)
         self.last_heartbeat = time.monotonic()
         self.status: dict[str, Any] | None = None
@@ -81,6 +80,63 @@ class WorkerHandle:
         # status poller sees each episode's end even when the next one already started.
         self.episodes: dict[int, dict[str, Any]] = {}
         self._send_lock = threading.Lock()
+
+    # -- lifecycle (every move is a row of lifecycle.TABLE) ----------------------------------
+    @property
+    def state(self) -> WorkerState:
+        """Where the worker is in its lifecycle."""
+        return self._state
+
+    @property
+    def alive(self) -> bool:
+        """Process alive (so not scaled away): the rank takes part in steps and commands."""
+        return self._state.alive
+
+    @property
+    def removed(self) -> bool:
+        """Scaled away by a successful scale-down (its process is gone)."""
+        return self._state is WorkerState.REMOVED
+
+    def _move(self, event: WorkerEvent) -> WorkerState:
+        """Fire ``event``; returns the state it left (raises TransitionError off the table)."""
+        before = self._state
+        self._state = next_state(before, event, rank=self.rank)
+        return before
+
+    def mark_ready(self, pid: int) -> None:
+        """File the worker's Ready report (its pid, and a first heartbeat)."""
+        self._move(WorkerEvent.READY)
+        self.pid = pid
+        self.last_heartbeat = time.monotonic()
+
+    def fence(self, reason: str) -> bool:
+        """Mark it fenced as hung; True when the caller must now SIGKILL it (it was serving)."""
+        return self._mark_fenced(WorkerEvent.FENCE, reason)
+
+    def retire(self, reason: str) -> bool:
+        """Mark it fenced for a scale-down, so that its exit is not news; True when the
+        caller must now SIGKILL it (False: already fenced or gone)."""
+        return self._mark_fenced(WorkerEvent.RETIRE, reason)
+
+    def _mark_fenced(self, event: WorkerEvent, reason: str) -> bool:
+        before = self._move(event)
+        # The kill goes out once: when the worker first becomes fenced.
+        kill = not before.fenced and self._state.fenced
+        if kill:
+            self.fenced_for = reason
+        return kill
+
+    def exited(self, info: str | None) -> WorkerState:
+        """File that the process ended (``info``: how); returns the state it left, so the
+        caller can tell news (an alive state) from an exit already filed."""
+        before = self._move(WorkerEvent.EXIT)
+        if before.alive:
+            self.exit_info = info
+        return before
+
+    def remove(self) -> bool:
+        """Mark the gone worker scaled away; True when it was not already."""
+        return self._move(WorkerEvent.REMOVE) is not WorkerState.REMOVED
 
     def send(self, message: object) -> bool:
         """Send to the worker; False when its pipe is closed (the process is gone)."""
@@ -99,11 +155,6 @@ class WorkerHandle:
             self.episodes[timeline["episode"]] = dict(timeline)
             for number in sorted(self.episodes)[:-EPISODE_HISTORY]:
                 del self.episodes[number]
-
-    @property
-    def live(self) -> bool:
-        """Process alive and not scaled away: the rank takes part in steps and commands."""
-        return self.alive and not self.removed
 
     def engine_phase(self) -> Phase | None:
         """The phase the worker last reported (None before its first report)."""

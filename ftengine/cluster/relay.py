@@ -7,25 +7,24 @@ from __future__ import annotations
 
 import time
 from collections.abc import Mapping
-from typing import TYPE_CHECKING
 
+from ftengine.cluster.config import ClusterConfig
 from ftengine.cluster.handles import WorkerHandle
 from ftengine.cluster.protocol import FtCommand, FtReply
+from ftengine.cluster.roster import Roster
 from ftengine.commands import REMOVED_KEY, CommandResult
-
-if TYPE_CHECKING:
-    from ftengine.cluster.supervisor import Cluster
 
 
 class CommandRelay:
-    """Relays ``retry`` / ``scale_down`` to a Cluster's live workers and merges their results."""
+    """Relays ``retry`` / ``scale_down`` to a roster's live workers and merges their results."""
 
-    def __init__(self, cluster: Cluster) -> None:
-        self._cluster = cluster
+    def __init__(self, roster: Roster, config: ClusterConfig) -> None:
+        self._roster = roster
+        self._config = config
         self._replies: dict[str, dict[int, FtReply]] = {}
 
     def file_reply(self, reply: FtReply) -> None:
-        """Called by a reader thread (cluster lock held) for each FtReply."""
+        """Called by a reader thread (roster lock held) for each FtReply."""
         waiting = self._replies.get(reply.request_id)
         if waiting is not None:
             waiting[reply.rank] = reply
@@ -38,9 +37,9 @@ class CommandRelay:
         ``scale_down`` first fences (SIGKILL) removed ranks that are still running, so a
         hung rank can never come back into a group the survivors rebuilt without it.
         """
-        cluster = self._cluster
-        with cluster.lock:
-            dead = [w for w in cluster.workers() if not w.alive and not w.removed]
+        roster = self._roster
+        with roster.lock:
+            dead = [w for w in roster.workers() if not w.alive and not w.removed]
         if instruction == "retry" and dead:
             ranks = [w.rank for w in dead]
             return CommandResult(
@@ -51,32 +50,32 @@ class CommandRelay:
             )
         removed = _removed_ranks(params) if instruction == "scale_down" else frozenset()
         for rank in sorted(removed):
-            if 0 <= rank < cluster.dp_size:
-                cluster.retire(rank, f"removed by scale_down {request_id}")
-        with cluster.lock:
-            targets = [w for w in cluster.workers() if w.live and w.rank not in removed]
+            if 0 <= rank < self._config.dp_size:
+                roster.retire(rank, f"removed by scale_down {request_id}")
+        with roster.lock:
+            targets = [w for w in roster.workers() if w.alive and w.rank not in removed]
             self._replies[request_id] = {}
         for worker in targets:
             worker.send(FtCommand(instruction, dict(params), request_id))
         answers = self._collect(request_id, targets)
         failures = [f"engine {r}: {why}" for r, why in sorted(answers.items()) if why is not None]
         if not failures and instruction == "scale_down":
-            with cluster.lock:
-                for worker in cluster.workers():
+            with roster.lock:
+                for worker in roster.workers():
                     if worker.rank in removed:
-                        worker.removed = True
+                        worker.remove()  # retired above, so its exit is filed
         return CommandResult(request_id, not failures, "; ".join(failures) or None)
 
     def _collect(self, request_id: str, targets: list[WorkerHandle]) -> dict[int, str | None]:
         """Each target's failure reason (None: it succeeded), waiting up to the command timeout."""
-        timeout = self._cluster.config.command_timeout_s
+        timeout = self._config.command_timeout_s
         deadline = time.monotonic() + timeout
-        with self._cluster.lock:
+        with self._roster.lock:
             got = self._replies[request_id]
             while time.monotonic() < deadline:
                 if not [w for w in targets if w.rank not in got and w.alive]:
                     break
-                self._cluster.lock.wait(0.05)
+                self._roster.lock.wait(0.05)
             del self._replies[request_id]
             out: dict[int, str | None] = {}
             for w in targets:

@@ -21,7 +21,6 @@ import threading
 import time
 import traceback
 from multiprocessing.connection import Connection
-from pathlib import Path
 from typing import Any
 
 import attrs
@@ -51,6 +50,7 @@ from ftengine.cluster.protocol import (
     WorkerFailed,
 )
 from ftengine.context import RedundancyFacts
+from ftengine.errors import ConfigError
 from ftengine.sentinel import WorkerSentinel
 from ftengine.status import PhaseChange
 from ftengine.weights.index import CheckpointIndex
@@ -61,28 +61,32 @@ POLL_S = 0.05  # how often the main loop lets the engine run time-driven decisio
 DUMMY_TOKEN = 0
 
 
+def _resolved(
+    instance: object, attribute: attrs.Attribute[ClusterConfig], value: ClusterConfig
+) -> None:
+    if value.num_redundant_experts is None:
+        raise ConfigError(
+            "WorkerSpec.config.num_redundant_experts must be resolved to a count of EPLB "
+            "slots (WorkerSpec.from_config does it), found None"
+        )
+
+
 @attrs.frozen
 class WorkerSpec:
-    """Everything one worker process needs (picklable; sent by the supervisor at spawn)."""
+    """Everything one worker process needs (picklable; sent by the supervisor at spawn).
 
+    The worker reads the cluster's whole ``config`` (so a new ClusterConfig field reaches
+    the workers without being copied by hand), as the supervisor resolved it: the EPLB
+    slot count is known and ``inject_fault`` comes from ``FTENGINE_INJECT_FAULT`` when the
+    config sets none. Timeouts derived from the config are read through its properties.
+    """
+
+    config: ClusterConfig = attrs.field(validator=_resolved)
     rank: int
-    world_size: int
-    store_host: str
     store_port: int
-    checkpoint: Path
-    num_redundant: int
-    policy: str
-    recovery_timeout_s: float
-    op_timeout_s: float
-    rendezvous_timeout_s: float
-    heartbeat_s: float
-    inject_fault: FaultSpec | None
-    torch_threads: int
-    command_adapter: str | None = None
-    fault_tolerance: bool = True
 
     @classmethod
-    def for_rank(
+    def from_config(
         cls,
         config: ClusterConfig,
         rank: int,
@@ -91,24 +95,22 @@ class WorkerSpec:
         num_redundant: int,
         inject_fault: FaultSpec | None,
     ) -> WorkerSpec:
-        """Rank ``rank``'s spec under ``config`` (the store listens on ``store_port``)."""
-        return cls(
-            rank=rank,
-            world_size=config.dp_size,
-            store_host=config.host,
-            store_port=store_port,
-            checkpoint=config.checkpoint,
-            num_redundant=num_redundant,
-            policy=config.policy,
-            recovery_timeout_s=config.recovery_timeout_s,
-            op_timeout_s=config.worker_op_timeout_s,
-            rendezvous_timeout_s=config.rendezvous_timeout_s,
-            heartbeat_s=config.heartbeat_s,
-            inject_fault=inject_fault,
-            torch_threads=config.torch_threads,
-            command_adapter=config.command_adapter,
-            fault_tolerance=config.fault_tolerance,
+        """Rank ``rank``'s spec under ``config`` (the store listens on ``store_port``), with
+        ``num_redundant`` EPLB slots and ``inject_fault`` resolved by the supervisor."""
+        resolved = attrs.evolve(
+            config, num_redundant_experts=num_redundant, inject_fault=inject_fault
         )
+        return cls(resolved, rank, store_port)
+
+    @property
+    def world_size(self) -> int:
+        """DP = EP size of the cluster."""
+        return self.config.dp_size
+
+    @property
+    def num_redundant(self) -> int:
+        """Redundant EPLB slots (never None here: validated at construction)."""
+        return self.config.num_redundant_experts or 0
 
 
 def _cpu_backend(spec: WorkerSpec, index: CheckpointIndex, injector: FaultInjector) -> CpuBackend:
@@ -117,18 +119,18 @@ def _cpu_backend(spec: WorkerSpec, index: CheckpointIndex, injector: FaultInject
         index, rank=spec.rank, world=spec.world_size, num_redundant=spec.num_redundant
     )
     store = TCPStore(
-        spec.store_host,
+        spec.config.host,
         spec.store_port,
         is_master=False,
-        timeout=datetime.timedelta(seconds=spec.rendezvous_timeout_s),
+        timeout=datetime.timedelta(seconds=spec.config.rendezvous_timeout_s),
     )
     return CpuBackend(
         rank=spec.rank,
         world_size=spec.world_size,
         store=store,
         experts=experts,
-        op_timeout_s=spec.op_timeout_s,
-        rendezvous_timeout_s=spec.rendezvous_timeout_s,
+        op_timeout_s=spec.config.worker_op_timeout_s,
+        rendezvous_timeout_s=spec.config.rendezvous_timeout_s,
         reload_fails=injector.reload_due,
     )
 
@@ -140,21 +142,21 @@ class ClusterWorker:
         self.spec = spec
         self.rank = spec.rank
         self.link = link
-        self.injector = FaultInjector(spec.inject_fault, spec.rank)
-        index = CheckpointIndex.open(spec.checkpoint)
+        self.injector = FaultInjector(spec.config.inject_fault, spec.rank)
+        index = CheckpointIndex.open(spec.config.checkpoint)
         self.cfg = ModelConfig.from_hf(index.config)
         self.dense = DenseWeights.load(index.read, self.cfg.num_layers)
         self.backend = _cpu_backend(spec, index, self.injector)
         self.requests: dict[str, RequestState] = {}
         self.sentinel = self._sentinel()
-        self.commands = build_command_adapter(spec.command_adapter, self.sentinel, spec.rank)
+        self.commands = build_command_adapter(spec.config.command_adapter, self.sentinel, spec.rank)
         self._last_status: dict[str, Any] | None = None
         self.backend.rebuild_groups(frozenset(range(spec.world_size)), 0)
 
     def _sentinel(self) -> WorkerSentinel:
         spec, experts = self.spec, self.backend.experts
         sentinel = WorkerSentinel(
-            build_policy(spec.policy, spec.recovery_timeout_s),
+            build_policy(spec.config.policy, spec.config.recovery_timeout_s),
             self.backend,
             self,
             rank=spec.rank,
@@ -184,7 +186,7 @@ class ClusterWorker:
     # -- main loop --------------------------------------------------------------------------
     def serve(self) -> None:
         """Handle supervisor messages until Shutdown or the pipe closes."""
-        conn, ft = self.link.conn, self.spec.fault_tolerance
+        conn, ft = self.link.conn, self.spec.config.fault_tolerance
         while True:
             # FT off: nothing is time-driven, so block until the next message.
             if conn.poll(POLL_S if ft else None):
@@ -202,7 +204,7 @@ class ClusterWorker:
     def _handle(self, message: object) -> None:
         if isinstance(message, StepRequest):
             reply = self._step(message)
-            if self.spec.fault_tolerance:
+            if self.spec.config.fault_tolerance:
                 self.publish_status()
             self.link.send(reply)
         elif isinstance(message, FtCommand):
@@ -221,7 +223,7 @@ class ClusterWorker:
     def _step(self, request: StepRequest) -> StepReply:
         for request_id in request.release:
             self.requests.pop(request_id, None)
-        ft = self.spec.fault_tolerance
+        ft = self.spec.config.fault_tolerance
         if ft and not self.sentinel.serving:
             return StepReply(
                 self.rank,
@@ -307,7 +309,7 @@ def _heartbeats(link: Link, rank: int, every_s: float, stop: threading.Event) ->
 def worker_main(spec: WorkerSpec, conn: Connection) -> None:
     """Process entry point (multiprocessing spawn target)."""
     _die_with_parent()
-    torch.set_num_threads(spec.torch_threads)
+    torch.set_num_threads(spec.config.torch_threads)
     logging.basicConfig(level=os.environ.get("FTENGINE_WORKER_LOG", "WARNING"))
     link = Link(conn)
     try:
@@ -318,9 +320,9 @@ def worker_main(spec: WorkerSpec, conn: Connection) -> None:
     worker.publish_status()
     link.send(Ready(spec.rank, os.getpid()))
     stop = threading.Event()
-    if spec.fault_tolerance:
+    if spec.config.fault_tolerance:
         threading.Thread(
-            target=_heartbeats, args=(link, spec.rank, spec.heartbeat_s, stop), daemon=True
+            target=_heartbeats, args=(link, spec.rank, spec.config.heartbeat_s, stop), daemon=True
         ).start()
     try:
         worker.serve()

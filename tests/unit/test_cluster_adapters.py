@@ -114,18 +114,16 @@ def test_config_refuses_a_malformed_name(spec: str) -> None:
 
 def test_worker_specs_carry_the_adapter_and_the_fault_tolerance_mode() -> None:
     on = ClusterConfig("/tmp/ckpt", op_timeout_s=2.0, command_adapter=f"{HERE}:recording")
-    spec = WorkerSpec.for_rank(on, 3, store_port=1234, num_redundant=8, inject_fault=None)
+    spec = WorkerSpec.from_config(on, 3, store_port=1234, num_redundant=8, inject_fault=None)
     assert (spec.rank, spec.world_size, spec.store_port) == (3, 4, 1234)
-    assert (spec.command_adapter, spec.fault_tolerance, spec.op_timeout_s) == (
-        f"{HERE}:recording",
-        True,
-        2.0,
-    )
+    assert (spec.config.command_adapter, spec.config.fault_tolerance) == (f"{HERE}:recording", True)
+    assert spec.config.worker_op_timeout_s == 2.0
     off = ClusterConfig("/tmp/ckpt", op_timeout_s=2.0, fault_tolerance=False)
-    spec = WorkerSpec.for_rank(off, 0, store_port=1234, num_redundant=8, inject_fault=None)
+    spec = WorkerSpec.from_config(off, 0, store_port=1234, num_redundant=8, inject_fault=None)
     # Without ftengine a gloo op waits torch's default 30 minutes for a peer.
-    assert spec.fault_tolerance is False
-    assert spec.op_timeout_s == spec.rendezvous_timeout_s == TORCH_DEFAULT_TIMEOUT_S == 1800.0
+    assert spec.config.fault_tolerance is False
+    timeouts = (spec.config.worker_op_timeout_s, spec.config.rendezvous_timeout_s)
+    assert timeouts == (TORCH_DEFAULT_TIMEOUT_S, TORCH_DEFAULT_TIMEOUT_S) == (1800.0, 1800.0)
 
 
 def test_the_vllm_factory_runs_commands_through_vllms_message_types() -> None:

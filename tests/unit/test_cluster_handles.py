@@ -55,7 +55,7 @@ def test_status_keeps_every_episode_in_its_last_state() -> None:
 def test_a_dead_worker_reads_dead_and_keeps_its_history() -> None:
     engine, worker = sentinel(rank=1), handle(rank=1)
     two_episodes(engine, worker)
-    worker.alive, worker.exit_info = False, "killed by SIGKILL"
+    worker.exited("killed by SIGKILL")
     status = worker.status_dict()
     assert (status["status"], status["phase"]) == (int(HealthStatus.DEAD), "dead")
     assert status["ft_error"] == "worker process killed by SIGKILL"
