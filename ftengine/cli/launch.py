@@ -15,6 +15,8 @@ from typing import TYPE_CHECKING, Literal
 
 import attrs
 
+from ftengine.policies.registry import POLICY_NAMES
+
 if TYPE_CHECKING:
     from ftengine.cluster.config import ClusterConfig
 
@@ -62,7 +64,7 @@ def add_cluster_args(parser: argparse.ArgumentParser, *, policy: str = "orchestr
     group.add_argument("--dp-size", type=int, default=4, help="DP = EP ranks (worker processes)")
     group.add_argument(
         "--policy",
-        choices=("orchestrator", "auto"),
+        choices=POLICY_NAMES,
         default=policy,
         help="orchestrator: wait for commands (vLLM); auto: recover without commands",
     )

@@ -4,14 +4,12 @@ fault tolerance on or off, and the command adapter its workers answer commands t
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Literal
 
 import attrs
 
 from ftengine.cluster.faults_inject import FaultSpec
 from ftengine.errors import ConfigError
-
-PolicyName = Literal["orchestrator", "auto"]
+from ftengine.policies.registry import POLICY_NAMES, PolicyName
 
 # torch.distributed's default process-group timeout (30 min): what a gloo collective waits
 # for a peer in a cluster without ftengine.
@@ -67,7 +65,7 @@ class ClusterConfig:
     checkpoint: Path = attrs.field(converter=_to_path)
     dp_size: int = attrs.field(default=4, validator=attrs.validators.ge(1))
     policy: PolicyName = attrs.field(
-        default="orchestrator", validator=attrs.validators.in_(("orchestrator", "auto"))
+        default="orchestrator", validator=attrs.validators.in_(POLICY_NAMES)
     )
     op_timeout_s: float = attrs.field(default=5.0, validator=_positive)
     heartbeat_s: float = attrs.field(default=0.25, validator=_positive)
