@@ -16,38 +16,31 @@ from ftengine.errors import CollectiveTimeout, DeviceError, PeerDead
 from ftengine.faults import FaultKind
 
 
+def _case_insensitive(pattern: str | re.Pattern[str]) -> re.Pattern[str]:
+    return pattern if isinstance(pattern, re.Pattern) else re.compile(pattern, re.IGNORECASE)
+
+
 @attrs.frozen
 class MessageFamily:
-    """Library messages that stand for one fault kind; ``pattern`` is searched in the text."""
+    """Library messages that stand for one fault kind; ``pattern`` is searched in the text
+    (a string is compiled case-insensitively)."""
 
     name: str
     kind: FaultKind
-    pattern: re.Pattern[str]
+    pattern: re.Pattern[str] = attrs.field(converter=_case_insensitive)
 
+
+_DEAD, _HUNG = FaultKind.DEAD_PEER, FaultKind.HUNG_PEER
 
 # Tried in order. A closed, reset or refused socket says the peer is gone, a timeout only
 # that it did not answer: where one message says both, the stronger evidence wins.
 MESSAGE_FAMILIES: tuple[MessageFamily, ...] = (
     MessageFamily(
-        "connection closed by peer",
-        FaultKind.DEAD_PEER,
-        re.compile(r"connection closed|closed by peer|peer .*(closed|gone)", re.IGNORECASE),
+        "connection closed by peer", _DEAD, r"connection closed|closed by peer|peer .*(closed|gone)"
     ),
-    MessageFamily(
-        "connection reset / refused",
-        FaultKind.DEAD_PEER,
-        re.compile(r"connection (reset|refused)", re.IGNORECASE),
-    ),
-    MessageFamily(
-        "broken pipe / end of file",
-        FaultKind.DEAD_PEER,
-        re.compile(r"broken pipe|end of file|\bEOF\b", re.IGNORECASE),
-    ),
-    MessageFamily(
-        "timeout",
-        FaultKind.HUNG_PEER,
-        re.compile(r"timed out|timeout|deadline exceeded", re.IGNORECASE),
-    ),
+    MessageFamily("connection reset / refused", _DEAD, r"connection (reset|refused)"),
+    MessageFamily("broken pipe / end of file", _DEAD, r"broken pipe|end of file|\bEOF\b"),
+    MessageFamily("timeout", _HUNG, r"timed out|timeout|deadline exceeded"),
 )
 
 
