@@ -16,7 +16,7 @@ from typing import Protocol
 
 from ftengine.backends.base import Backend, RepairReport
 from ftengine.clock import Clock, MonotonicClock
-from ftengine.collective_errors import classify_exception
+from ftengine.collective_errors import classify_exception as classify_exception  # re-exported
 from ftengine.commands import CommandResult
 from ftengine.context import RedundancyFacts
 from ftengine.engine import RecoveryEngine
