@@ -1,7 +1,7 @@
 """The device backend protocol: what the recovery engine asks a device to do.
 
-Backends only act; they never decide. The engine calls these in a documented
-order (see ``ftengine.engine``); every backend (fake, cpu, npu) passes the same
+Backends only act; they never decide. The engine calls these in the order of its step
+table (``ftengine.recovery.STEPS``); every backend (fake, cpu, npu) passes the same
 conformance suite in ``tests/conformance.py``.
 """
 

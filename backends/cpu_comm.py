@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import datetime
 import logging
-import re
 import threading
 from typing import Any
 
@@ -23,25 +22,25 @@ import torch
 import torch.distributed as dist
 from torch._C._distributed_c10d import PrefixStore, Store
 
+from ftengine.collective_errors import error_text, message_family
 from ftengine.errors import BackendError, CollectiveTimeout, PeerDead, PreconditionFailed
+from ftengine.faults import FaultKind
 
 logger = logging.getLogger(__name__)
-
-_TIMEOUT = re.compile(r"timed out|timeout", re.IGNORECASE)
-_PEER_GONE = re.compile(
-    r"connection (reset|closed|refused)|broken pipe|closed by peer|end of file", re.IGNORECASE
-)
 
 
 def translate_gloo_error(exc: BaseException, what: str) -> BackendError:
     """The typed ftengine error for a gloo failure of collective ``what`` (cause kept by caller).
 
-    Gloo raises a plain RuntimeError, so the message is all there is to go on.
+    Gloo raises a plain RuntimeError, so its message is all there is to go on; it is read
+    with the classifier the sentinel uses (``ftengine.collective_errors``).
     """
-    text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-    if _PEER_GONE.search(text):
+    text = error_text(exc)
+    family = message_family(text)
+    kind = None if family is None else family.kind
+    if kind is FaultKind.DEAD_PEER:
         return PeerDead(f"{what}: a peer closed its connection ({text})")
-    if _TIMEOUT.search(text):
+    if kind is FaultKind.HUNG_PEER:
         return CollectiveTimeout(f"{what}: a peer did not answer in time ({text})")
     return BackendError(f"{what} failed: {text}")
 

@@ -14,17 +14,10 @@ import attrs
 from ftengine.backends.base import RepairReport
 from ftengine.errors import BackendError, CollectiveTimeout, ConfigError, PreconditionFailed
 from ftengine.faults import Fault
+from ftengine.recovery import STEPS
 
-ACTIONS = (
-    "set_op_timeout",
-    "quarantine",
-    "reset_device",
-    "rebuild_groups",
-    "mask_ranks",
-    "repair_experts",
-    "run_dummy_batch",
-    "synchronize",
-)
+# Every Backend method: the engine's steps (from the step table) and the two the host calls.
+ACTIONS = ("set_op_timeout", *(step.action for step in STEPS), "synchronize")
 
 
 @attrs.frozen

@@ -85,7 +85,7 @@ def check_phase(
                 f"recovery; send {instruction} again once it returns"
             )
         return
-    if phase in (Phase.RETRYING, Phase.SCALING_DOWN):
+    if phase.recovering:
         raise CommandRejected(
             f"engine {engine_id} is already recovering (phase {phase.value}); "
             f"send {instruction} again once its status is reported"

@@ -12,8 +12,6 @@ from ftengine.errors import ConfigError
 from ftengine.faults import Fault, Phase
 from ftengine.validators import finite_float, int_at_least, rank_set, to_ranks
 
-_RECOVERING = frozenset({Phase.RETRYING, Phase.SCALING_DOWN})
-
 
 @attrs.frozen
 class RedundancyFacts:
@@ -86,7 +84,7 @@ class RecoveryContext:
     @property
     def in_recovery(self) -> bool:
         """The fault arrived while a retry or a scale-down was running."""
-        return self.phase in _RECOVERING
+        return self.phase.recovering
 
     def redundancy_allows(self, dead_dp_ranks: frozenset[int]) -> bool:
         """Whether the EP group can lose ``dead_dp_ranks`` (cumulative); True when unknown."""

@@ -1,7 +1,10 @@
 """``RecoveryEngine``: sequences one worker's recovery through the FSM table, asking a policy
 what to do and telling a backend to do it. It never decides and never touches a device itself.
 
-Backend order (ranks are original DP ranks, ``epoch`` grows by one on every rebuild):
+Backend order, read from the step table ``ftengine.recovery.STEPS`` (ranks are original DP
+ranks, ``epoch`` grows by one on every rebuild). An action the table does not allow in the
+current phase is refused with ``TransitionError`` before the backend sees it (an engine bug:
+the sequences are read from the same table):
 
 - on a fault while serving: ``quarantine(fault)``, then the policy decides;
 - retry: ``reset_device`` -> ``rebuild_groups(alive, epoch + 1)`` -> ``run_dummy_batch``;
@@ -37,22 +40,21 @@ from ftengine.commands import (
     scale_down_problems,
 )
 from ftengine.context import RecoveryContext, RedundancyFacts
-from ftengine.engine_state import SERVING, EngineState
+from ftengine.engine_state import EngineState, StartedAction
 from ftengine.errors import CommandRejected, ConfigError
-from ftengine.faults import Fault, FaultKind, HealthStatus, Phase
-from ftengine.fsm import RECOVERING, Trigger
+from ftengine.faults import Fault, HealthStatus, Phase, fault_text
+from ftengine.fsm import Trigger
 from ftengine.policies import Decision, GiveUp, Policy, decide, describe
 from ftengine.recovery import (
     ALLOWED_ACTIONS,
     RETRY_ACTIONS,
     SCALE_DOWN_ACTIONS,
-    Pending,
+    Deadline,
+    PendingRetry,
+    PendingScaleDown,
     RecoveryPlan,
-    fault_text,
-    invoke,
 )
 from ftengine.status import EngineStatus, Listener, PhaseChange
-from ftengine.timeline import STEP_OF_ACTION
 
 __all__ = [
     "ALLOWED_ACTIONS",
@@ -93,7 +95,7 @@ class RecoveryEngine:
         self.redundancy = redundancy
         self._lock = threading.RLock()
         self._commands = CommandLog(threading.Condition(self._lock))
-        self._state = EngineState(rank, self.clock, history)
+        self._state = EngineState(rank, world_size, self.clock, history)
 
     # -- read-only views -------------------------------------------------------------------
 
@@ -146,7 +148,7 @@ class RecoveryEngine:
             if not 0 < fault.at <= now:
                 fault = attrs.evolve(fault, at=now)
             self._state.note_fault(fault, phase, now)
-            if phase in SERVING:
+            if phase.serving:
                 self._fault_while_serving(fault, phase, now)
             else:
                 self._fault_while_unhealthy(fault, phase, now)
@@ -168,7 +170,7 @@ class RecoveryEngine:
         self._state.fire(Trigger.FAULT, reason, continues=continues)
         if not continues:
             return
-        if phase in RECOVERING and not self._quarantine(fault):
+        if phase.recovering and not self._quarantine(fault):
             return
         self._state.schedule(decision, now)
 
@@ -196,16 +198,16 @@ class RecoveryEngine:
 
     def _quarantine(self, fault: Fault) -> bool:
         """Run ``backend.quarantine`` (in ``quarantined``); on failure give up. Lock held."""
-        index = self._state.begin_step("quarantine", self._state.current().attempts)
+        started = self._state.quarantine_started(fault)
         try:
-            self.backend.quarantine(fault)
+            started.step.call(self.backend, started.args)
         except Exception as exc:
             logger.exception("engine %d: quarantine failed", self.rank)
             error = f"{type(exc).__name__}: {exc}"
-            self._state.end_step(index, error)
+            self._state.action_finished(started, error=error)
             self._state.fire(Trigger.GIVE_UP, f"quarantine failed ({error})")
             return False
-        self._state.end_step(index)
+        self._state.action_finished(started)
         return True
 
     # -- time ------------------------------------------------------------------------------
@@ -217,12 +219,9 @@ class RecoveryEngine:
         with self._lock:
             if self._expire_deadline():
                 return
-            pending = self._state.pending
-            if pending is None or self.clock.now() < pending.due:
+            pending = self._state.take_due()
+            if pending is None:
                 return
-            if self._state.in_flight is not None:
-                return  # an interrupted run's action is still in the backend: a later poll
-            self._state.pending = None
             plan = self._policy_plan(pending)
         if plan is not None:
             self._run(plan)
@@ -232,14 +231,14 @@ class RecoveryEngine:
         runs this first, so an expired deadline wins over whatever comes after it, polled
         or not. Lock held."""
         pending = self._state.pending  # only ever set in quarantined
-        if pending is None or pending.kind != "deadline" or self.clock.now() < pending.due:
+        if not isinstance(pending, Deadline) or self.clock.now() < pending.due:
             return False
         reason = f"no recovery command before the orchestrator deadline t={pending.due:g}s"
         self._state.fire(Trigger.GIVE_UP, reason)
         return True
 
-    def _policy_plan(self, pending: Pending) -> RecoveryPlan | None:
-        if pending.kind == "retry":
+    def _policy_plan(self, pending: PendingRetry | PendingScaleDown) -> RecoveryPlan | None:
+        if isinstance(pending, PendingRetry):
             return self._start(Command("retry"), "policy retry")
         removed = self._state.removed | pending.ranks
         problems = self._scale_down_problems(removed)
@@ -272,7 +271,7 @@ class RecoveryEngine:
             except CommandRejected as exc:
                 return self._commands.record(CommandResult(request_id, False, exc.reason))
             self._commands.start(request_id)
-            self._state.last_request_id = request_id
+            self._state.command_accepted(request_id)
             plan = self._start(command, f"command {request_id}")
         result = CommandResult(request_id, False, "the recovery was interrupted")
         try:
@@ -308,62 +307,39 @@ class RecoveryEngine:
 
     def _start(self, command: Command, origin: str) -> RecoveryPlan:
         """Enter ``retrying`` / ``scaling_down`` and plan the run. Lock held."""
-        state = self._state
-        retry = command.instruction == "retry"
-        removed = state.removed if retry else command.removed
-        episode = state.current()
-        episode.attempts += 1
-        state.token += 1
-        state.fire(Trigger.RETRY if retry else Trigger.SCALE_DOWN, origin)
-        return RecoveryPlan(
-            token=state.token,
-            phase=state.phase,
-            attempt=episode.attempts,
-            removed=removed,
-            alive=frozenset(range(self.world_size)) - removed,
-            actions=RETRY_ACTIONS if retry else SCALE_DOWN_ACTIONS,
-        )
+        if command.instruction == "retry":
+            return self._state.begin(Trigger.RETRY, self._state.removed, origin)
+        return self._state.begin(Trigger.SCALE_DOWN, command.removed, origin)
 
     def _run(self, plan: RecoveryPlan) -> tuple[bool, str | None]:
-        """Run ``plan``'s actions outside the lock, checking before each that the engine still
+        """Run ``plan``'s steps outside the lock, checking before each that the engine still
         belongs to it. Returns (success, reason)."""
         state = self._state
-        for action in plan.actions:
+        for step in plan.steps:
             with self._lock:
-                if not self._owns(plan):
+                if not state.owns(plan):
                     return False, self._interrupted()
-                if action == "rebuild_groups":
-                    state.epoch += 1
-                index = state.begin_step(STEP_OF_ACTION[action], plan.attempt)
-                epoch = state.epoch
-                state.in_flight = action
+                started = state.action_started(plan, step)
             try:
-                report = self._invoke(action, plan, epoch)
+                report = self._invoke(started)
             except Exception as exc:
                 with self._lock:
-                    return False, self._action_failed(plan, action, index, exc)
+                    return False, self._action_failed(plan, started, exc)
             with self._lock:
-                state.end_step(index)
-                if report is not None:
-                    state.current().log.set_repair(report)
+                state.action_finished(started, report)
         with self._lock:
-            if not self._owns(plan):
+            if not state.owns(plan):
                 return False, self._interrupted()
-            state.removed = plan.removed
-            state.fire(Trigger.RECOVERED, f"{plan.phase.value} succeeded (attempt {plan.attempt})")
-            state.fault_info = None
+            state.complete(plan)
             return True, None
 
-    def _invoke(self, action: str, plan: RecoveryPlan, epoch: int) -> RepairReport | None:
+    def _invoke(self, started: StartedAction) -> RepairReport | None:
         """One backend action, outside the lock; no recovery may start until it is over."""
         try:
-            return invoke(self.backend, action, plan, epoch)
+            return started.step.call(self.backend, started.args)
         finally:
             with self._lock:
-                self._state.in_flight = None
-
-    def _owns(self, plan: RecoveryPlan) -> bool:
-        return self._state.token == plan.token and self._state.phase is plan.phase
+                self._state.action_returned()
 
     def _interrupted(self) -> str:
         return "recovery interrupted by a fault; " + self._health_text()
@@ -374,15 +350,13 @@ class RecoveryEngine:
         why = f": {error}" if phase is Phase.DEAD and error else ""
         return f"engine {self.rank} status is {phase.health.name} (phase {phase.value}){why}"
 
-    def _action_failed(self, plan: RecoveryPlan, action: str, index: int, exc: Exception) -> str:
+    def _action_failed(self, plan: RecoveryPlan, started: StartedAction, exc: Exception) -> str:
         """A recovery action raised: record it and treat it as a fault in the recovery."""
-        error = f"{type(exc).__name__}: {exc}"
-        self._state.end_step(index, error)
+        action, error = started.step.action, f"{type(exc).__name__}: {exc}"
+        self._state.action_finished(started, error=error)
         logger.warning("engine %d: %s failed: %s", self.rank, action, error, exc_info=exc)
-        if not self._owns(plan):
+        if not self._state.owns(plan):
             return self._interrupted()
-        fault = Fault(FaultKind.RECOVERY_ERROR, info=f"{action}: {error}", at=self.clock.now())
-        self._state.ft_error = f"{plan.phase.value} failed at {action}: {error}"
-        self._state.note_fault(fault, plan.phase, fault.at)
+        fault = self._state.fail(plan, started.step, error)
         self._fault_while_unhealthy(fault, plan.phase, fault.at)
         return f"{action} failed ({error}); " + self._health_text()

@@ -1,5 +1,7 @@
 """The recovery engine's books: phase, fault episode, epoch, removed ranks, the pending
-time-driven decision and the status fields, plus the one place a phase change is made.
+time-driven decision and the status fields. The engine changes them only through intent
+methods (a fault noted, a decision kept, a plan begun, an action started / finished, a plan
+completed or failed); ``fire`` is the one place a phase change is made.
 
 Not locked itself: ``RecoveryEngine`` holds its lock around every use.
 """
@@ -9,18 +11,39 @@ from __future__ import annotations
 import logging
 from collections import deque
 
+import attrs
+
+from ftengine.backends.base import RepairReport
 from ftengine.clock import Clock
 from ftengine.episode import Episode
 from ftengine.errors import TransitionError
-from ftengine.faults import Fault, Phase
+from ftengine.faults import Fault, FaultKind, Phase, fault_text
 from ftengine.fsm import RecoveryFSM, Trigger
 from ftengine.policies import Decision, GiveUp, Retry, ScaleDown
-from ftengine.recovery import Pending, fault_text
+from ftengine.recovery import (
+    QUARANTINE,
+    Deadline,
+    Pending,
+    PendingRetry,
+    PendingScaleDown,
+    RecoveryPlan,
+    Step,
+    StepArgs,
+    check_allowed,
+    sequence,
+)
 from ftengine.status import EngineStatus, Listeners, PhaseChange
 
 logger = logging.getLogger(__name__)
 
-SERVING = frozenset({Phase.RUNNING, Phase.HEALTHY})
+
+@attrs.frozen
+class StartedAction:
+    """A backend action under way: its step, the call's arguments and its timeline index."""
+
+    step: Step
+    args: StepArgs
+    index: int
 
 
 class EngineState:
@@ -30,8 +53,28 @@ class EngineState:
     current. ``in_flight`` names the backend action a run has outside the lock, if any.
     """
 
-    def __init__(self, rank: int, clock: Clock, history: int) -> None:
+    __slots__ = (
+        "clock",
+        "episode",
+        "episodes",
+        "epoch",
+        "everyone",
+        "fault_info",
+        "fsm",
+        "ft_error",
+        "history",
+        "in_flight",
+        "last_request_id",
+        "listeners",
+        "pending",
+        "rank",
+        "removed",
+        "token",
+    )
+
+    def __init__(self, rank: int, world_size: int, clock: Clock, history: int) -> None:
         self.rank = rank
+        self.everyone = frozenset(range(world_size))
         self.clock = clock
         self.fsm = RecoveryFSM()
         self.listeners = Listeners()
@@ -73,9 +116,15 @@ class EngineState:
             raise TransitionError("recovery work outside a fault episode (an engine bug)")
         return self.episode
 
+    def owns(self, plan: RecoveryPlan) -> bool:
+        """Whether ``plan``'s run still owns the engine (no fault has taken it over)."""
+        return self.token == plan.token and self.phase is plan.phase
+
+    # -- faults and decisions ----------------------------------------------------------------
+
     def note_fault(self, fault: Fault, phase: Phase, now: float) -> None:
         """Record ``fault``, which arrived in ``phase``: a fault while serving opens an episode."""
-        if phase in SERVING:
+        if phase.serving:
             self.episodes += 1
             self.episode = Episode(self.episodes, fault, now)
             self.ft_error = None
@@ -92,11 +141,26 @@ class EngineState:
     def schedule(self, decision: Decision, now: float) -> None:
         """Keep a policy's decision for ``poll`` (``GiveUp`` is acted on at once, never kept)."""
         if isinstance(decision, Retry):
-            self.pending = Pending("retry", now + decision.after)
+            self.pending = PendingRetry(now + decision.after)
         elif isinstance(decision, ScaleDown):
-            self.pending = Pending("scale_down", now, decision.ranks)
+            self.pending = PendingScaleDown(now, decision.ranks)
         elif not isinstance(decision, GiveUp):
-            self.pending = Pending("deadline", decision.deadline)
+            self.pending = Deadline(decision.deadline)
+
+    def take_due(self) -> PendingRetry | PendingScaleDown | None:
+        """The kept retry or scale-down, taken, once due and no interrupted run's action is
+        still in the backend (a deadline is never taken: it only expires)."""
+        pending = self.pending
+        if pending is None or isinstance(pending, Deadline) or self.clock.now() < pending.due:
+            return None
+        if self.in_flight is not None:
+            return None  # an interrupted run's action is still in the backend: a later poll
+        self.pending = None
+        return pending
+
+    def command_accepted(self, request_id: str) -> None:
+        """An orchestrator command passed validation and is about to run."""
+        self.last_request_id = request_id
 
     def fire(self, trigger: Trigger, reason: str, *, continues: bool = False) -> Phase:
         """Fire ``trigger`` (``continues``: the policy's verdict for a fault) and record the
@@ -117,10 +181,70 @@ class EngineState:
         self.listeners.notify(PhaseChange(source, dest, now, reason, trigger.value, self.epoch))
         return dest
 
-    def begin_step(self, name: str, attempt: int) -> int:
-        """Open timeline step ``name`` now; returns its index for ``end_step``."""
-        return self.current().log.begin_step(name, attempt, self.clock.now())
+    # -- recovery runs -----------------------------------------------------------------------
 
-    def end_step(self, index: int, error: str | None = None) -> None:
-        """Close timeline step ``index`` now, failed with ``error`` if given."""
-        self.current().log.end_step(index, self.clock.now(), error)
+    def begin(self, trigger: Trigger, removed: frozenset[int], origin: str) -> RecoveryPlan:
+        """Start a recovery run towards ``removed`` (cumulative): count the attempt, take a
+        new token, fire ``trigger`` (retry / scale_down) and return the run's plan."""
+        episode = self.current()
+        attempt = episode.start_attempt()
+        self.token += 1
+        phase = self.fire(trigger, origin)
+        return RecoveryPlan(
+            token=self.token,
+            phase=phase,
+            attempt=attempt,
+            removed=removed,
+            alive=self.everyone - removed,
+            fault=episode.last,
+            steps=sequence(phase),
+        )
+
+    def quarantine_started(self, fault: Fault) -> StartedAction:
+        """Start quarantining ``fault``. It runs with the lock held, so it is
+        never ``in_flight``: that names an interrupted run's action, which it may overlap."""
+        check_allowed(QUARANTINE, self.phase)
+        args = StepArgs(fault, self.removed, self.everyone - self.removed, self.epoch)
+        return self._record(QUARANTINE, args, self.current().attempts)
+
+    def action_started(self, plan: RecoveryPlan, step: Step) -> StartedAction:
+        """Start ``plan``'s ``step`` (a new epoch first if it opens one); it is ``in_flight``
+        until ``action_returned``."""
+        check_allowed(step, self.phase)
+        if step.new_epoch:
+            self.epoch += 1
+        started = self._record(step, plan.args(self.epoch), plan.attempt)
+        self.in_flight = step.action
+        return started
+
+    def _record(self, step: Step, args: StepArgs, attempt: int) -> StartedAction:
+        index = self.current().log.begin_step(step.timeline, attempt, self.clock.now())
+        return StartedAction(step, args, index)
+
+    def action_returned(self) -> None:
+        """The backend call is over (returned or raised): a new recovery may start."""
+        self.in_flight = None
+
+    def action_finished(
+        self, started: StartedAction, report: RepairReport | None = None, error: str | None = None
+    ) -> None:
+        """Close ``started``'s timeline step now (failed with ``error``; ``report`` kept)."""
+        episode = self.current()
+        episode.log.end_step(started.index, self.clock.now(), error)
+        if report is not None:
+            episode.log.set_repair(report)
+
+    def complete(self, plan: RecoveryPlan) -> None:
+        """Every step of ``plan`` succeeded: its removed set holds and the engine serves."""
+        self.removed = plan.removed
+        self.fire(Trigger.RECOVERED, f"{plan.phase.value} succeeded (attempt {plan.attempt})")
+        self.fault_info = None
+
+    def fail(self, plan: RecoveryPlan, step: Step, error: str) -> Fault:
+        """``plan``'s ``step`` raised ``error``: record it as a fault of the run's episode and
+        return that fault (the engine asks the policy what next)."""
+        now = self.clock.now()
+        fault = Fault(FaultKind.RECOVERY_ERROR, info=f"{step.action}: {error}", at=now)
+        self.ft_error = f"{plan.phase.value} failed at {step.action}: {error}"
+        self.note_fault(fault, plan.phase, now)
+        return fault

@@ -1,5 +1,6 @@
-"""One fault episode's bookkeeping inside the engine: attempts, confirmed dead ranks, and the
-timeline being written. An episode runs from a fault while serving to healthy or dead."""
+"""One fault episode's bookkeeping inside the engine: attempts, its latest fault, confirmed
+dead ranks, and the timeline being written. An episode runs from a fault while serving to
+healthy or dead."""
 
 from __future__ import annotations
 
@@ -10,18 +11,27 @@ from ftengine.timeline import TimelineBuilder
 class Episode:
     """Mutable; the engine's lock guards it."""
 
+    __slots__ = ("_dead", "attempts", "last", "log", "number", "start")
+
     def __init__(self, number: int, fault: Fault, now: float) -> None:
         self.number = number
         self.start = fault.at
         self.attempts = 0
+        self.last = fault
         self.log = TimelineBuilder(number, fault, now)
         self._dead: set[int] = set()
         self._note_dead(fault)
 
     def add_fault(self, fault: Fault) -> None:
         """Record a later fault of the same episode."""
+        self.last = fault
         self.log.add_fault(fault)
         self._note_dead(fault)
+
+    def start_attempt(self) -> int:
+        """Count one more recovery run; returns its number (1 for the first)."""
+        self.attempts += 1
+        return self.attempts
 
     def dead_ranks(self, removed: frozenset[int]) -> frozenset[int]:
         """Ranks confirmed dead in this episode that are not yet removed."""

@@ -30,6 +30,16 @@ class Phase(str, enum.Enum):
         """The vLLM health value an engine in this phase reports."""
         return _PHASE_HEALTH[self]
 
+    @property
+    def serving(self) -> bool:
+        """Running or healthy: the worker may run real steps (vLLM reports it HEALTHY)."""
+        return self.health is HealthStatus.HEALTHY
+
+    @property
+    def recovering(self) -> bool:
+        """Retrying or scaling down: a recovery run owns the worker."""
+        return self in _RECOVERING
+
 
 _PHASE_HEALTH = {
     Phase.RUNNING: HealthStatus.HEALTHY,
@@ -39,6 +49,7 @@ _PHASE_HEALTH = {
     Phase.SCALING_DOWN: HealthStatus.UNHEALTHY,
     Phase.DEAD: HealthStatus.DEAD,
 }
+_RECOVERING = frozenset({Phase.RETRYING, Phase.SCALING_DOWN})
 
 
 class FaultKind(str, enum.Enum):
@@ -66,3 +77,10 @@ class Fault:
     step: int | None = None
     info: str = ""
     at: float = 0.0
+
+
+def fault_text(fault: Fault) -> str:
+    """``"dead_peer fault on rank 3 (PeerDead)"``, for logs, reasons and policy verdicts."""
+    rank = "" if fault.rank is None else f" on rank {fault.rank}"
+    info = f" ({fault.info})" if fault.info else ""
+    return f"{fault.kind.value} fault{rank}{info}"

@@ -79,7 +79,6 @@ TABLE: tuple[Row, ...] = (
 
 INITIAL = Phase.RUNNING
 TERMINAL = frozenset({Phase.DEAD})
-RECOVERING = frozenset({Phase.RETRYING, Phase.SCALING_DOWN})
 
 
 def successors(phase: Phase) -> frozenset[Phase]:

@@ -11,17 +11,16 @@ owns no threads and knows nothing about any particular cluster.
 from __future__ import annotations
 
 import logging
-import re
 from collections.abc import Callable, Mapping, Sequence
 from typing import Protocol
 
 from ftengine.backends.base import Backend
 from ftengine.backends.delegating import DelegatingBackend
 from ftengine.clock import Clock, MonotonicClock
+from ftengine.collective_errors import classify_exception as classify_exception  # re-exported
 from ftengine.commands import CommandResult
 from ftengine.context import RedundancyFacts
 from ftengine.engine import RecoveryEngine
-from ftengine.errors import CollectiveTimeout, DeviceError, PeerDead
 from ftengine.faults import Fault, FaultKind, HealthStatus, Phase
 from ftengine.policies import Policy
 from ftengine.status import EngineStatus, PhaseChange
@@ -43,36 +42,6 @@ class WorkerHooks(Protocol):
 
     def expert_layers(self) -> Sequence[object]:
         """The host's MoE layers, opaque to the sentinel (a backend may need them)."""
-
-
-# Messages torch/gloo/HCCL put in a plain RuntimeError; used only when the type says nothing.
-_TIMEOUT_TEXT = re.compile(r"timed out|timeout|deadline exceeded", re.IGNORECASE)
-_PEER_GONE_TEXT = re.compile(
-    r"connection (reset|closed|refused)|broken pipe|peer .*(closed|gone)|end of file|EOF",
-    re.IGNORECASE,
-)
-
-
-def classify_exception(exc: BaseException) -> FaultKind:
-    """The fault kind an exception caught on a worker stands for.
-
-    By type first (ftengine's own errors, then the builtin ``TimeoutError`` /
-    ``ConnectionError``); by message only for the plain ``RuntimeError`` that gloo and
-    HCCL raise. Anything else is ``TRANSIENT``: a retry may clear it.
-    """
-    if isinstance(exc, CollectiveTimeout | TimeoutError):
-        return FaultKind.HUNG_PEER
-    if isinstance(exc, PeerDead | ConnectionError):
-        return FaultKind.DEAD_PEER
-    if isinstance(exc, DeviceError):
-        return FaultKind.DEVICE_ERROR
-    if type(exc) is RuntimeError:
-        text = str(exc)
-        if _TIMEOUT_TEXT.search(text):
-            return FaultKind.HUNG_PEER
-        if _PEER_GONE_TEXT.search(text):
-            return FaultKind.DEAD_PEER
-    return FaultKind.TRANSIENT
 
 
 class HostedBackend(DelegatingBackend):
@@ -140,7 +109,7 @@ class WorkerSentinel:
     @property
     def serving(self) -> bool:
         """True while the worker may run real steps (running or healthy)."""
-        return self.engine.phase in (Phase.RUNNING, Phase.HEALTHY)
+        return self.engine.phase.serving
 
     def on_fault(self, exc: BaseException, step: int | None = None) -> Fault:
         """Classify ``exc`` (caught by the host at model ``step``) and report it.

@@ -5,22 +5,20 @@ each with monotonic timestamps (engine clock seconds).
 from __future__ import annotations
 
 from collections.abc import Mapping
+from types import MappingProxyType
 from typing import Any
 
 import attrs
 
+from ftengine import recovery
 from ftengine.backends.base import RepairReport
 from ftengine.faults import Fault, Phase
 
-# Backend action -> timeline step name. ``detect`` is the time from the fault to its report.
-STEP_OF_ACTION = {
-    "quarantine": "quarantine",
-    "reset_device": "device_reset",
-    "mask_ranks": "mask",
-    "rebuild_groups": "comm_rebuild",
-    "repair_experts": "expert_repair",
-    "run_dummy_batch": "validate",
-}
+# Backend action -> timeline step name, from the step table. ``detect`` is the time from the
+# fault to its report.
+STEP_OF_ACTION: Mapping[str, str] = MappingProxyType(
+    {step.action: step.timeline for step in recovery.STEPS}
+)
 STEPS = ("detect", *STEP_OF_ACTION.values())
 
 

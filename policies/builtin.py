@@ -12,7 +12,7 @@ import attrs
 
 from ftengine.context import RecoveryContext
 from ftengine.errors import ConfigError
-from ftengine.faults import FaultKind
+from ftengine.faults import FaultKind, fault_text
 from ftengine.policies.algebra import Composable
 from ftengine.policies.decisions import Decision, GiveUp, Retry, ScaleDown, WaitForOrchestrator
 from ftengine.validators import finite_float, fraction, int_at_least, seconds
@@ -28,15 +28,10 @@ def _fault_kinds(kinds: Iterable[FaultKind]) -> frozenset[FaultKind]:
         raise ConfigError(f"retry_kinds must be fault kinds from {known}, got {kinds!r}") from exc
 
 
-def _fault_text(ctx: RecoveryContext) -> str:
-    fault = ctx.fault
-    where = f" on rank {fault.rank}" if fault.rank is not None else ""
-    info = f" ({fault.info})" if fault.info else ""
-    return f"{fault.kind.value} fault{where}{info}"
-
-
 def _recovery_fault(ctx: RecoveryContext) -> GiveUp:
-    return GiveUp(f"{_fault_text(ctx)} during {ctx.phase.value}: a fault during recovery is fatal")
+    return GiveUp(
+        f"{fault_text(ctx.fault)} during {ctx.phase.value}: a fault during recovery is fatal"
+    )
 
 
 @attrs.frozen
@@ -50,7 +45,7 @@ class OrchestratorDriven(Composable):
 
     def __call__(self, ctx: RecoveryContext, /) -> Decision | None:
         if ctx.fault.kind is FaultKind.SELF_DEAD:
-            return GiveUp(f"{_fault_text(ctx)}: this worker's process is gone")
+            return GiveUp(f"{fault_text(ctx.fault)}: this worker's process is gone")
         if ctx.in_recovery:
             return _recovery_fault(ctx)
         return WaitForOrchestrator(ctx.episode_start + self.recovery_timeout)
@@ -78,11 +73,11 @@ class AutoRecovery(Composable):
     def __call__(self, ctx: RecoveryContext, /) -> Decision | None:
         kind = ctx.fault.kind
         if kind is FaultKind.SELF_DEAD or ctx.rank in ctx.dead_ranks:
-            return GiveUp(f"{_fault_text(ctx)}: this worker's rank {ctx.rank} is dead")
+            return GiveUp(f"{fault_text(ctx.fault)}: this worker's rank {ctx.rank} is dead")
         if ctx.in_recovery and not self.retry_during_recovery:
             return _recovery_fault(ctx)
         if ctx.attempts >= self.max_attempts:
-            return GiveUp(f"{_fault_text(ctx)} after {ctx.attempts} recovery attempts")
+            return GiveUp(f"{fault_text(ctx.fault)} after {ctx.attempts} recovery attempts")
         if ctx.dead_ranks:
             if ctx.redundancy_allows(ctx.removed_ranks | ctx.dead_ranks):
                 return ScaleDown(ctx.dead_ranks)
@@ -101,7 +96,7 @@ class MaxAttempts(Composable):
     def __call__(self, ctx: RecoveryContext, /) -> Decision | None:
         if ctx.attempts >= self.attempts:
             return GiveUp(
-                f"{_fault_text(ctx)} after {ctx.attempts} recovery attempts "
+                f"{fault_text(ctx.fault)} after {ctx.attempts} recovery attempts "
                 f"(MaxAttempts({self.attempts}))"
             )
         return None
@@ -116,7 +111,7 @@ class RecoveryDeadline(Composable):
     def __call__(self, ctx: RecoveryContext, /) -> Decision | None:
         if ctx.elapsed >= self.seconds:
             return GiveUp(
-                f"{_fault_text(ctx)} {ctx.elapsed:g}s into the episode "
+                f"{fault_text(ctx.fault)} {ctx.elapsed:g}s into the episode "
                 f"(RecoveryDeadline({self.seconds:g}))"
             )
         return None

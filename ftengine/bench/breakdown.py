@@ -9,6 +9,7 @@ from collections.abc import Sequence
 import attrs
 
 from ftengine.control.snapshot import Episode
+from ftengine.faults import Phase
 
 # Recovery steps in the order the engine runs them (ftengine.timeline.STEP_OF_ACTION).
 _STEPS = (
@@ -79,7 +80,7 @@ def _decision_at(episodes: Sequence[Episode]) -> float | None:
     """When the last survivor entered its final recovery phase (retrying / scaling_down)."""
     starts = []
     for episode in episodes:
-        actions = [m.at for m in episode.phases if m.dest in ("retrying", "scaling_down")]
+        actions = [m.at for m in episode.phases if Phase(m.dest).recovering]
         if actions:
             starts.append(actions[-1])
     return max(starts) if starts else None

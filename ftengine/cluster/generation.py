@@ -19,7 +19,6 @@ from ftengine.cluster.roster import Roster
 from ftengine.errors import ConfigError, FTEngineError
 from ftengine.faults import FaultKind, Phase
 
-SERVING = (Phase.RUNNING, Phase.HEALTHY)
 # Step errors that only say a peer misbehaved (the rank itself is not the culprit).
 PEER_ERROR_TYPES = frozenset({"PeerDead", "CollectiveTimeout", "NotServing"})
 HUNG_GRACE_S = 2.0  # after a peer's op timeout, how much longer a silent rank may take
@@ -107,7 +106,7 @@ class StepRunner:
                     "scale it down (or wait for auto-recovery) first"
                 )
             live = [w for w in workers if w.alive]
-            unhealthy = [w for w in live if w.engine_phase() not in SERVING]
+            unhealthy = [w for w in live if not _serving(w.engine_phase())]
             if unhealthy or not live:
                 phases = {w.rank: str(w.status and w.status["phase"]) for w in unhealthy}
                 raise RequestAborted(
@@ -215,3 +214,8 @@ def _failure(worker: WorkerHandle, reply: StepReply | None) -> str | None:
     if reply.error is not None:
         return f"{reply.error_type}: {reply.error}"
     return None
+
+
+def _serving(phase: Phase | None) -> bool:
+    """A worker serves once it has reported a serving phase (no report yet: not serving)."""
+    return phase is not None and phase.serving

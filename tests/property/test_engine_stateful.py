@@ -18,9 +18,9 @@ from hypothesis.stateful import (
 
 from ftengine.backends.fake import Call
 from ftengine.context import RecoveryContext, RedundancyFacts
-from ftengine.engine import ALLOWED_ACTIONS, RETRY_ACTIONS, SCALE_DOWN_ACTIONS, CommandResult
+from ftengine.engine import CommandResult
 from ftengine.faults import Fault, FaultKind, Phase
-from ftengine.fsm import RECOVERING, successors
+from ftengine.fsm import successors
 from ftengine.policies import (
     AutoRecovery,
     Decision,
@@ -33,11 +33,19 @@ from ftengine.policies import (
     Retry,
     ScaleDown,
 )
+from ftengine.recovery import (
+    STEP,
+    STEPS,
+    Deadline,
+    Pending,
+    PendingRetry,
+    PendingScaleDown,
+    sequence,
+)
 from tests.engine_support import Rig, make_rig
 
 WORLD, RANK = 4, 0
 REDUNDANCY = RedundancyFacts(ep_size=4, local_slots=4, num_logical=8)  # survives two dead ranks
-SERVING = (Phase.RUNNING, Phase.HEALTHY)
 # name -> (policy, the most recovery attempts one episode may start)
 POLICIES: dict[str, tuple[Policy, int]] = {
     "orchestrator": (OrchestratorDriven(recovery_timeout=10.0), 1),
@@ -66,7 +74,7 @@ class Model:
     episode_start: float = 0.0
     dead: set[int] = attrs.Factory(set)
     history: list[Fault] = attrs.Factory(list)
-    pending: tuple[str, float, frozenset[int]] | None = None
+    pending: Pending | None = None
     armed: set[str] = attrs.Factory(set)
 
     def decide(self, fault: Fault, phase: Phase) -> Decision:
@@ -88,7 +96,7 @@ class Model:
 
     def expire(self) -> None:
         """A passed orchestrator deadline takes effect before any later fault or command."""
-        if self.pending and self.pending[0] == "deadline" and self.now >= self.pending[1]:
+        if isinstance(self.pending, Deadline) and self.now >= self.pending.due:
             self.enter(Phase.DEAD)
 
     def fault(self, fault: Fault) -> None:
@@ -96,12 +104,12 @@ class Model:
         if self.phase is Phase.DEAD:
             return
         source = self.phase
-        if source in SERVING:
+        if source.serving:
             self.attempts, self.dead, self.episode_start = 0, set(), fault.at
         self.history.append(fault)
         if fault.kind is FaultKind.DEAD_PEER and fault.rank is not None:
             self.dead.add(fault.rank)
-        if source in SERVING:
+        if source.serving:
             self.enter(Phase.QUARANTINED)
             if self.quarantine():
                 self.act(self.decide(fault, source))
@@ -111,7 +119,7 @@ class Model:
             self.enter(Phase.DEAD)
             return
         self.enter(Phase.QUARANTINED)
-        if source not in RECOVERING or self.quarantine():
+        if not source.recovering or self.quarantine():
             self.act(decision)
 
     def enter(self, phase: Phase) -> None:
@@ -130,22 +138,24 @@ class Model:
         if isinstance(decision, GiveUp):
             self.enter(Phase.DEAD)
         elif isinstance(decision, Retry):
-            self.pending = ("retry", self.now + decision.after, frozenset())
+            self.pending = PendingRetry(self.now + decision.after)
         elif isinstance(decision, ScaleDown):
-            self.pending = ("scale_down", self.now, decision.ranks)
+            self.pending = PendingScaleDown(self.now, decision.ranks)
         else:
-            self.pending = ("deadline", decision.deadline, frozenset())
+            self.pending = Deadline(decision.deadline)
 
     def poll(self) -> None:
         if self.phase is not Phase.QUARANTINED or self.pending is None:
             return
-        kind, due, ranks = self.pending
-        if self.now < due:
+        pending = self.pending
+        if self.now < pending.due:
             return
-        if kind == "deadline" or (kind == "scale_down" and self.refuses(self.removed | ranks)):
+        if isinstance(pending, PendingRetry):
+            self.run(True, self.removed)
+        elif isinstance(pending, Deadline) or self.refuses(self.removed | pending.ranks):
             self.enter(Phase.DEAD)
         else:
-            self.run(kind == "retry", self.removed | ranks)
+            self.run(False, self.removed | pending.ranks)
 
     def refuses(self, removed: frozenset[int]) -> bool:
         everyone = frozenset(range(WORLD))
@@ -162,13 +172,13 @@ class Model:
         self.attempts += 1
         phase = Phase.RETRYING if retry else Phase.SCALING_DOWN
         self.enter(phase)
-        for action in RETRY_ACTIONS if retry else SCALE_DOWN_ACTIONS:
-            if action == "rebuild_groups":
+        for step in sequence(phase):
+            if step.new_epoch:
                 self.epoch += 1
-            if action in self.armed:
-                self.armed.discard(action)
+            if step.action in self.armed:
+                self.armed.discard(step.action)
                 self.phase = phase
-                self.fault(Fault(FaultKind.RECOVERY_ERROR, info=action, at=self.now))
+                self.fault(Fault(FaultKind.RECOVERY_ERROR, info=step.action, at=self.now))
                 return False
         self.removed = frozenset(removed)
         self.enter(Phase.HEALTHY)
@@ -203,7 +213,7 @@ removed_lists = st.one_of(
     st.lists(st.integers(min_value=0, max_value=WORLD), max_size=3),
     st.integers(min_value=1, max_value=3).map(lambda r: [r]),
 )
-armable = st.sampled_from(["quarantine", *dict.fromkeys(RETRY_ACTIONS + SCALE_DOWN_ACTIONS)])
+armable = st.sampled_from([step.action for step in STEPS])
 
 
 class EngineMachine(RuleBasedStateMachine):
@@ -228,7 +238,8 @@ class EngineMachine(RuleBasedStateMachine):
 
     def check_action(self, call: Call) -> None:
         phase = self.rig.engine.phase
-        if call.name not in ALLOWED_ACTIONS[phase]:
+        step = STEP.get(call.name)  # the engine only ever calls the step table's actions
+        if step is None or phase not in step.runs_in:
             self.misplaced.append((call.name, phase))
 
     def snapshot(self) -> tuple[object, ...]:
@@ -330,7 +341,8 @@ class EngineMachine(RuleBasedStateMachine):
         for _ in range(self.bound + 1):
             self.rig.clock.advance(100.0)
             self.rig.engine.poll()
-        assert self.rig.engine.phase in (Phase.RUNNING, Phase.HEALTHY, Phase.DEAD)
+        phase = self.rig.engine.phase
+        assert phase.serving or phase is Phase.DEAD, phase
         assert not self.misplaced, self.misplaced
 
 

@@ -15,6 +15,7 @@ import attrs
 from ftengine.clock import ManualClock
 from ftengine.errors import BackendError
 from ftengine.faults import Phase
+from ftengine.recovery import sequence
 
 
 @attrs.frozen
@@ -74,8 +75,8 @@ class Jobs:
             job()
 
 
-RETRY_STEPS = ("device_reset", "comm_rebuild", "validate")
-SCALE_DOWN_STEPS = ("mask", "comm_rebuild", "expert_repair", "validate")
+RETRY_STEPS = tuple(step.timeline for step in sequence(Phase.RETRYING))
+SCALE_DOWN_STEPS = tuple(step.timeline for step in sequence(Phase.SCALING_DOWN))
 
 
 class StandInCluster:
@@ -159,7 +160,7 @@ class StandInCluster:
 
     def generate(self, prompt_token_ids: list[int], max_tokens: int) -> list[int]:
         live = self._live()
-        if not live or any(self.phases[r] not in (Phase.RUNNING, Phase.HEALTHY) for r in live):
+        if not live or any(not self.phases[r].serving for r in live):
             raise BackendError("cluster is recovering; no healthy DP rank to serve")
         self.generated.append(list(prompt_token_ids))
         return continuation(prompt_token_ids, max_tokens)
@@ -194,7 +195,7 @@ class StandInCluster:
     def _fault(self, rank: int, kind: str, culprit: int) -> None:
         self.clock.advance(1.0)
         fault = {"kind": kind, "rank": culprit, "step": None, "info": kind, "at": self.clock.now()}
-        if self.phases[rank] in (Phase.RUNNING, Phase.HEALTHY):
+        if self.phases[rank].serving:
             self.episode_count[rank] += 1
             self.episodes[rank] = {
                 "episode": self.episode_count[rank],

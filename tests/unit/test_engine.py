@@ -11,7 +11,7 @@ from ftengine.backends.fake import Call, FakeBackend
 from ftengine.context import RedundancyFacts
 from ftengine.engine import RecoveryEngine
 from ftengine.errors import ConfigError, DeviceError
-from ftengine.faults import Fault, FaultKind, HealthStatus, Phase
+from ftengine.faults import Fault, FaultKind, HealthStatus, Phase, fault_text
 from ftengine.policies import (
     AutoRecovery,
     FlapGuard,
@@ -41,6 +41,11 @@ def test_a_new_engine_serves_with_an_empty_status() -> None:
         "attempts": 0,
         "timeline": None,
     }
+
+
+def test_fault_text_names_kind_rank_and_info() -> None:
+    assert fault_text(dead_peer(3)) == "dead_peer fault on rank 3 (PeerDead)"
+    assert fault_text(Fault(FaultKind.TRANSIENT)) == "transient fault"
 
 
 def test_bad_construction_is_refused() -> None:

@@ -39,6 +39,16 @@ def test_health_follows_vllm_values() -> None:
     assert (HealthStatus.HEALTHY, HealthStatus.DEAD, HealthStatus.UNHEALTHY) == (0, 1, 2)
 
 
+def test_serving_and_recovering_phases() -> None:
+    assert {p for p in Phase if p.serving} == {Phase.RUNNING, Phase.HEALTHY}
+    assert {p for p in Phase if p.recovering} == {Phase.RETRYING, Phase.SCALING_DOWN}
+    # Each recovery phase is entered by its own trigger from quarantined, and left by
+    # ``recovered`` to healthy.
+    for phase in Phase:
+        if phase.recovering:
+            assert Phase.HEALTHY in successors(phase) and Trigger.RECOVERED in triggers_from(phase)
+
+
 def test_dead_has_no_way_out() -> None:
     assert successors(Phase.DEAD) == frozenset()
     assert triggers_from(Phase.DEAD) == frozenset()

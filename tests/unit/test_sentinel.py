@@ -1,4 +1,5 @@
-"""WorkerSentinel: exception classification, host hooks in the recovery order, command relay."""
+"""WorkerSentinel: faults from exceptions, host hooks in the recovery order, command relay
+(the classifier itself is tested in test_collective_errors.py)."""
 
 from __future__ import annotations
 
@@ -10,16 +11,13 @@ from ftengine.clock import ManualClock
 from ftengine.cluster.policies import build_policy
 from ftengine.context import RedundancyFacts
 from ftengine.errors import (
-    BackendError,
     CollectiveTimeout,
     ConfigError,
-    DeviceError,
     PeerDead,
-    WeightLoadError,
 )
 from ftengine.faults import FaultKind, HealthStatus, Phase
 from ftengine.policies import OrchestratorDriven, Policy
-from ftengine.sentinel import HostedBackend, WorkerSentinel, classify_exception
+from ftengine.sentinel import HostedBackend, WorkerSentinel
 from ftengine.status import PhaseChange
 
 
@@ -57,26 +55,6 @@ def make(
         redundancy=RedundancyFacts(ep_size=4, local_slots=4, num_logical=8),
     )
     return sentinel, backend, host
-
-
-@pytest.mark.parametrize(
-    ("exc", "kind"),
-    [
-        (CollectiveTimeout("op timed out"), FaultKind.HUNG_PEER),
-        (TimeoutError("slow"), FaultKind.HUNG_PEER),
-        (PeerDead("closed"), FaultKind.DEAD_PEER),
-        (ConnectionResetError("reset"), FaultKind.DEAD_PEER),
-        (DeviceError("stream poisoned"), FaultKind.DEVICE_ERROR),
-        (RuntimeError("[pair.cc:537] Read error: Connection reset by peer"), FaultKind.DEAD_PEER),
-        (RuntimeError("Timed out waiting 1000ms for recv operation"), FaultKind.HUNG_PEER),
-        (RuntimeError("something else broke"), FaultKind.TRANSIENT),
-        (ValueError("timed out"), FaultKind.TRANSIENT),  # only plain RuntimeError text is read
-        (WeightLoadError("bad tensor"), FaultKind.TRANSIENT),
-        (BackendError("refused"), FaultKind.TRANSIENT),
-    ],
-)
-def test_classify_exception(exc: BaseException, kind: FaultKind) -> None:
-    assert classify_exception(exc) is kind
 
 
 def test_hosted_backend_is_a_backend_named_after_the_device() -> None:
