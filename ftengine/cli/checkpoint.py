@@ -1,4 +1,5 @@
-"""Write a tiny Qwen3-MoE-style safetensors checkpoint (for tests, benchmarks and the demo)."""
+"""Write a Hugging Face Qwen3-MoE checkpoint: config, sharded safetensors, tokenizer (for tests,
+benchmarks and the demo; transformers and vLLM load it as it is)."""
 
 from __future__ import annotations
 
@@ -104,6 +105,16 @@ def register(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--head-dim", type=int, default=None, help="default: hidden / heads")
     parser.add_argument("--top-k", type=int, default=2, help="experts per token")
     parser.add_argument("--fused-gate-up", action="store_true", help="write gate_up_proj")
+    parser.add_argument(
+        "--tie-word-embeddings", action="store_true", help="no lm_head: the head is the embedding"
+    )
+    parser.add_argument(
+        "--norm-topk-prob",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="renormalise the router's top-k weights (default: on)",
+    )
+    parser.add_argument("--rope-theta", type=float, default=1000000.0, help="rotary base")
     parser.add_argument("--manifest", action="store_true", help="write a sha256 manifest")
     parser.add_argument("--overwrite", action="store_true", help="replace an existing one")
     parser.set_defaults(func=run)
@@ -129,6 +140,9 @@ def run(args: argparse.Namespace) -> int:
                 head_dim=args.head_dim,
                 top_k=args.top_k,
                 fused_gate_up=args.fused_gate_up,
+                tie_word_embeddings=args.tie_word_embeddings,
+                norm_topk_prob=args.norm_topk_prob,
+                rope_theta=args.rope_theta,
                 manifest=args.manifest,
                 overwrite=args.overwrite,
                 progress=progress,

@@ -1,85 +1,67 @@
-"""The small Qwen3-MoE-style decoder the CPU cluster serves, written so that its numbers
-do not depend on batching or on which rank hosts an expert.
+"""The Qwen3-MoE decoder the CPU cluster serves, computed as transformers'
+``modeling_qwen3_moe`` defines it and written so that its numbers do not depend on
+batching or on which rank hosts an expert.
 
-Every dense op (embedding, norms, attention, router, head) runs per request on exactly
-the shapes a single-process run uses; experts run one token row at a time and the top-k
-outputs are summed in a fixed k order, all in float32 (``ftengine.backends.cpu_moe``).
-So a distributed run, with any placement and any batch mix, reproduces the single-process
-reference bit for bit on one machine (``reference.LOGITS_ATOL`` only covers BLAS variation).
+Per layer: RMSNorm, attention (q/k/v projections, per-head RMSNorm of q and k over
+head_dim, rotary embedding with transformers' ``rotate_half`` convention, GQA, scaled
+softmax), residual, RMSNorm, a softmax top-k router (renormalised when ``norm_topk_prob``)
+and SiLU-gated experts, residual; then the final norm and the (tied or untied) head.
+Every dense op runs per request on exactly the shapes a single-process run uses; experts
+run one token row at a time and the top-k outputs are summed in a fixed k order, all in
+float32 (``ftengine.backends.cpu_moe``). So a distributed run, with any placement and any
+batch mix, reproduces the single-process reference bit for bit on one machine
+(``reference.LOGITS_ATOL`` only covers BLAS variation).
 """
 
 from __future__ import annotations
 
-import math
-from collections.abc import Callable, Mapping, Sequence
-from typing import Any, Protocol
+from collections.abc import Callable, Sequence
+from typing import Protocol
 
 import attrs
 import torch
+import torch.nn.functional as F
 
-from ftengine.errors import ConfigError
+from ftengine.cluster.model_config import ModelConfig
+from ftengine.weights import hf_names
+
+__all__ = [
+    "DenseWeights",
+    "LayerWeights",
+    "ModelConfig",
+    "MoeLayerFn",
+    "RequestState",
+    "attention",
+    "forward_step",
+    "rms_norm",
+    "rope",
+    "route",
+]
 
 Tensor = torch.Tensor
 
 
-@attrs.frozen
-class ModelConfig:
-    """Model sizes read from a checkpoint's ``config.json`` (HF Qwen3-MoE key names)."""
-
-    hidden: int
-    intermediate: int
-    num_experts: int
-    top_k: int
-    num_layers: int
-    heads: int
-    kv_heads: int
-    head_dim: int
-    vocab: int
-    rms_eps: float = 1e-6
-    rope_theta: float = 10000.0
-
-    @classmethod
-    def from_hf(cls, config: Mapping[str, Any]) -> ModelConfig:
-        """Build from a HF config dict; raises ConfigError naming a missing key."""
-        try:
-            hidden = int(config["hidden_size"])
-            heads = int(config["num_attention_heads"])
-            return cls(
-                hidden=hidden,
-                intermediate=int(config["moe_intermediate_size"]),
-                num_experts=int(config["num_experts"]),
-                top_k=int(config["num_experts_per_tok"]),
-                num_layers=int(config["num_hidden_layers"]),
-                heads=heads,
-                kv_heads=int(config.get("num_key_value_heads", heads)),
-                head_dim=int(config.get("head_dim", hidden // heads)),
-                vocab=int(config["vocab_size"]),
-                rms_eps=float(config.get("rms_norm_eps", 1e-6)),
-                rope_theta=float(config.get("rope_theta", 10000.0)),
-            )
-        except KeyError as exc:
-            raise ConfigError(
-                f"checkpoint config.json lacks {exc.args[0]!r}; expected a Qwen3-MoE style "
-                "config as written by `ftengine make-checkpoint`"
-            ) from exc
-
-
 @attrs.frozen(eq=False)
 class LayerWeights:
-    """One decoder layer's dense weights (float32, HF ``[out, in]`` layout)."""
+    """One decoder layer's dense weights (float32, HF ``[out, in]`` layout).
+
+    Field names are the keys of ``hf_names.LAYER_TENSORS`` (their checkpoint names).
+    """
 
     input_norm: Tensor  # [H]
     q: Tensor  # [heads * head_dim, H]
     k: Tensor  # [kv_heads * head_dim, H]
     v: Tensor  # [kv_heads * head_dim, H]
     o: Tensor  # [H, heads * head_dim]
+    q_norm: Tensor  # [head_dim]
+    k_norm: Tensor  # [head_dim]
     post_norm: Tensor  # [H]
     router: Tensor  # [E, H]
 
 
 @attrs.frozen(eq=False)
 class DenseWeights:
-    """Every non-expert weight of the model (float32)."""
+    """Every non-expert weight of the model (float32); ``lm_head`` is ``embed`` when tied."""
 
     embed: Tensor  # [V, H]
     layers: tuple[LayerWeights, ...]
@@ -87,31 +69,25 @@ class DenseWeights:
     lm_head: Tensor  # [V, H]
 
     @classmethod
-    def load(cls, read: Callable[[str], Tensor], num_layers: int) -> DenseWeights:
+    def load(cls, read: Callable[[str], Tensor], cfg: ModelConfig) -> DenseWeights:
         """Read the dense tensors by HF name through ``read`` (e.g. ``CheckpointIndex.read``)."""
 
         def get(name: str) -> Tensor:
             return read(name).to(torch.float32).contiguous()
 
-        layers = []
-        for layer in range(num_layers):
-            p = f"model.layers.{layer}"
-            layers.append(
-                LayerWeights(
-                    input_norm=get(f"{p}.input_layernorm.weight"),
-                    q=get(f"{p}.self_attn.q_proj.weight"),
-                    k=get(f"{p}.self_attn.k_proj.weight"),
-                    v=get(f"{p}.self_attn.v_proj.weight"),
-                    o=get(f"{p}.self_attn.o_proj.weight"),
-                    post_norm=get(f"{p}.post_attention_layernorm.weight"),
-                    router=get(f"{p}.mlp.gate.weight"),
-                )
-            )
+        def layer(index: int) -> LayerWeights:
+            names = {
+                field: hf_names.layer_tensor_name(index, field) for field in hf_names.LAYER_TENSORS
+            }
+            return LayerWeights(**{field: get(name) for field, name in names.items()})
+
+        layers = tuple(layer(index) for index in range(cfg.num_layers))
+        embed = get(hf_names.EMBED)
         return cls(
-            embed=get("model.embed_tokens.weight"),
-            layers=tuple(layers),
-            final_norm=get("model.norm.weight"),
-            lm_head=get("lm_head.weight"),
+            embed=embed,
+            layers=layers,
+            final_norm=get(hf_names.FINAL_NORM),
+            lm_head=embed if cfg.tie_word_embeddings else get(hf_names.LM_HEAD),
         )
 
 
@@ -138,19 +114,38 @@ class RequestState:
 
 
 def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
-    """RMSNorm over the last dim."""
+    """RMSNorm over the last dim (``Qwen3MoeRMSNorm``: normalise, then scale by ``weight``)."""
     return x * torch.rsqrt(x.pow(2).mean(dim=-1, keepdim=True) + eps) * weight
 
 
-def _rope(x: Tensor, positions: Tensor, theta: float) -> Tensor:
-    """Rotary embedding (half-split) of ``x [T, heads, d]`` at integer ``positions [T]``."""
+def rotate_half(x: Tensor) -> Tensor:
+    """``[x1, x2] -> [-x2, x1]`` over the last dim (transformers' rotary convention)."""
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def rope(x: Tensor, positions: Tensor, theta: float) -> Tensor:
+    """Rotary embedding of ``x [T, heads, d]`` at integer ``positions [T]`` with base ``theta``.
+
+    The same float ops as transformers' default rope: ``inv_freq = 1 / theta^(2i/d)``,
+    angles ``position * inv_freq`` repeated over both halves, ``x cos + rotate_half(x) sin``.
+    """
     d = x.shape[-1]
-    half = d // 2
-    inv = 1.0 / (theta ** (torch.arange(half, dtype=torch.float32) / half))
-    ang = positions.to(torch.float32)[:, None] * inv[None, :]
-    cos, sin = ang.cos()[:, None, :], ang.sin()[:, None, :]
-    x1, x2 = x[..., :half], x[..., half:]
-    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+    inv_freq = 1.0 / (theta ** (torch.arange(0, d, 2, dtype=torch.float32) / d))
+    freqs = positions.to(torch.float32)[:, None] * inv_freq[None, :]
+    emb = torch.cat((freqs, freqs), dim=-1)[:, None, :]  # [T, 1, d]
+    return x * emb.cos() + rotate_half(x) * emb.sin()
+
+
+def _project_qkv(
+    cfg: ModelConfig, w: LayerWeights, h: Tensor, positions: Tensor
+) -> tuple[Tensor, Tensor, Tensor]:
+    """q ``[T, heads, d]``, k and v ``[T, kv_heads, d]``; q and k RMS-normed per head, roped."""
+    t, eps = h.shape[0], cfg.rms_eps
+    q = rms_norm(F.linear(h, w.q).view(t, cfg.heads, cfg.head_dim), w.q_norm, eps)
+    k = rms_norm(F.linear(h, w.k).view(t, cfg.kv_heads, cfg.head_dim), w.k_norm, eps)
+    v = F.linear(h, w.v).view(t, cfg.kv_heads, cfg.head_dim)
+    return rope(q, positions, cfg.rope_theta), rope(k, positions, cfg.rope_theta), v
 
 
 def attention(
@@ -158,11 +153,8 @@ def attention(
 ) -> Tensor:
     """Causal GQA attention of ``h [T, H]`` (new tokens) against the request's KV cache."""
     t = h.shape[0]
-    start = state.num_tokens
-    positions = torch.arange(start, start + t)
-    q = _rope((h @ w.q.T).view(t, cfg.heads, cfg.head_dim), positions, cfg.rope_theta)
-    k = _rope((h @ w.k.T).view(t, cfg.kv_heads, cfg.head_dim), positions, cfg.rope_theta)
-    v = (h @ w.v.T).view(t, cfg.kv_heads, cfg.head_dim)
+    positions = torch.arange(state.num_tokens, state.num_tokens + t)
+    q, k, v = _project_qkv(cfg, w, h, positions)
     if layer < len(state.cache):
         k_old, v_old = state.cache[layer]
         k, v = torch.cat([k_old, k]), torch.cat([v_old, v])
@@ -170,22 +162,28 @@ def attention(
     else:
         state.cache.append((k, v))
     group = cfg.heads // cfg.kv_heads
-    kk = k.repeat_interleave(group, dim=1)  # [S, heads, d]
-    vv = v.repeat_interleave(group, dim=1)
-    scores = torch.einsum("thd,shd->hts", q, kk) / math.sqrt(cfg.head_dim)
-    total = kk.shape[0]
-    allowed = torch.arange(total)[None, :] <= positions[:, None]  # [T, S]
+    kk = k.repeat_interleave(group, dim=1).permute(1, 2, 0)  # [heads, d, S]
+    vv = v.repeat_interleave(group, dim=1).transpose(0, 1)  # [heads, S, d]
+    scores = torch.matmul(q.transpose(0, 1), kk) * cfg.head_dim**-0.5  # [heads, T, S]
+    allowed = torch.arange(kk.shape[-1])[None, :] <= positions[:, None]  # [T, S]
     scores = scores.masked_fill(~allowed[None, :, :], float("-inf"))
-    probs = torch.softmax(scores, dim=-1)
-    out = torch.einsum("hts,shd->thd", probs, vv).reshape(t, cfg.heads * cfg.head_dim)
-    return out @ w.o.T
+    out = torch.matmul(torch.softmax(scores, dim=-1), vv)  # [heads, T, d]
+    return F.linear(out.transpose(0, 1).reshape(t, cfg.heads * cfg.head_dim), w.o)
 
 
-def route(router: Tensor, hidden: Tensor, top_k: int) -> tuple[Tensor, Tensor]:
-    """Top-k softmax routing: ``(ids [T, k] int64, weights [T, k] float32)``, renormalised."""
-    probs = torch.softmax(hidden @ router.T, dim=-1)
+def route(
+    router: Tensor, hidden: Tensor, top_k: int, *, norm_topk_prob: bool
+) -> tuple[Tensor, Tensor]:
+    """Top-k softmax routing: ``(ids [T, k] int64, weights [T, k] float32)``.
+
+    The softmax is over all experts; with ``norm_topk_prob`` the k weights are rescaled to
+    sum to 1 (``Qwen3MoeTopKRouter``).
+    """
+    probs = torch.softmax(F.linear(hidden, router), dim=-1, dtype=torch.float32)
     weights, ids = torch.topk(probs, top_k, dim=-1)
-    return ids, weights / weights.sum(dim=-1, keepdim=True)
+    if norm_topk_prob:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return ids, weights
 
 
 def forward_step(
@@ -212,7 +210,7 @@ def forward_step(
                 cfg, lw, rms_norm(xs[i], lw.input_norm, cfg.rms_eps), state, layer
             )
             n = rms_norm(xs[i], lw.post_norm, cfg.rms_eps)
-            topk, wts = route(lw.router, n, cfg.top_k)
+            topk, wts = route(lw.router, n, cfg.top_k, norm_topk_prob=cfg.norm_topk_prob)
             normed.append(n)
             ids_l.append(topk)
             w_l.append(wts)
@@ -226,5 +224,5 @@ def forward_step(
     for i, (state, ids) in enumerate(batch):
         state.num_tokens += len(ids)
         last = rms_norm(xs[i][-1:], weights.final_norm, cfg.rms_eps)
-        logits.append((last @ weights.lm_head.T)[0])
+        logits.append(F.linear(last, weights.lm_head)[0])
     return logits

@@ -17,9 +17,10 @@ import attrs
 import torch
 
 from ftengine.backends.cpu_moe import LocalMoe
+from ftengine.cluster.checkpoint_check import validate_checkpoint
 from ftengine.cluster.generation import Generation
 from ftengine.cluster.model import DenseWeights, ModelConfig, RequestState, forward_step
-from ftengine.weights.index import CheckpointIndex
+from ftengine.cluster.prompts import Prompt, PromptTokenizer
 from ftengine.weights.reload import load_experts_into_slots
 from ftengine.weights.slots import ExpertSlots
 
@@ -60,16 +61,18 @@ def _one_thread() -> Iterator[None]:
 
 
 def reference_generate(
-    checkpoint: str | Path, prompts: Sequence[Sequence[int]], max_tokens: int
+    checkpoint: str | Path, prompts: Sequence[Prompt], max_tokens: int
 ) -> list[Generation]:
     """Greedy-generate ``max_tokens`` tokens per prompt in this process, with no faults.
 
-    Steps exactly as the cluster does: all prompts prefilled in step 0, then one token
-    per request per step.
+    Prompts are token ids or text (tokenised as the cluster does). Steps exactly as the
+    cluster does: all prompts prefilled in step 0, then one token per request per step
+    (no stop at the end-of-sequence token, like the cluster).
     """
-    index = CheckpointIndex.open(checkpoint)
+    index = validate_checkpoint(checkpoint)
+    token_ids = PromptTokenizer(checkpoint).encode_all(prompts)
     cfg = ModelConfig.from_hf(index.config)
-    dense = DenseWeights.load(index.read, cfg.num_layers)
+    dense = DenseWeights.load(index.read, cfg)
     slots = ExpertSlots.allocate(index, cfg.num_layers, cfg.num_experts)
     load_experts_into_slots(
         index,
@@ -82,9 +85,7 @@ def reference_generate(
     final: list[tuple[float, ...]] = [() for _ in prompts]
     with _one_thread():
         for _ in range(max_tokens):
-            feed = [
-                tuple(p) if not g else (g[-1],) for p, g in zip(prompts, generated, strict=True)
-            ]
+            feed = [p if not g else (g[-1],) for p, g in zip(token_ids, generated, strict=True)]
             logits = forward_step(cfg, dense, list(zip(states, feed, strict=True)), moe)
             for i, row in enumerate(logits):
                 generated[i].append(int(torch.argmax(row)))

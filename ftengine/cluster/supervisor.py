@@ -22,11 +22,13 @@ from typing import Any
 from torch._C._distributed_c10d import TCPStore
 
 from ftengine.cluster.adapters import resolve_adapter_factory
+from ftengine.cluster.checkpoint_check import validate_checkpoint
 from ftengine.cluster.config import ClusterConfig
 from ftengine.cluster.faults_inject import FaultSpec
 from ftengine.cluster.generation import Generation, StepRunner
 from ftengine.cluster.handles import ClusterEvent, WorkerHandle, signal_pid
 from ftengine.cluster.lifecycle import WorkerState
+from ftengine.cluster.prompts import Prompt, PromptTokenizer
 from ftengine.cluster.protocol import (
     FtReply,
     Heartbeat,
@@ -66,6 +68,7 @@ class Cluster:
         self._relay = CommandRelay(self._roster, config)
         self._watch = ExitWatch(self._roster, config)
         self._threads: list[threading.Thread] = []
+        self._prompts = PromptTokenizer(config.checkpoint)
 
     # -- launch -------------------------------------------------------------------------
     @classmethod
@@ -74,6 +77,7 @@ class Cluster:
         if config.command_adapter is not None:
             # A bad adapter name fails here, once, rather than in every worker.
             resolve_adapter_factory(config.command_adapter)
+        validate_checkpoint(config.checkpoint)  # a bad checkpoint fails here, before any worker
         cluster = cls(config)
         # The roster, not the cluster, is what the finalizer holds on to.
         weakref.finalize(cluster, cluster._roster.kill_all)
@@ -227,18 +231,20 @@ class Cluster:
                 self._roster.lock.wait(min(left, 0.05))
         return time.monotonic() - start
 
-    def generate(self, prompt_token_ids: list[int], max_tokens: int) -> list[int]:
+    def generate(self, prompt_token_ids: Prompt, max_tokens: int) -> list[int]:
         """Greedy generation on a live DP rank; returns the ``max_tokens`` new token ids.
 
+        The prompt is token ids or text (tokenised with the checkpoint's tokenizer).
         Raises RequestAborted when the cluster is not serving or a fault hits the request.
         """
         return list(self.generate_batch([prompt_token_ids], max_tokens)[0].token_ids)
 
-    def generate_batch(self, prompts: Sequence[Sequence[int]], max_tokens: int) -> list[Generation]:
+    def generate_batch(self, prompts: Sequence[Prompt], max_tokens: int) -> list[Generation]:
         """Serve ``prompts`` together (spread over the live ranks, lockstep steps)."""
         self._check_open()
+        token_ids = self._prompts.encode_all(prompts)
         with self._serial:
-            return self._runner.run(prompts, max_tokens)
+            return self._runner.run(token_ids, max_tokens)
 
     def apply(
         self, instruction: str, params: Mapping[str, object], request_id: str

@@ -145,7 +145,7 @@ class ClusterWorker:
         self.injector = FaultInjector(spec.config.inject_fault, spec.rank)
         index = CheckpointIndex.open(spec.config.checkpoint)
         self.cfg = ModelConfig.from_hf(index.config)
-        self.dense = DenseWeights.load(index.read, self.cfg.num_layers)
+        self.dense = DenseWeights.load(index.read, self.cfg)
         self.backend = _cpu_backend(spec, index, self.injector)
         self.requests: dict[str, RequestState] = {}
         self.sentinel = self._sentinel()

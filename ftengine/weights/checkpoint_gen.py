@@ -1,8 +1,12 @@
-"""Generate a tiny, complete Qwen3-MoE-style checkpoint for tests, benchmarks and the demo.
+"""Generate a complete Hugging Face Qwen3-MoE checkpoint for tests, benchmarks and the demo.
 
-Writes ``config.json``, sharded ``model-0000k-of-0000n.safetensors`` with
-``model.safetensors.index.json`` and, for W8A8-dynamic, the experts' scales and offsets and
-a ``quant_model_description.json``; the model itself is described in ``model_spec``.
+Writes ``config.json``, ``generation_config.json``, sharded
+``model-0000k-of-0000n.safetensors`` with ``model.safetensors.index.json``, a word-level
+tokenizer (``tokenizer.json``, ``tokenizer_config.json``) and, for W8A8-dynamic, the
+experts' int8 weights with their scales and offsets and a ``quant_model_description.json``
+(msModelSlim's layout). transformers' ``AutoModelForCausalLM`` / ``AutoTokenizer`` and vLLM
+load an unquantised one offline as it is. The model itself is described in ``model_spec``;
+tensors are written shard by shard, so memory holds one shard at most.
 """
 
 from __future__ import annotations
@@ -21,14 +25,17 @@ from ftengine.errors import ConfigError
 from ftengine.weights.index import CONFIG_NAME, INDEX_NAME, QUANT_DESCRIPTION_NAME, Quant
 from ftengine.weights.integrity import Manifest, file_sha256, tensor_sha256
 from ftengine.weights.model_spec import (
+    MAX_POSITIONS,
     ModelShape,
     TensorSpec,
+    generation_config,
     model_config,
     quantize_per_channel_int8,
     spec_bytes,
     tensor_specs,
     tensor_values,
 )
+from ftengine.weights.tokenizer_gen import check_vocab, write_tokenizer
 
 __all__ = [
     "GENERATOR_KEY",
@@ -46,6 +53,12 @@ ProgressFn = Callable[[int, int], None]
 
 GENERATOR_KEY = "ftengine_generator"
 """config.json key recording the generator's arguments (lets a benchmark reuse a checkpoint)."""
+
+GENERATOR_FORMAT = 2
+"""Bumped when the files written change (2: the Hugging Face Qwen3-MoE layout with q/k norms
+and a tokenizer), so that a checkpoint written before is rebuilt rather than reused."""
+
+GENERATION_CONFIG_NAME = "generation_config.json"
 
 _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 _QUANTS = ("none", "w8a8_dynamic")
@@ -76,6 +89,7 @@ class WriteOptions:
     def generator_record(self) -> dict[str, Any]:
         """What config.json records under GENERATOR_KEY (all a reuse check must compare)."""
         return {
+            "format": GENERATOR_FORMAT,
             "seed": self.seed,
             "quant": self.quant,
             "shards": self.shards,
@@ -156,17 +170,23 @@ def make_checkpoint(
     head_dim: int | None = None,
     top_k: int = 2,
     fused_gate_up: bool = False,
+    tie_word_embeddings: bool = False,
+    norm_topk_prob: bool = True,
+    rope_theta: float = 1000000.0,
     manifest: bool = False,
     overwrite: bool = False,
     progress: ProgressFn | None = None,
 ) -> Path:
-    """Write a tiny Qwen3-MoE-style checkpoint to directory ``path`` and return it.
+    """Write a Qwen3-MoE checkpoint to directory ``path`` and return it.
 
     ``hidden`` is H, ``intermediate`` the per-expert I; ``dtype`` one of bfloat16, float16,
     float32; ``quant`` "none" or "w8a8_dynamic" (int8 experts, float32 scales on disk);
-    ``head_dim`` defaults to hidden / heads; ``fused_gate_up`` writes ``gate_up_proj``
-    [2I, H] instead of gate/up; ``manifest`` adds a sha256 manifest. Raises ConfigError for
-    impossible sizes or a non-empty ``path`` (unless ``overwrite``).
+    ``head_dim`` defaults to hidden / heads; ``fused_gate_up`` writes a per-expert
+    ``gate_up_proj`` [2I, H] instead of gate/up (an ftengine variant that transformers and
+    vLLM do not load); ``tie_word_embeddings`` leaves out ``lm_head`` (the head is the
+    embedding); ``norm_topk_prob`` renormalises the router's top-k weights; ``manifest``
+    adds a sha256 manifest. Raises ConfigError for impossible sizes or a non-empty ``path``
+    (unless ``overwrite``).
     """
     options = WriteOptions(dtype=dtype, quant=quant, shards=shards, seed=seed, manifest=manifest)
     shape = ModelShape(
@@ -180,6 +200,9 @@ def make_checkpoint(
         head_dim=head_dim if head_dim is not None else max(1, hidden // max(heads, 1)),
         top_k=top_k,
         fused_gate_up=fused_gate_up,
+        tie_word_embeddings=tie_word_embeddings,
+        norm_topk_prob=norm_topk_prob,
+        rope_theta=rope_theta,
     )
     return write_checkpoint(path, shape, options, overwrite=overwrite, progress=progress)
 
@@ -194,6 +217,7 @@ def write_checkpoint(
 ) -> Path:
     """Write the checkpoint of ``shape`` to directory ``path`` (see ``make_checkpoint``)."""
     root = Path(path)
+    check_vocab(shape.vocab)
     _prepare_dir(root, overwrite)
     torch_dtype = _DTYPES[options.dtype]
     specs = tensor_specs(shape)
@@ -210,6 +234,8 @@ def write_checkpoint(
     )
     manifest = digests if options.manifest else None
     _write_metadata(root, weight_map, manifest, sum(sizes), options.quant)
+    write_tokenizer(root, shape.vocab, MAX_POSITIONS)
+    (root / GENERATION_CONFIG_NAME).write_text(json.dumps(generation_config(shape), indent=2))
     # config.json last: its presence marks a complete checkpoint.
     config = {**model_config(shape, options.dtype), GENERATOR_KEY: options.generator_record()}
     (root / CONFIG_NAME).write_text(json.dumps(config, indent=2))

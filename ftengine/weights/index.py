@@ -238,14 +238,16 @@ class CheckpointIndex:
 
     @property
     def dtype(self) -> torch.dtype:
-        """The model dtype: ``torch_dtype`` in config.json, else the first float tensor's."""
-        name = self.config.get("torch_dtype")
+        """The model dtype: ``dtype`` (transformers 5) or ``torch_dtype`` (transformers 4) in
+        config.json, else the first float tensor's."""
+        key = "dtype" if isinstance(self.config.get("dtype"), str) else "torch_dtype"
+        name = self.config.get(key)
         if isinstance(name, str):
             dtype = getattr(torch, name.removeprefix("torch."), None)
             if isinstance(dtype, torch.dtype) and dtype.is_floating_point:
                 return dtype
             raise WeightLoadError(
-                f"{self.path / CONFIG_NAME}: torch_dtype {name!r} is not a torch float dtype"
+                f"{self.path / CONFIG_NAME}: {key} {name!r} is not a torch float dtype"
             )
         for info in self.tensors.values():
             found = DTYPES.get(info.dtype)

@@ -36,6 +36,20 @@ def test_writes_the_requested_checkpoint(
     assert index.config["num_experts_per_tok"] == 3
 
 
+def test_tied_head_router_and_rope_flags(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = tmp_path / "ck"
+    flags = ["--tie-word-embeddings", "--no-norm-topk-prob", "--rope-theta", "5e5"]
+    assert main(["make-checkpoint", str(path), *flags]) == 0
+    capsys.readouterr()
+    index = CheckpointIndex.open(path)
+    assert "lm_head.weight" not in index.tensors
+    assert (index.config["tie_word_embeddings"], index.config["norm_topk_prob"]) == (True, False)
+    assert index.config["rope_parameters"]["rope_theta"] == 5e5
+    assert (path / "tokenizer.json").is_file() and (path / "generation_config.json").is_file()
+
+
 def test_w8a8_fused_with_manifest(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     path = tmp_path / "q"
     flags = ["--quant", "w8a8_dynamic", "--fused-gate-up", "--manifest"]

@@ -9,6 +9,7 @@ from typing import Any
 import pytest
 import torch
 from safetensors import safe_open
+from tokenizers import Tokenizer
 
 from ftengine.errors import ConfigError
 from ftengine.weights.checkpoint_gen import make_checkpoint, quantize_per_channel_int8
@@ -44,7 +45,14 @@ def test_config_and_every_contract_tensor(tmp_path: Path) -> None:
     assert config["head_dim"] == 8
     assert config["vocab_size"] == 64
     assert config["rms_norm_eps"] > 0
-    assert config["torch_dtype"] == "bfloat16"
+    assert config["torch_dtype"] == config["dtype"] == "bfloat16"
+    assert config["architectures"] == ["Qwen3MoeForCausalLM"]
+    assert config["model_type"] == "qwen3_moe"
+    assert config["rope_parameters"] == {"rope_type": "default", "rope_theta": 1e6}
+    assert config["rope_theta"] == 1e6
+    assert (config["decoder_sparse_step"], config["mlp_only_layers"]) == (1, [])
+    assert (config["norm_topk_prob"], config["tie_word_embeddings"]) == (True, False)
+    assert (config["bos_token_id"], config["eos_token_id"], config["pad_token_id"]) == (61, 62, 63)
     tensors = _all_tensors(root)
     expected = {"model.embed_tokens.weight": (64, 32), "model.norm.weight": (32,)}
     expected["lm_head.weight"] = (64, 32)
@@ -56,6 +64,8 @@ def test_config_and_every_contract_tensor(tmp_path: Path) -> None:
         expected[f"{p}.self_attn.k_proj.weight"] = (16, 32)
         expected[f"{p}.self_attn.v_proj.weight"] = (16, 32)
         expected[f"{p}.self_attn.o_proj.weight"] = (32, 32)
+        expected[f"{p}.self_attn.q_norm.weight"] = (8,)
+        expected[f"{p}.self_attn.k_norm.weight"] = (8,)
         expected[f"{p}.mlp.gate.weight"] = (4, 32)
         for e in range(4):
             expected[f"{p}.mlp.experts.{e}.gate_proj.weight"] = (16, 32)
@@ -63,7 +73,38 @@ def test_config_and_every_contract_tensor(tmp_path: Path) -> None:
             expected[f"{p}.mlp.experts.{e}.down_proj.weight"] = (32, 16)
     assert {name: tuple(t.shape) for name, t in tensors.items()} == expected
     assert all(t.dtype == torch.bfloat16 for t in tensors.values())
-    assert torch.equal(tensors["model.norm.weight"], torch.ones(32, dtype=torch.bfloat16))
+    # RMSNorm weights are seeded values around 1 (not all ones, so a dropped norm shows).
+    for name in ("model.norm.weight", "model.layers.1.self_attn.k_norm.weight"):
+        norm = tensors[name].float()
+        assert float(norm.min()) > 0.5 and float(norm.max()) < 1.5, name
+        assert float(norm.std()) > 0.02, name
+
+
+def test_generation_config_tokenizer_and_a_tied_head(tmp_path: Path) -> None:
+    root = _make(tmp_path / "ck", vocab=40, tie_word_embeddings=True, norm_topk_prob=False)
+    config = json.loads((root / "config.json").read_text())
+    assert (config["tie_word_embeddings"], config["norm_topk_prob"]) == (True, False)
+    assert "lm_head.weight" not in _all_tensors(root)
+    generation = json.loads((root / "generation_config.json").read_text())
+    assert generation == {
+        "bos_token_id": 37,
+        "eos_token_id": 38,
+        "pad_token_id": 39,
+        "do_sample": False,
+    }
+    tokenizer = Tokenizer.from_file(str(root / "tokenizer.json"))
+    assert tokenizer.get_vocab_size() == 40
+    assert tokenizer.encode("w0 w7 w35").ids == [0, 7, 35]
+    assert tokenizer.encode("nonsense").ids == [36]  # <unk>
+    assert [tokenizer.id_to_token(i) for i in (36, 37, 38, 39)] == ["<unk>", "<s>", "</s>", "<pad>"]
+    settings = json.loads((root / "tokenizer_config.json").read_text())
+    assert (settings["eos_token"], settings["pad_token"]) == ("</s>", "<pad>")
+
+
+def test_a_vocab_without_room_for_words_is_refused(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="vocab must be above the 4 special tokens"):
+        _make(tmp_path / "ck", vocab=4)
+    assert not (tmp_path / "ck").exists()
 
 
 def test_shards_and_index_json(tmp_path: Path) -> None:

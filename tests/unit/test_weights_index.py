@@ -158,3 +158,18 @@ def _rewrite_without(shard: Path, name: str) -> None:
     with safe_open(str(shard), framework="pt") as handle:
         kept = {k: handle.get_tensor(k).clone() for k in handle.offset_keys() if k != name}
     save_file(kept, str(shard))
+
+
+def test_the_model_dtype_is_read_as_either_transformers_spells_it(ckpt: Path) -> None:
+    config = json.loads((ckpt / "config.json").read_text())
+    for keys, want in (
+        ({"dtype": "float16", "torch_dtype": "bfloat16"}, torch.float16),  # transformers 5 first
+        ({"torch_dtype": "float16"}, torch.float16),
+        ({}, torch.bfloat16),  # neither: the first float tensor's
+    ):
+        body = {k: v for k, v in config.items() if k not in ("dtype", "torch_dtype")}
+        (ckpt / "config.json").write_text(json.dumps({**body, **keys}))
+        assert CheckpointIndex.open(ckpt).dtype == want, keys
+    (ckpt / "config.json").write_text(json.dumps({**config, "dtype": "int8"}))
+    with pytest.raises(WeightLoadError, match=r"config\.json: dtype 'int8' is not a torch float"):
+        _ = CheckpointIndex.open(ckpt).dtype
