@@ -34,14 +34,20 @@ DONE = b"data: [DONE]\n\n"
 
 
 class _Bridge:
-    """Moves a serving loop's events (its thread) onto the server's event loop."""
+    """Moves a serving loop's events (its thread) onto the server's event loop, counting
+    them on the way: a request whose client went away is still counted (as ``abort``)."""
 
-    def __init__(self) -> None:
+    def __init__(self, metrics: ControlMetrics) -> None:
         self._loop = asyncio.get_running_loop()
+        self._metrics = metrics
         self.queue: asyncio.Queue[tuple[int, TokenEvent]] = asyncio.Queue()
 
     def listener(self, index: int) -> Listener:
         def put(event: TokenEvent) -> None:
+            reason = event.finish_reason
+            self._metrics.record_tokens(
+                len(event.token_ids), None if reason is None else reason.value
+            )
             # RuntimeError: the event loop is closed, the answer is gone, nobody to tell.
             with contextlib.suppress(RuntimeError):
                 self._loop.call_soon_threadsafe(self.queue.put_nowait, (index, event))
@@ -86,7 +92,7 @@ class CompletionRun:
         self.plan = plan
         self.created = int(time.time())
         self._metrics = metrics
-        self._bridge = _Bridge()
+        self._bridge = _Bridge(metrics)
         self._tickets: list[Ticket] = []
         self._choices = [
             _Choice(i, request.prompt_token_ids, tokenizer)
@@ -151,10 +157,7 @@ class CompletionRun:
     async def _next(self) -> tuple[_Choice, str, TokenEvent]:
         index, event = await self._bridge.queue.get()
         choice = self._choices[index]
-        delta = choice.take(event)
-        if event.finish_reason is not None:
-            self._metrics.record_completion(event.finish_reason.value, len(choice.token_ids))
-        return choice, delta, event
+        return choice, choice.take(event), event
 
     def _choice(
         self, choice: _Choice, text: str, token_ids: list[int], with_prompt: bool

@@ -115,10 +115,12 @@ class ControlMetrics:
         """Count one finished command."""
         self.commands.labels(instruction, "success" if success else "failure").inc()
 
-    def record_completion(self, finish_reason: str, tokens: int) -> None:
-        """Count one finished completion (one prompt) and the tokens it generated."""
-        self.completions.labels(finish_reason).inc()
+    def record_tokens(self, tokens: int, finish_reason: str | None = None) -> None:
+        """Count generated tokens and, when ``finish_reason`` is given, one finished
+        completion (one prompt) with that reason."""
         self.tokens.inc(tokens)
+        if finish_reason is not None:
+            self.completions.labels(finish_reason).inc()
 
     def record_completion_request(self, outcome: str) -> None:
         """Count one completion request (``outcome``: accepted, rejected, unavailable)."""

@@ -118,7 +118,8 @@ def test_concurrent_requests_share_steps_and_each_gets_the_reference(
 ) -> None:
     """A long stream is still running when short requests, sent after it, have finished:
     they joined its steps instead of waiting for it (a synchronous batch would block)."""
-    long: dict[str, Any] = {}
+    long: dict[str, Any] = {"tokens": []}
+    streaming = threading.Event()
 
     def stream_long() -> None:
         chunks = client.completions.create(
@@ -129,7 +130,9 @@ def test_concurrent_requests_share_steps_and_each_gets_the_reference(
             temperature=0,
             extra_body={"ignore_eos": True, "return_token_ids": True},
         )
-        long["tokens"] = [t for chunk in chunks for t in ids_of(chunk.choices[0])]
+        for chunk in chunks:
+            long["tokens"].extend(ids_of(chunk.choices[0]))
+            streaming.set()
         long["ended"] = time.monotonic()
 
     thread = threading.Thread(target=stream_long)
@@ -146,7 +149,7 @@ def test_concurrent_requests_share_steps_and_each_gets_the_reference(
         )
         short[index] = ids_of(answer.choices[0])
 
-    time.sleep(0.5)  # the long request is streaming by now
+    assert streaming.wait(60), "the long request never streamed"
     workers = [threading.Thread(target=one, args=(i,)) for i in range(1, 4)]
     for worker in workers:
         worker.start()

@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from ftengine.cluster import Cluster, Generation
+from ftengine.cluster import Cluster, Generation, RequestAborted
 from ftengine.cluster.serving import ServingLoop
 from ftengine.faults import HealthStatus
 from ftengine.serving_api import FinishReason, GenerationRequest, TokenEvent
@@ -96,3 +96,8 @@ def test_a_request_a_worker_cannot_compute_fails_alone_and_nothing_turns_unhealt
         assert again.tokens == list(reference[1].token_ids)
     finally:
         loop.close()
+    # A synchronous batch with a bad prompt is refused as a whole, and still hurts nobody.
+    with pytest.raises(RequestAborted, match="outside the vocabulary"):
+        cluster.generate_batch([PROMPTS[2], (1, 2, 99999)], 2)
+    assert [e["status"] for e in cluster.status()["engines"]] == [int(HealthStatus.HEALTHY)] * 4
+    assert cluster.generate_batch([PROMPTS[2]], MAX_TOKENS)[0].token_ids == reference[2].token_ids
