@@ -24,7 +24,8 @@ from ftengine.serving_api import GenerationRequest
 MAX_CHARS_PER_TOKEN = 32  # a text prompt longer than this many chars per position is refused
 _AT = re.compile(r"at `\$\.([^`]*)`")
 
-# Fields served only at their neutral values: (field, the values allowed, why).
+# Fields served only at their neutral values: (field, the values allowed, why). An absent
+# temperature means greedy here; vLLM would sample with the model's default (1.0).
 _NEUTRAL: tuple[tuple[str, tuple[Any, ...], str], ...] = (
     ("temperature", (None, 0), "ftengine decodes greedily only: send temperature 0"),
     ("n", (1,), "one choice per prompt"),
@@ -217,6 +218,8 @@ def max_new_tokens(max_tokens: int | None, prompt_len: int, limits: ModelLimits)
             param="max_tokens",
             value=max_tokens,
         )
+    # vLLM 0.33 silently clamps max_tokens to the room left; refusing tells the client it
+    # would get fewer tokens than it asked for.
     if prompt_len + max_tokens > limits.max_model_len:
         raise InvalidCompletion(
             f"This model's maximum context length is {limits.max_model_len} tokens. However, "
