@@ -1,4 +1,4 @@
-"""Serve the fault-tolerance control API (vLLM-compatible) over a CPU reference cluster."""
+"""Serve vLLM's fault-tolerance API and OpenAI completions over a CPU reference cluster."""
 
 from __future__ import annotations
 
@@ -32,6 +32,11 @@ def register(parser: argparse.ArgumentParser) -> None:
         "--port-file", type=Path, default=None, help="write the bound port here once serving"
     )
     parser.add_argument("--log-level", default="warning", help="uvicorn/ftengine log level")
+    parser.add_argument(
+        "--served-model-name",
+        default=None,
+        help="the model name clients send (default: the checkpoint path, as vLLM does)",
+    )
     launch.add_run_args(parser, launch.CheckpointSize())
     parser.set_defaults(func=run)
 
@@ -76,11 +81,16 @@ def _serve(args: argparse.Namespace, sock: socket.socket, checkpoint: Path, key:
     import uvicorn
 
     from ftengine.cluster import Cluster
+    from ftengine.cluster.serving import ServingLoop
     from ftengine.control.app import create_app
+    from ftengine.control.openai_routes import Completions
+    from ftengine.control.served_model import ServedModel
 
+    model = ServedModel.from_checkpoint(checkpoint, args.served_model_name)
     cluster = Cluster.launch(launch.cluster_config(args, checkpoint))
+    serving = ServingLoop(cluster).start()
     try:
-        app = create_app(cluster, api_key=key)
+        app = create_app(cluster, completions=Completions(serving, model), api_key=key)
         stop_observer = app.state.plane.observe_every(0.25)
         server = uvicorn.Server(
             uvicorn.Config(app, log_level=args.log_level.lower(), lifespan="off")
@@ -97,5 +107,6 @@ def _serve(args: argparse.Namespace, sock: socket.socket, checkpoint: Path, key:
         finally:
             stop_observer()
     finally:
+        serving.close()
         cluster.shutdown()
     return 0

@@ -3,18 +3,23 @@ request run an empty one, like vLLM's DP busy loop), requests stay on the rank t
 holds their KV cache, and a failed step aborts every in-flight request. With fault
 tolerance on, a rank that stays silent after its peers failed is fenced, and a failed step
 with every rank alive is announced to the ranks as a transient fault; with it off, neither.
+
+:meth:`StepRunner.step` is the primitive (one step, any items per rank; a request a rank
+rejects fails alone); :meth:`StepRunner.run` is one synchronous batch built on it, and
+``ftengine.cluster.serving`` the continuous-batching loop.
 """
 
 from __future__ import annotations
 
+import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable, Mapping, Sequence
 
 import attrs
 
 from ftengine.cluster.config import ClusterConfig
 from ftengine.cluster.handles import WorkerHandle
-from ftengine.cluster.protocol import PeerFault, StepItem, StepReply, StepRequest
+from ftengine.cluster.protocol import PeerFault, StepItem, StepOutput, StepReply, StepRequest
 from ftengine.cluster.roster import Roster
 from ftengine.errors import ConfigError, FTEngineError
 from ftengine.faults import FaultKind, Phase
@@ -37,6 +42,15 @@ class Generation:
     final_logits: tuple[float, ...]
 
 
+@attrs.frozen
+class StepResult:
+    """One lockstep step's outcome: every computed request's output by request id, and the
+    requests a rank rejected (request id -> why; each failed alone, the step went on)."""
+
+    outputs: Mapping[str, StepOutput]
+    rejected: Mapping[str, str]
+
+
 @attrs.define
 class _Request:
     request_id: str
@@ -56,7 +70,7 @@ class _Request:
 
 
 class StepRunner:
-    """Runs batches of requests as lockstep steps on a roster's live workers."""
+    """Runs lockstep steps on a roster's live workers: single steps, or whole batches."""
 
     def __init__(self, roster: Roster, config: ClusterConfig) -> None:
         self._roster = roster
@@ -65,6 +79,7 @@ class StepRunner:
         self._next_step = 0
         self._next_request = 0
         self._release: dict[int, list[str]] = {}
+        self._release_lock = threading.Lock()  # release() comes from a serving loop's thread
 
     @property
     def steps_run(self) -> int:
@@ -77,8 +92,32 @@ class StepRunner:
         if waiting is not None:
             waiting[reply.rank] = reply
 
+    def serving_ranks(self) -> tuple[int, ...]:
+        """The live ranks, when every one of them serves; raises RequestAborted otherwise."""
+        return tuple(worker.rank for worker in self._serving_workers())
+
+    def step(self, items: Mapping[int, Sequence[StepItem]]) -> StepResult:
+        """Run one step on every live rank, rank ``r`` computing ``items[r]`` (a rank without
+        items runs an empty step). Raises RequestAborted when the cluster is not serving, an
+        item names a rank that does not serve, or the step failed (every item's cache is
+        then dropped: the requests are aborted)."""
+        workers = self._serving_workers()
+        stray = sorted(set(items) - {worker.rank for worker in workers})
+        if stray:
+            raise RequestAborted(
+                f"ranks {stray} hold requests but no longer serve (live ranks "
+                f"{[w.rank for w in workers]}); the requests were aborted"
+            )
+        return self._step(workers, items)
+
+    def release(self, rank: int, request_ids: Iterable[str]) -> None:
+        """Drop these requests' caches on ``rank`` with its next step (finished or aborted)."""
+        with self._release_lock:
+            self._release.setdefault(rank, []).extend(request_ids)
+
     def run(self, prompts: Sequence[Sequence[int]], max_tokens: int) -> list[Generation]:
-        """Generate ``max_tokens`` tokens for each prompt; raises RequestAborted on a fault."""
+        """Generate ``max_tokens`` tokens for each prompt; raises RequestAborted on a fault
+        (or when a rank rejects a prompt: the others are aborted with it)."""
         if max_tokens < 1 or not prompts or any(len(p) == 0 for p in prompts):
             raise ConfigError(
                 f"generation needs max_tokens >= 1 and non-empty prompts, found "
@@ -90,11 +129,29 @@ class StepRunner:
             self._next_request += 1
             rank = workers[i % len(workers)].rank
             requests.append(_Request(f"req-{self._next_request}", tuple(prompt), max_tokens, rank))
-        while not all(r.done for r in requests):
-            self._step(workers, requests)
-        for r in requests:
-            self._release.setdefault(r.rank, []).append(r.request_id)
+        try:
+            while not all(r.done for r in requests):
+                self._advance(workers, requests)
+        finally:
+            for r in requests:
+                self.release(r.rank, [r.request_id])
         return [Generation(tuple(r.generated), r.logits) for r in requests]
+
+    def _advance(self, workers: list[WorkerHandle], requests: list[_Request]) -> None:
+        items: dict[int, list[StepItem]] = {}
+        for r in requests:
+            if not r.done:
+                items.setdefault(r.rank, []).append(r.item())
+        result = self._step(workers, items)
+        if result.rejected:
+            why = "; ".join(f"{rid}: {reason}" for rid, reason in sorted(result.rejected.items()))
+            raise RequestAborted(f"a rank rejected part of the batch ({why}); batch aborted")
+        for request in requests:
+            out = result.outputs.get(request.request_id)
+            if out is not None:
+                request.generated.append(out.next_token)
+                if out.logits is not None:
+                    request.logits = out.logits
 
     def _serving_workers(self) -> list[WorkerHandle]:
         with self._roster.lock:
@@ -115,27 +172,30 @@ class StepRunner:
                 )
             return live
 
-    def _step(self, workers: list[WorkerHandle], requests: list[_Request]) -> None:
+    def _step(
+        self, workers: list[WorkerHandle], items: Mapping[int, Sequence[StepItem]]
+    ) -> StepResult:
         step = self._next_step
         self._next_step += 1
         with self._roster.lock:
             self._replies[step] = {}
         for worker in workers:
-            items = tuple(r.item() for r in requests if r.rank == worker.rank and not r.done)
-            release = tuple(self._release.pop(worker.rank, []))
-            worker.send(StepRequest(step, items, release))
+            with self._release_lock:
+                release = tuple(self._release.pop(worker.rank, []))
+            worker.send(StepRequest(step, tuple(items.get(worker.rank, ())), release))
         replies = self._collect(step, workers)
         outcomes = {w.rank: _failure(w, replies.get(w.rank)) for w in workers}
         failed = {rank: why for rank, why in outcomes.items() if why is not None}
         if failed:
-            self._abort(step, workers, replies, failed, requests)
-        by_id = {r.request_id: r for r in requests}
-        for reply in replies.values():
-            for out in reply.outputs:
-                request = by_id[out.request_id]
-                request.generated.append(out.next_token)
-                if out.logits is not None:
-                    request.logits = out.logits
+            self._abort(step, workers, replies, failed, items)
+        return StepResult(
+            outputs={out.request_id: out for reply in replies.values() for out in reply.outputs},
+            rejected={
+                item.request_id: f"rank {reply.rank}: {item.reason}"
+                for reply in replies.values()
+                for item in reply.rejected
+            },
+        )
 
     def _collect(self, step: int, workers: list[WorkerHandle]) -> dict[int, StepReply]:
         """Wait for every live worker's reply; fence a worker that stays silent once its
@@ -169,14 +229,14 @@ class StepRunner:
         workers: list[WorkerHandle],
         replies: dict[int, StepReply],
         failed: dict[int, str],
-        requests: list[_Request],
+        items: Mapping[int, Sequence[StepItem]],
     ) -> None:
         detail = "; ".join(f"rank {rank}: {why}" for rank, why in sorted(failed.items()))
         self._roster.record("step_failed", min(failed), f"step {step}: {detail}")
         if self._config.fault_tolerance and all(w.alive for w in workers):
             self._announce_transient(step, workers, replies, failed)
-        for r in requests:
-            self._release.setdefault(r.rank, []).append(r.request_id)
+        for rank, mine in items.items():
+            self.release(rank, [item.request_id for item in mine])
         raise RequestAborted(f"step {step} failed ({detail}); all in-flight requests were aborted")
 
     def _announce_transient(

@@ -2,8 +2,9 @@
 
 Supervisor -> worker: :class:`StepRequest`, :class:`FtCommand`, :class:`PeerFault`,
 :class:`Shutdown`. Worker -> supervisor: :class:`Ready`, :class:`Heartbeat`,
-:class:`StatusUpdate`, :class:`PhaseEvent`, :class:`StepReply`, :class:`FtReply`,
-:class:`WorkerFailed`. All are frozen attrs values; tensors travel as lists of floats.
+:class:`StatusUpdate`, :class:`PhaseEvent`, :class:`StepReply` (with :class:`ItemRejected`),
+:class:`FtReply`, :class:`WorkerFailed`. All are frozen attrs values; tensors travel as lists
+of floats.
 :class:`Link` is the worker's end of the pipe.
 """
 
@@ -50,14 +51,25 @@ class StepOutput:
 
 
 @attrs.frozen
+class ItemRejected:
+    """A request this rank could not compute in a step (its own content is at fault): it
+    alone fails, while the step runs for the rest of the batch."""
+
+    request_id: str
+    reason: str
+
+
+@attrs.frozen
 class StepReply:
-    """A worker's answer to a step: outputs, or the error that stopped it."""
+    """A worker's answer to a step: outputs (and requests it rejected), or the error that
+    stopped it."""
 
     rank: int
     step: int
     outputs: tuple[StepOutput, ...] = ()
     error: str | None = None
     error_type: str | None = None
+    rejected: tuple[ItemRejected, ...] = ()
 
 
 @attrs.frozen

@@ -25,7 +25,7 @@ from ftengine.cluster.adapters import resolve_adapter_factory
 from ftengine.cluster.checkpoint_check import validate_checkpoint
 from ftengine.cluster.config import ClusterConfig
 from ftengine.cluster.faults_inject import FaultSpec
-from ftengine.cluster.generation import Generation, StepRunner
+from ftengine.cluster.generation import Generation, StepResult, StepRunner
 from ftengine.cluster.handles import ClusterEvent, WorkerHandle, signal_pid
 from ftengine.cluster.lifecycle import WorkerState
 from ftengine.cluster.prompts import Prompt, PromptTokenizer
@@ -36,6 +36,7 @@ from ftengine.cluster.protocol import (
     Ready,
     Shutdown,
     StatusUpdate,
+    StepItem,
     StepReply,
     WorkerFailed,
 )
@@ -245,6 +246,23 @@ class Cluster:
         token_ids = self._prompts.encode_all(prompts)
         with self._serial:
             return self._runner.run(token_ids, max_tokens)
+
+    # -- the serving loop's primitives (``ftengine.cluster.serving``) -----------------------
+    def serving_ranks(self) -> tuple[int, ...]:
+        """The live ranks when all of them serve; raises RequestAborted otherwise."""
+        self._check_open()
+        return self._runner.serving_ranks()
+
+    def run_step(self, items: Mapping[int, Sequence[StepItem]]) -> StepResult:
+        """One lockstep step, rank ``r`` computing ``items[r]`` (see ``StepRunner.step``);
+        serialised with batches and commands, so a command can run between two steps."""
+        self._check_open()
+        with self._serial:
+            return self._runner.step(items)
+
+    def release(self, rank: int, request_ids: Sequence[str]) -> None:
+        """Drop finished or aborted requests' caches on ``rank`` with its next step."""
+        self._runner.release(rank, request_ids)
 
     def apply(
         self, instruction: str, params: Mapping[str, object], request_id: str

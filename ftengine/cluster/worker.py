@@ -20,6 +20,7 @@ import sys
 import threading
 import time
 import traceback
+from collections.abc import Sequence
 from multiprocessing.connection import Connection
 from typing import Any
 
@@ -38,12 +39,14 @@ from ftengine.cluster.protocol import (
     FtCommand,
     FtReply,
     Heartbeat,
+    ItemRejected,
     Link,
     PeerFault,
     PhaseEvent,
     Ready,
     Shutdown,
     StatusUpdate,
+    StepItem,
     StepOutput,
     StepReply,
     StepRequest,
@@ -51,6 +54,7 @@ from ftengine.cluster.protocol import (
 )
 from ftengine.context import RedundancyFacts
 from ftengine.errors import ConfigError
+from ftengine.model_limits import ModelLimits
 from ftengine.sentinel import WorkerSentinel
 from ftengine.status import PhaseChange
 from ftengine.weights.index import CheckpointIndex
@@ -145,6 +149,7 @@ class ClusterWorker:
         self.injector = FaultInjector(spec.config.inject_fault, spec.rank)
         index = CheckpointIndex.open(spec.config.checkpoint)
         self.cfg = ModelConfig.from_hf(index.config)
+        self.limits = ModelLimits.from_config(index.config)
         self.dense = DenseWeights.load(index.read, self.cfg)
         self.backend = _cpu_backend(spec, index, self.injector)
         self.requests: dict[str, RequestState] = {}
@@ -231,8 +236,9 @@ class ClusterWorker:
                 error=f"engine {self.rank} is {self.sentinel.phase.value}, not serving",
                 error_type="NotServing",
             )
+        admitted, rejected = self._admit(request.items)
         try:
-            logits = self._forward(request)
+            logits = self._forward(request.step, admitted)
         except Exception as exc:
             reply = StepReply(
                 self.rank, request.step, error=str(exc), error_type=type(exc).__name__
@@ -249,17 +255,33 @@ class ClusterWorker:
                 int(torch.argmax(row)),
                 tuple(row.tolist()) if item.want_logits else None,
             )
-            for item, row in zip(request.items, logits, strict=True)
+            for item, row in zip(admitted, logits, strict=True)
         )
-        return StepReply(self.rank, request.step, outputs)
+        return StepReply(self.rank, request.step, outputs, rejected=rejected)
 
-    def _forward(self, request: StepRequest) -> list[torch.Tensor]:
-        """DP sync and one model step of the request's items: each one's last-token logits [V]."""
-        self._inject(request.step)
-        self.backend.dp_sync(sum(len(i.token_ids) for i in request.items), request.step)
+    def _admit(self, items: Sequence[StepItem]) -> tuple[list[StepItem], tuple[ItemRejected, ...]]:
+        """Split a step's items into those this rank can compute and those it cannot: a bad
+        request fails alone (its cache dropped) and the step still runs for the others, so
+        one request can never make the engines unhealthy."""
+        admitted, rejected = [], []
+        for item in items:
+            state = self.requests.get(item.request_id)
+            cached = 0 if state is None else state.num_tokens
+            problem = self.limits.item_problem(cached, item.token_ids)
+            if problem is None:
+                admitted.append(item)
+            else:
+                self.requests.pop(item.request_id, None)
+                rejected.append(ItemRejected(item.request_id, problem))
+        return admitted, tuple(rejected)
+
+    def _forward(self, step: int, items: Sequence[StepItem]) -> list[torch.Tensor]:
+        """DP sync and one model step of ``items``: each one's last-token logits [V]."""
+        self._inject(step)
+        self.backend.dp_sync(sum(len(i.token_ids) for i in items), step)
         batch = [
             (self.requests.setdefault(i.request_id, RequestState(i.request_id)), i.token_ids)
-            for i in request.items
+            for i in items
         ]
         return forward_step(self.cfg, self.dense, batch, self.backend.moe)
 

@@ -1,1 +1,1 @@
-"""Operator surface: vLLM-compatible control API, health and metrics."""
+"""Operator surface: vLLM-compatible fault-tolerance API, OpenAI completions, health and metrics."""

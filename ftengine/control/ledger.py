@@ -11,7 +11,7 @@ from collections.abc import Callable
 
 import attrs
 
-from ftengine.control.messages import Command, FaultToleranceResult
+from ftengine.control.messages import REQUESTS_PATH, Command, FaultToleranceResult
 from ftengine.errors import FTEngineError
 
 logger = logging.getLogger(__name__)
@@ -73,12 +73,19 @@ class CommandLedger:
         self._lock = threading.Lock()
         self._entries: OrderedDict[str, Submission] = OrderedDict()
         self._running: str | None = None
+        self._last: FaultToleranceResult | None = None
 
     @property
     def running(self) -> str | None:
         """The request_id of the command now running, if any."""
         with self._lock:
             return self._running
+
+    @property
+    def last(self) -> FaultToleranceResult | None:
+        """The result of the command that finished last, if any."""
+        with self._lock:
+            return self._last
 
     def lookup(self, request_id: str) -> Submission | None:
         """The recorded submission for ``request_id``, or None if unknown (or forgotten)."""
@@ -104,7 +111,7 @@ class CommandLedger:
             if self._running is not None:
                 raise CommandConflict(
                     f"command {self._running!r} is still running; wait until "
-                    f"GET /v1/fault_tolerance/requests/{self._running} shows it done"
+                    f"GET {REQUESTS_PATH}/{self._running} shows it done"
                 )
             submission = Submission(command, None)
             self._entries[command.request_id] = submission
@@ -131,6 +138,7 @@ class CommandLedger:
             with self._lock:
                 self._entries[command.request_id] = Submission(command, result)
                 self._running = None
+                self._last = result
                 self._forget_oldest()
             if self._on_done is not None:
                 self._on_done(command, result)

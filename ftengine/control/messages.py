@@ -1,45 +1,51 @@
-"""Control-plane messages (vLLM's fault-tolerance shapes) and their validation.
+"""Fault-tolerance messages in vLLM's REST dialect, and their validation.
 
-Bodies are msgspec structs so one definition both decodes requests and produces the
-OpenAPI schema; ``validate_request`` checks a decoded request against the cluster's size.
+``POST /fault_tolerance/apply`` bodies are judged by vLLM's rules, with vLLM's messages
+(body an object, ``instruction`` given and known, ``params`` an object), then by
+ftengine's range checks; ``GET /fault_tolerance/status`` is vLLM's object (lower-case
+status names, ``fault_info`` only while unhealthy) plus ftengine's extra fields. One
+msgspec struct per body both documents it (OpenAPI) and checks what the server sends.
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping
 from typing import Annotated, Any, Literal
 
 import attrs
 import msgspec
 
-from ftengine.errors import FTEngineError
+from ftengine.control.errors import ErrorResponse, InvalidCommand, decode_json
+from ftengine.faults import HealthStatus
+
+logger = logging.getLogger(__name__)
 
 INSTRUCTIONS: tuple[str, ...] = ("retry", "scale_down")
 MAX_REQUEST_ID_LEN = 128
-MAX_PROMPT_TOKENS = 4096
-MAX_NEW_TOKENS = 1024
+ACCEPTED_MESSAGE = "Request accepted; poll /fault_tolerance/status for updates."
+APPLY_PATH = "/fault_tolerance/apply"
+STATUS_PATH = "/fault_tolerance/status"
+REQUESTS_PATH = "/fault_tolerance/requests"  # ftengine's: one command's record
+BODY_FIELDS = frozenset({"instruction", "params", "request_id"})
 
 RequestId = Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_REQUEST_ID_LEN)]
+HealthName = Literal["healthy", "unhealthy", "dead"]
 
 
-class InvalidRequest(FTEngineError, ValueError):
-    """A request body is malformed or out of range (HTTP 422); nothing was changed."""
-
-
-class InvalidCommand(InvalidRequest):
-    """A fault-tolerance command is malformed or names ranks the cluster does not have."""
-
-
-class FaultToleranceRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
-    """``POST /v1/fault_tolerance/apply`` body (vLLM's ``FaultToleranceRequest``).
+class FaultToleranceRequest(msgspec.Struct, kw_only=True):
+    """``POST /fault_tolerance/apply`` body (vLLM's ``FaultToleranceRequest``).
 
     ``params`` is ``{}`` for ``retry`` and ``{"removed_dp_ranks": [int, ...]}`` (original
-    DP ranks, cumulative) for ``scale_down``.
+    DP ranks, cumulative) for ``scale_down``, which vLLM 0.33 does not accept yet
+    (upstream PR #46370 adds it). ``request_id`` is ftengine's extension: vLLM ignores it
+    and always makes one; ftengine honours it for idempotent replay. Other fields are
+    ignored, as vLLM ignores them.
     """
 
     instruction: Literal["retry", "scale_down"]
     params: dict[str, Any] = msgspec.field(default_factory=dict)
-    request_id: RequestId
+    request_id: RequestId | None = None
 
 
 class FaultToleranceResult(msgspec.Struct, kw_only=True):
@@ -51,15 +57,18 @@ class FaultToleranceResult(msgspec.Struct, kw_only=True):
 
 
 class ApplyAccepted(msgspec.Struct, kw_only=True):
-    """Answer to an accepted (or still running, replayed) command: recovery runs in background."""
+    """vLLM's 202 answer (``message``, ``request_id``) plus ftengine's ``state`` (``running``
+    for a replay of a command still running) and the URL of the command's record."""
 
+    message: str = ACCEPTED_MESSAGE
     request_id: str
     state: Literal["accepted", "running"]
     result_url: str
 
 
 class CommandRecord(msgspec.Struct, kw_only=True):
-    """``GET /v1/fault_tolerance/requests/{request_id}``: one command and, once done, its result."""
+    """``GET /fault_tolerance/requests/{request_id}`` (ftengine's): one command and, once
+    done, its result."""
 
     request_id: str
     instruction: str
@@ -68,37 +77,20 @@ class CommandRecord(msgspec.Struct, kw_only=True):
     result: FaultToleranceResult | None = None
 
 
-class GenerateRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
-    """``POST /v1/generate`` body: prompt token ids in, greedy continuation out."""
-
-    prompt_token_ids: Annotated[
-        list[Annotated[int, msgspec.Meta(ge=0)]],
-        msgspec.Meta(min_length=1, max_length=MAX_PROMPT_TOKENS),
-    ]
-    max_tokens: Annotated[int, msgspec.Meta(ge=1, le=MAX_NEW_TOKENS)] = 16
-
-
-class GenerateResponse(msgspec.Struct, kw_only=True):
-    """Generated token ids (without the prompt) and the wall time in seconds."""
-
-    token_ids: list[int]
-    seconds: float
-
-
-class ErrorBody(msgspec.Struct, kw_only=True):
-    """Every 4xx/5xx answer: ``detail`` says what was expected, what was found, what to do."""
-
-    detail: str
-
-
 class EngineStatusBody(msgspec.Struct, kw_only=True):
-    """One engine in ``GET /v1/fault_tolerance/status`` (vLLM's fields plus ftengine's)."""
+    """One engine in ``GET /fault_tolerance/status``: vLLM's fields, then ftengine's."""
 
     id: int
-    status: Annotated[int, msgspec.Meta(description="0 HEALTHY, 1 DEAD, 2 UNHEALTHY (vLLM)")]
-    fault_info: str | None = None
-    last_ft_request_id: str | None = None
-    ft_error: str | None = None
+    status: HealthName
+    fault_info: Annotated[
+        str | None, msgspec.Meta(description="present only while unhealthy (vLLM)")
+    ] = None
+    last_ft_request_id: Annotated[
+        str | None, msgspec.Meta(description="the last command this engine took part in")
+    ] = None
+    ft_error: Annotated[
+        str | None, msgspec.Meta(description="why that command failed (absent: it did not)")
+    ] = None
     phase: str
     removed_ranks: list[int]
     epoch: int
@@ -117,10 +109,12 @@ class EngineStatusBody(msgspec.Struct, kw_only=True):
             "reported (Timeline.to_dict()); includes the current one"
         ),
     ] = None
+    pid: Annotated[int | None, msgspec.Meta(description="the worker process")] = None
+    alive: Annotated[bool, msgspec.Meta(description="its process is running")] = True
 
 
 class StatusBody(msgspec.Struct, kw_only=True):
-    """``GET /v1/fault_tolerance/status`` (vLLM's shape; ``running_request_id`` is ftengine's)."""
+    """``GET /fault_tolerance/status`` (vLLM's shape; ``running_request_id`` is ftengine's)."""
 
     schema_version: int
     total_engines: int
@@ -143,9 +137,7 @@ SCHEMA_STRUCTS: tuple[type[msgspec.Struct], ...] = (
     FaultToleranceResult,
     ApplyAccepted,
     CommandRecord,
-    GenerateRequest,
-    GenerateResponse,
-    ErrorBody,
+    ErrorResponse,
     StatusBody,
     HealthBody,
 )
@@ -167,27 +159,49 @@ class Command:
 
 
 def decode_request(body: bytes) -> FaultToleranceRequest:
-    """Decode an apply body, naming what is wrong (bad JSON, unknown instruction, bad field)."""
-    try:
-        raw = msgspec.json.decode(body)
-    except msgspec.DecodeError as exc:
+    """Decode an apply body by vLLM's rules and messages (the first sentence of each is
+    vLLM's own), plus the optional ``request_id`` of ftengine's replay extension."""
+    raw = decode_json(body)
+    if not isinstance(raw, dict):
         raise InvalidCommand(
-            f"request body is not valid JSON ({exc}); send "
-            '{"instruction": "retry"|"scale_down", "params": {...}, "request_id": "..."}'
-        ) from exc
-    if isinstance(raw, Mapping) and "instruction" in raw and raw["instruction"] not in INSTRUCTIONS:
-        raise InvalidCommand(
-            f"unknown instruction {raw['instruction']!r}: expected one of "
-            + ", ".join(repr(name) for name in INSTRUCTIONS)
+            f"Request body must be a JSON object. Found {type(raw).__name__}: send "
+            '{"instruction": "retry"|"scale_down", "params": {...}}'
         )
-    try:
-        return msgspec.convert(raw, FaultToleranceRequest)
-    except msgspec.ValidationError as exc:
-        raise InvalidCommand(f"request body does not match FaultToleranceRequest: {exc}") from exc
+    instruction = raw.get("instruction")
+    if not instruction:
+        raise InvalidCommand("'instruction' is required.", param="instruction")
+    if instruction not in INSTRUCTIONS:
+        raise InvalidCommand(
+            f"Invalid instruction: '{instruction}'. Expected one of "
+            + ", ".join(repr(name) for name in INSTRUCTIONS),
+            param="instruction",
+        )
+    params = raw.get("params", {})
+    if not isinstance(params, dict):
+        raise InvalidCommand(
+            f"'params' must be an object. Found {type(params).__name__}.", param="params"
+        )
+    request_id = raw.get("request_id")
+    if request_id is not None and not (
+        isinstance(request_id, str) and 1 <= len(request_id) <= MAX_REQUEST_ID_LEN
+    ):
+        raise InvalidCommand(
+            f"'request_id' must be a string of 1 to {MAX_REQUEST_ID_LEN} characters (or "
+            f"absent: the server then makes one); found {request_id!r}",
+            param="request_id",
+        )
+    ignored = sorted(set(raw) - BODY_FIELDS)
+    if ignored:
+        logger.warning("apply body fields %s are ignored (as vLLM ignores them)", ignored)
+    return FaultToleranceRequest(instruction=instruction, params=params, request_id=request_id)
 
 
 def validate_request(
-    request: FaultToleranceRequest, *, world_size: int, removed: frozenset[int] = frozenset()
+    request: FaultToleranceRequest,
+    request_id: str,
+    *,
+    world_size: int,
+    removed: frozenset[int] = frozenset(),
 ) -> Command:
     """Check params against a cluster of ``world_size`` DP ranks with ``removed`` already gone.
 
@@ -197,39 +211,73 @@ def validate_request(
     if request.instruction == "retry":
         if request.params:
             raise InvalidCommand(
-                f'retry takes no params; found {sorted(request.params)}: send "params": {{}}'
+                f'retry takes no params; found {sorted(request.params)}: send "params": {{}}',
+                param="params",
             )
-        return Command("retry", request.request_id)
+        return Command("retry", request_id)
     ranks = _removed_ranks(request.params, world_size)
     if removed | frozenset(ranks) >= frozenset(range(world_size)):
         raise InvalidCommand(
             f"removed_dp_ranks {list(ranks)} (with {sorted(removed)} already removed) would remove "
-            f"every one of the {world_size} DP ranks; at least one rank must survive"
+            f"every one of the {world_size} DP ranks; at least one rank must survive",
+            param=RANKS_PARAM,
         )
-    return Command("scale_down", request.request_id, ranks)
+    return Command("scale_down", request_id, ranks)
+
+
+RANKS_PARAM = "params.removed_dp_ranks"
 
 
 def _removed_ranks(params: Mapping[str, Any], world_size: int) -> tuple[int, ...]:
     extra = sorted(set(params) - {"removed_dp_ranks"})
     if extra:
         raise InvalidCommand(
-            f"scale_down takes only 'removed_dp_ranks'; found unexpected params {extra}"
+            f"scale_down takes only 'removed_dp_ranks'; found unexpected params {extra}",
+            param="params",
         )
     value = params.get("removed_dp_ranks")
     # bool is an int subclass; JSON true must not pass as rank 1.
     if not isinstance(value, list) or not all(type(rank) is int for rank in value):
         raise InvalidCommand(
             "scale_down needs params.removed_dp_ranks as a list of integer DP ranks, "
-            f"e.g. [3]; found {value!r}"
+            f"e.g. [3]; found {value!r}",
+            param=RANKS_PARAM,
         )
     if not value:
-        raise InvalidCommand("removed_dp_ranks is empty: name at least one dead DP rank")
+        raise InvalidCommand(
+            "removed_dp_ranks is empty: name at least one dead DP rank", param=RANKS_PARAM
+        )
     if len(set(value)) != len(value):
-        raise InvalidCommand(f"removed_dp_ranks {value} repeats a rank; list each rank once")
+        raise InvalidCommand(
+            f"removed_dp_ranks {value} repeats a rank; list each rank once", param=RANKS_PARAM
+        )
     outside = sorted(rank for rank in value if not 0 <= rank < world_size)
     if outside:
         raise InvalidCommand(
             f"removed_dp_ranks {outside} are out of range: this cluster has DP ranks "
-            f"0..{world_size - 1} (original rank ids)"
+            f"0..{world_size - 1} (original rank ids)",
+            param=RANKS_PARAM,
         )
     return tuple(sorted(value))
+
+
+def engine_wire(raw: Mapping[str, Any], last: FaultToleranceResult | None) -> dict[str, Any]:
+    """One engine of a cluster status dict as vLLM sends it: ``status`` by lower-case name,
+    ``fault_info`` only while unhealthy, ``last_ft_request_id`` / ``ft_error`` only when
+    set. When the server's last finished command (``last``) failed, it fills them for an
+    engine that did not record that command itself, as vLLM's client does after a failed
+    command: one refused before it reached the engines (retry while a rank is DEAD) still
+    shows on every engine."""
+    engine = dict(raw)
+    health = HealthStatus(int(engine["status"]))
+    engine["status"] = health.name.lower()
+    if health is not HealthStatus.UNHEALTHY:
+        engine.pop("fault_info", None)
+    failed = last is not None and not last.success
+    if failed and last is not None and engine.get("last_ft_request_id") != last.request_id:
+        engine["last_ft_request_id"] = last.request_id
+        engine["ft_error"] = last.reason
+    for key in ("fault_info", "last_ft_request_id", "ft_error"):
+        if engine.get(key) is None:
+            engine.pop(key, None)
+    return engine

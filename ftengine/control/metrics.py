@@ -17,6 +17,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 
 from ftengine.control.snapshot import ClusterView, EngineView, Episode
 from ftengine.faults import Phase
+from ftengine.serving_api import FinishReason
 
 RECOVERY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 
@@ -89,9 +90,18 @@ class ControlMetrics:
             "ftengine_commands", "fault-tolerance commands finished, by instruction and outcome",
             ["instruction", "outcome"], registry=reg,
         )  # fmt: skip
-        self.generations = Counter(
-            "ftengine_generate_requests", "generation requests by outcome", ["outcome"],
-            registry=reg,
+        self.completions = Counter(
+            "ftengine_completions",
+            "completions (one per prompt) finished, by finish_reason (length, stop, abort, error)",
+            ["finish_reason"], registry=reg,
+        )  # fmt: skip
+        for reason in FinishReason:  # every reason shows, at 0 until it happens
+            self.completions.labels(reason.value)
+        self.completion_requests = Counter(
+            "ftengine_completion_requests",
+            "completion requests by outcome: accepted, rejected (bad input, 4xx), "
+            "unavailable (503: the cluster was not serving)",
+            ["outcome"], registry=reg,
         )  # fmt: skip
         self.tokens = Counter("ftengine_generated_tokens", "tokens generated", registry=reg)
 
@@ -105,10 +115,16 @@ class ControlMetrics:
         """Count one finished command."""
         self.commands.labels(instruction, "success" if success else "failure").inc()
 
-    def record_generation(self, outcome: str, tokens: int = 0) -> None:
-        """Count one generation request (``outcome``: ok, unavailable)."""
-        self.generations.labels(outcome).inc()
+    def record_tokens(self, tokens: int, finish_reason: str | None = None) -> None:
+        """Count generated tokens and, when ``finish_reason`` is given, one finished
+        completion (one prompt) with that reason."""
         self.tokens.inc(tokens)
+        if finish_reason is not None:
+            self.completions.labels(finish_reason).inc()
+
+    def record_completion_request(self, outcome: str) -> None:
+        """Count one completion request (``outcome``: accepted, rejected, unavailable)."""
+        self.completion_requests.labels(outcome).inc()
 
     def render(self) -> bytes:
         """The Prometheus text exposition of every metric."""

@@ -29,15 +29,20 @@ def json_body(struct: type[msgspec.Struct]) -> dict[str, Any]:
     }
 
 
-def responses(answers: Mapping[int, tuple[str, type[msgspec.Struct]]]) -> dict[int | str, Any]:
-    """FastAPI ``responses=`` from ``{status: (description, struct)}``."""
-    return {
-        status: {
+Body = type[msgspec.Struct] | Mapping[str, type[msgspec.Struct]]
+"""A JSON body's struct, or ``{media type: struct}`` for an answer with several."""
+
+
+def responses(answers: Mapping[int, tuple[str, Body]]) -> dict[int | str, Any]:
+    """FastAPI ``responses=`` from ``{status: (description, struct or {media: struct})}``."""
+    out: dict[int | str, Any] = {}
+    for status, (description, body) in answers.items():
+        media = body if isinstance(body, Mapping) else {"application/json": body}
+        out[status] = {
             "description": description,
-            "content": {"application/json": {"schema": ref(struct)}},
+            "content": {kind: {"schema": ref(struct)} for kind, struct in media.items()},
         }
-        for status, (description, struct) in answers.items()
-    }
+    return out
 
 
 def install_schema(app: FastAPI, structs: Iterable[type[msgspec.Struct]]) -> None:

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import logging
 import threading
-import time
+import uuid
 from collections.abc import Callable
 from typing import Any
 
@@ -14,15 +14,15 @@ import msgspec
 
 from ftengine.control.ledger import CommandLedger, Spawn, Submission, spawn_thread
 from ftengine.control.messages import (
+    REQUESTS_PATH,
     ApplyAccepted,
     Command,
     CommandRecord,
     FaultToleranceResult,
-    GenerateRequest,
-    GenerateResponse,
     HealthBody,
     StatusBody,
     decode_request,
+    engine_wire,
     validate_request,
 )
 from ftengine.control.metrics import ControlMetrics
@@ -33,11 +33,9 @@ from ftengine.faults import HealthStatus
 
 logger = logging.getLogger(__name__)
 
-REQUESTS_PATH = "/v1/fault_tolerance/requests"
-
 
 class ControlPlane:
-    """Commands, status, health and generation over one ``ClusterHandle``.
+    """Commands, status, health and metrics over one ``ClusterHandle``.
 
     ``spawn`` starts a background job (a thread by default; tests pass one they drive).
     """
@@ -65,11 +63,15 @@ class ControlPlane:
         (bad input) or ``CommandConflict``; in both cases nothing was started.
         """
         request = decode_request(body)
+        # vLLM makes every request id; a client's own id (ftengine's extension) allows replay.
+        request_id = request.request_id or str(uuid.uuid4())
         view = self.view()
-        known = self.ledger.lookup(request.request_id) is not None
+        known = self.ledger.lookup(request_id) is not None
         # A replay is compared with what was recorded, not re-judged against today's state.
         removed = frozenset() if known else view.removed_ranks
-        command = validate_request(request, world_size=view.total_engines, removed=removed)
+        command = validate_request(
+            request, request_id, world_size=view.total_engines, removed=removed
+        )
         submission = self.ledger.submit(command)
         if submission.result is not None:
             return 200, submission.result
@@ -85,13 +87,16 @@ class ControlPlane:
         return None if submission is None else _record(submission)
 
     def status(self) -> dict[str, Any]:
-        """The cluster's status dict, checked against ``StatusBody``, plus the running command."""
-        status = dict(self.cluster.status())
+        """vLLM's status object (``engine_wire``) plus the running command, checked against
+        ``StatusBody`` so that what is sent is what the schema documents."""
+        raw = dict(self.cluster.status())
+        last = self.ledger.last
         try:
+            status = {**raw, "engines": [engine_wire(e, last) for e in raw.get("engines") or ()]}
+            status["running_request_id"] = self.ledger.running
             msgspec.convert(status, StatusBody)
-        except msgspec.ValidationError as exc:
-            raise StatusShapeError(f"cluster status does not match StatusBody: {exc}") from exc
-        status["running_request_id"] = self.ledger.running
+        except (msgspec.ValidationError, KeyError, TypeError, ValueError) as exc:
+            raise StatusShapeError(f"cluster status does not match StatusBody: {exc!r}") from exc
         return status
 
     def health(self) -> HealthBody:
@@ -136,13 +141,6 @@ class ControlPlane:
             thread.join(timeout=5.0)
 
         return halt
-
-    def generate(self, request: GenerateRequest) -> GenerateResponse:
-        """Run one generation on the cluster (blocking)."""
-        start = time.monotonic()
-        tokens = self.cluster.generate(list(request.prompt_token_ids), request.max_tokens)
-        self.metrics.record_generation("ok", len(tokens))
-        return GenerateResponse(token_ids=list(tokens), seconds=time.monotonic() - start)
 
     def _execute(self, command: Command) -> FaultToleranceResult:
         logger.info("running %s %s (request %s)", command.instruction, command.params(),

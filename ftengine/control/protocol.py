@@ -1,9 +1,13 @@
-"""What the control plane needs from a cluster (``ftengine.cluster.Cluster`` satisfies it)."""
+"""What the control plane needs from a cluster, a serving loop and a tokenizer
+(``ftengine.cluster.Cluster``, ``ftengine.cluster.serving.ServingLoop`` and a Hugging Face
+``tokenizers`` tokenizer satisfy them)."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any, Protocol
+
+from ftengine.serving_api import GenerationRequest, Listener
 
 
 class CommandOutcome(Protocol):
@@ -20,10 +24,10 @@ class CommandOutcome(Protocol):
 
 
 class ClusterHandle(Protocol):
-    """The part of the ``Cluster`` API the HTTP layer calls."""
+    """The part of the ``Cluster`` API the fault-tolerance routes call."""
 
     def status(self) -> Mapping[str, Any]:
-        """vLLM-shaped status: ``{"schema_version", "total_engines", "engines": [...]}``."""
+        """``{"schema_version", "total_engines", "engines": [...]}`` with integer statuses."""
         ...
 
     def apply(
@@ -32,6 +36,31 @@ class ClusterHandle(Protocol):
         """Run one command on every live engine, to the end (blocking)."""
         ...
 
-    def generate(self, prompt_token_ids: list[int], max_tokens: int) -> list[int]:
-        """Greedy generation on a live DP rank: returns the new token ids."""
+
+class Ticket(Protocol):
+    """A submitted generation request."""
+
+    def cancel(self) -> None:
+        """Abort it (the client went away); no-op once it finished."""
+        ...
+
+
+class GenerationService(Protocol):
+    """Serves generation requests concurrently (continuous batching)."""
+
+    def submit(self, request: GenerationRequest, listener: Listener) -> Ticket:
+        """Queue ``request``; ``listener`` gets its events from another thread, the last
+        one with a finish reason. Raises an FTEngineError when it cannot be served now."""
+        ...
+
+
+class Tokenizer(Protocol):
+    """Text to token ids and back (``ftengine.control.served_model.HfTokenizer``)."""
+
+    def encode(self, text: str) -> list[int]:
+        """The token ids of ``text`` (with the special tokens the tokenizer adds)."""
+        ...
+
+    def decode(self, token_ids: Sequence[int]) -> str:
+        """The text of ``token_ids`` (special tokens skipped)."""
         ...

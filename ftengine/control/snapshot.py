@@ -1,4 +1,5 @@
-"""Typed views of a cluster status dict (vLLM's shape plus phase, epoch, timeline).
+"""Typed views of a cluster status dict (vLLM's shape plus phase, epoch, timeline), as the
+cluster reports it or as ``GET /fault_tolerance/status`` sends it.
 
 The HTTP layer, health, metrics and the demo all read status through these views so a
 change in the status dict is absorbed in one place.
@@ -161,10 +162,11 @@ class EngineView:
         number."""
         try:
             engine_id = int(raw["id"])
-            status = HealthStatus(int(raw["status"]))
+            status = _health(raw["status"])
         except (KeyError, TypeError, ValueError) as exc:
             raise StatusShapeError(
-                f"engine entry {dict(raw)!r} needs an integer 'id' and a vLLM 'status' (0, 1, 2)"
+                f"engine entry {dict(raw)!r} needs an integer 'id' and a vLLM 'status' (0, 1, 2, "
+                "or on the wire 'healthy', 'dead', 'unhealthy')"
             ) from exc
         episodes = _episodes(raw.get("episodes") or raw.get("timeline"))
         return cls(
@@ -218,6 +220,16 @@ class ClusterView:
             if engine.id == engine_id:
                 return engine
         raise KeyError(f"no engine {engine_id}; engines are {[e.id for e in self.engines]}")
+
+
+def _health(value: object) -> HealthStatus:
+    """A status as the cluster reports it (vLLM's integer) or as vLLM's REST API sends it
+    (the lower-case name)."""
+    if isinstance(value, str):
+        return HealthStatus[value.upper()]
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"status must be an int or a name, found {value!r}")
+    return HealthStatus(value)
 
 
 def _numbers(episodes: Sequence[Episode]) -> list[int]:

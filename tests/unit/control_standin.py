@@ -1,8 +1,10 @@
-"""An in-memory stand-in for ``ftengine.cluster.Cluster`` for the control-plane unit tests.
+"""In-memory stand-ins for ``ftengine.cluster.Cluster`` and its serving loop, for the
+control-plane unit tests.
 
-It keeps vLLM's rules that the HTTP layer relies on (a DEAD engine rejects retry with
-"status is DEAD", commands only while UNHEALTHY, scale-down must name a newly dead rank)
-and records every call so tests can prove that bad input changed nothing.
+The cluster keeps vLLM's rules that the HTTP layer relies on (a DEAD engine rejects retry
+with "status is DEAD", commands only while UNHEALTHY, scale-down must name a newly dead
+rank); the service generates a fixed continuation while the cluster serves. Both record
+every call so tests can prove that bad input changed nothing.
 """
 
 from __future__ import annotations
@@ -13,9 +15,12 @@ from typing import Any
 import attrs
 
 from ftengine.clock import ManualClock
+from ftengine.control.served_model import ServedModel
 from ftengine.errors import BackendError
 from ftengine.faults import Phase
+from ftengine.model_limits import ModelLimits
 from ftengine.recovery import sequence
+from ftengine.serving_api import FinishReason, GenerationRequest, Listener, TokenEvent
 
 
 @attrs.frozen
@@ -48,7 +53,11 @@ class Generated:
 
 def continuation(prompt: list[int], max_tokens: int) -> list[int]:
     """What the stand-in generates for ``prompt``."""
-    return [(prompt[-1] + i + 1) % 1000 for i in range(max_tokens)]
+    return [(prompt[-1] + i + 1) % VOCAB for i in range(max_tokens)]
+
+
+VOCAB = 1000
+POISON = 666  # a prompt holding this id "cannot be computed": it fails alone (error)
 
 
 @attrs.frozen
@@ -254,3 +263,57 @@ def _ranks(params: Mapping[str, object]) -> list[int]:
     ranks = params["removed_dp_ranks"]
     assert isinstance(ranks, list)
     return ranks
+
+
+class StandInTicket:
+    def __init__(self, service: StandInService, request: GenerationRequest) -> None:
+        self._service = service
+        self._request = request
+
+    def cancel(self) -> None:
+        self._service.cancelled.append(self._request)
+
+
+class StandInService:
+    """A ``GenerationService`` over a ``StandInCluster``: serves while the cluster does,
+    emitting ``continuation`` token by token (synchronously, inside ``submit``).
+
+    ``abort_after`` aborts every request after that many tokens (a fault mid-generation).
+    """
+
+    def __init__(self, cluster: StandInCluster) -> None:
+        self.cluster = cluster
+        self.requests: list[GenerationRequest] = []
+        self.cancelled: list[GenerationRequest] = []
+        self.abort_after: int | None = None
+
+    def submit(self, request: GenerationRequest, listener: Listener) -> StandInTicket:
+        live = self.cluster._live()
+        if not live or any(
+            self.cluster.phases[r] not in (Phase.RUNNING, Phase.HEALTHY) for r in live
+        ):
+            raise BackendError("cluster is recovering; no healthy DP rank to serve")
+        self.requests.append(request)
+        if POISON in request.prompt_token_ids:
+            listener(TokenEvent(finish_reason=FinishReason.ERROR, detail="rank 0: poisoned"))
+            return StandInTicket(self, request)
+        tokens = continuation(list(request.prompt_token_ids), request.max_tokens)
+        for count, token in enumerate(tokens, start=1):
+            if self.abort_after is not None and count > self.abort_after:
+                listener(TokenEvent(finish_reason=FinishReason.ABORT, detail="step failed"))
+                break
+            if token in request.stop_token_ids:
+                listener(TokenEvent((token,), FinishReason.STOP, stop_reason=token))
+                break
+            last = count == len(tokens)
+            listener(TokenEvent((token,), FinishReason.LENGTH if last else None))
+        return StandInTicket(self, request)
+
+
+def standin_model(vocab: int = VOCAB, max_model_len: int = 64) -> ServedModel:
+    """The model the stand-in service "serves" (token ids only: no tokenizer)."""
+    return ServedModel(
+        name="standin",
+        root="/checkpoints/standin",
+        limits=ModelLimits(vocab_size=vocab, max_model_len=max_model_len),
+    )

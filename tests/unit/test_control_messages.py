@@ -1,4 +1,5 @@
-"""Decoding and validation of fault-tolerance commands: every bad input names its problem."""
+"""Decoding and validation of fault-tolerance commands by vLLM's rules, and the status of
+one engine as vLLM sends it."""
 
 from __future__ import annotations
 
@@ -6,11 +7,13 @@ import json
 
 import pytest
 
+from ftengine.control.errors import InvalidCommand, InvalidRequest
 from ftengine.control.messages import (
     Command,
     FaultToleranceRequest,
-    InvalidCommand,
+    FaultToleranceResult,
     decode_request,
+    engine_wire,
     validate_request,
 )
 
@@ -25,16 +28,16 @@ def test_decodes_vllm_shaped_scale_down() -> None:
     assert request == FaultToleranceRequest(
         instruction="scale_down", params={"removed_dp_ranks": [3]}, request_id="r1"
     )
-    command = validate_request(request, world_size=4)
+    command = validate_request(request, "r1", world_size=4)
     assert command == Command("scale_down", "r1", (3,))
     assert command.params() == {"removed_dp_ranks": [3]}
 
 
-def test_retry_params_default_to_empty() -> None:
-    command = validate_request(
-        decode_request(_body(instruction="retry", request_id="x")), world_size=4
-    )
-    assert command == Command("retry", "x")
+def test_a_vllm_body_has_no_request_id_and_retry_params_default_to_empty() -> None:
+    request = decode_request(_body(instruction="retry"))
+    assert request.request_id is None and request.params == {}
+    command = validate_request(request, "made-by-server", world_size=4)
+    assert command == Command("retry", "made-by-server")
     assert command.params() == {}
 
 
@@ -42,30 +45,37 @@ def test_cumulative_ranks_are_sorted() -> None:
     request = decode_request(
         _body(instruction="scale_down", params={"removed_dp_ranks": [3, 1]}, request_id="r")
     )
-    assert validate_request(request, world_size=4, removed=frozenset({3})).removed_dp_ranks == (
-        1,
-        3,
-    )
+    command = validate_request(request, "r", world_size=4, removed=frozenset({3}))
+    assert command.removed_dp_ranks == (1, 3)
 
 
 @pytest.mark.parametrize(
-    ("body", "needle"),
+    ("body", "needle", "param"),
     [
-        (b"{not json", "not valid JSON"),
-        (b"[1, 2]", "does not match FaultToleranceRequest"),
-        (_body(instruction="reboot", params={}, request_id="r"), "unknown instruction 'reboot'"),
-        (_body(params={}, request_id="r"), "missing required field `instruction`"),
-        (_body(instruction="retry", params={}), "missing required field `request_id`"),
-        (_body(instruction="retry", request_id=""), "length >= 1"),
-        (_body(instruction="retry", request_id="r" * 129), "length <= 128"),
-        (_body(instruction="retry", params=[], request_id="r"), "Expected `object`"),
-        (_body(instruction="retry", request_id="r", extra=1), "unknown field `extra`"),
+        (b"{not json", "Invalid JSON format", None),
+        (b"[1, 2]", "Request body must be a JSON object. Found list", None),
+        (_body(instruction="reboot", params={}), "Invalid instruction: 'reboot'.", "instruction"),
+        (_body(instruction=3), "Invalid instruction: '3'.", "instruction"),
+        (_body(params={}), "'instruction' is required.", "instruction"),
+        (_body(instruction=None), "'instruction' is required.", "instruction"),
+        (_body(instruction="retry", params=[]), "'params' must be an object.", "params"),
+        (_body(instruction="retry", request_id=""), "1 to 128 characters", "request_id"),
+        (_body(instruction="retry", request_id="r" * 129), "1 to 128 characters", "request_id"),
+        (_body(instruction="retry", request_id=["r"]), "found ['r']", "request_id"),
     ],
 )
-def test_malformed_bodies_are_rejected_with_a_reason(body: bytes, needle: str) -> None:
-    with pytest.raises(InvalidCommand, match=None) as info:
+def test_malformed_bodies_are_rejected_with_a_reason(
+    body: bytes, needle: str, param: str | None
+) -> None:
+    with pytest.raises(InvalidRequest) as info:
         decode_request(body)
-    assert needle in str(info.value)
+    assert needle in str(info.value) and info.value.param == param
+    assert info.value.status == 400 and info.value.err_type == "Bad Request"
+
+
+def test_unknown_fields_are_ignored_like_vllm() -> None:
+    request = decode_request(_body(instruction="retry", request_id="r", extra=1))
+    assert request == FaultToleranceRequest(instruction="retry", params={}, request_id="r")
 
 
 @pytest.mark.parametrize(
@@ -91,5 +101,41 @@ def test_bad_params_are_rejected_with_a_reason(
 ) -> None:
     request = decode_request(_body(instruction=instruction, params=params, request_id="r"))
     with pytest.raises(InvalidCommand) as info:
-        validate_request(request, world_size=4, removed=frozenset(removed))
+        validate_request(request, "r", world_size=4, removed=frozenset(removed))
     assert needle in str(info.value)
+    assert info.value.param in ("params", "params.removed_dp_ranks")
+
+
+ENGINE = {
+    "id": 2,
+    "status": 2,
+    "phase": "quarantined",
+    "fault_info": "PeerDead",
+    "last_ft_request_id": None,
+    "ft_error": None,
+    "removed_ranks": [],
+    "epoch": 0,
+}
+
+
+def test_an_engine_goes_out_with_vllms_status_name_and_optional_fields() -> None:
+    unhealthy = engine_wire(ENGINE, None)
+    assert unhealthy["status"] == "unhealthy" and unhealthy["fault_info"] == "PeerDead"
+    assert "last_ft_request_id" not in unhealthy and "ft_error" not in unhealthy
+    assert unhealthy["phase"] == "quarantined", "ftengine's extras stay"
+    healthy = engine_wire({**ENGINE, "status": 0, "phase": "healthy"}, None)
+    assert healthy["status"] == "healthy" and "fault_info" not in healthy
+    dead = engine_wire({**ENGINE, "status": 1, "fault_info": "killed by SIGKILL"}, None)
+    assert dead["status"] == "dead" and "fault_info" not in dead
+    assert ENGINE["status"] == 2, "the cluster's dict is not changed"
+
+
+def test_a_failed_command_shows_on_engines_that_did_not_record_it() -> None:
+    refused = FaultToleranceResult(request_id="r1", success=False, reason="engine 3 is DEAD")
+    shown = engine_wire(ENGINE, refused)
+    assert (shown["last_ft_request_id"], shown["ft_error"]) == ("r1", "engine 3 is DEAD")
+    own = {**ENGINE, "last_ft_request_id": "r1", "ft_error": "engine 2: its own reason"}
+    assert engine_wire(own, refused)["ft_error"] == "engine 2: its own reason"
+    done = FaultToleranceResult(request_id="r2", success=True)
+    assert "ft_error" not in engine_wire(ENGINE, done)
+    assert "last_ft_request_id" not in engine_wire(ENGINE, done)

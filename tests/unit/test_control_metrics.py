@@ -10,9 +10,10 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from ftengine.control.app import create_app
 from ftengine.control.metrics import ControlMetrics
+from ftengine.control.openai_routes import Completions
 from ftengine.control.snapshot import ClusterView, EngineView, Episode, PhaseMark, StepMark
 from ftengine.faults import HealthStatus
-from tests.unit.control_standin import Jobs, StandInCluster
+from tests.unit.control_standin import POISON, Jobs, StandInCluster, StandInService, standin_model
 
 
 def _samples(client: TestClient) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
@@ -35,7 +36,8 @@ def _value(
 @pytest.fixture
 def setup() -> tuple[StandInCluster, Jobs, TestClient]:
     cluster, jobs = StandInCluster(), Jobs()
-    return cluster, jobs, TestClient(create_app(cluster, spawn=jobs))
+    completions = Completions(StandInService(cluster), standin_model())
+    return cluster, jobs, TestClient(create_app(cluster, completions=completions, spawn=jobs))
 
 
 def test_kill_and_scale_down_move_every_counter_once(
@@ -57,7 +59,7 @@ def test_kill_and_scale_down_move_every_counter_once(
     for request_id, params in (("r", {}), ("s", {"removed_dp_ranks": [3]})):
         instruction = "retry" if request_id == "r" else "scale_down"
         body = {"instruction": instruction, "params": params, "request_id": request_id}
-        client.post("/v1/fault_tolerance/apply", json=body)
+        client.post("/fault_tolerance/apply", json=body)
         jobs.run_all()
     done = _samples(client)
     hist = "ftengine_recovery_duration_seconds"
@@ -79,17 +81,31 @@ def test_kill_and_scale_down_move_every_counter_once(
     assert _samples(client) == done
 
 
-def test_generation_counts_tokens_and_unavailable_requests(
+def test_completions_count_by_finish_reason_and_requests_by_outcome(
     setup: tuple[StandInCluster, Jobs, TestClient],
 ) -> None:
     cluster, _, client = setup
-    client.post("/v1/generate", json={"prompt_token_ids": [1, 2], "max_tokens": 4})
+    quiet = _samples(client)
+    for reason in ("length", "stop", "abort", "error"):
+        assert ("ftengine_completions_total", (("finish_reason", reason),)) in quiet
+    client.post("/v1/completions", json={"prompt": [1, 2], "max_tokens": 4})
+    client.post("/v1/completions", json={"prompt": [[1], [5]], "max_tokens": 4, "stream": True})
+    client.post("/v1/completions", json={"prompt": [1], "max_tokens": 9, "stop_token_ids": [3]})
+    client.post("/v1/completions", json={"prompt": [POISON], "max_tokens": 2})
+    client.post("/v1/completions", json={"prompt": [1, 2, 99999]})
     cluster.inject(0)
-    client.post("/v1/generate", json={"prompt_token_ids": [1, 2], "max_tokens": 4})
+    client.post("/v1/completions", json={"prompt": [1, 2], "max_tokens": 4})
     samples = _samples(client)
-    assert _value(samples, "ftengine_generate_requests_total", outcome="ok") == 1.0
-    assert _value(samples, "ftengine_generate_requests_total", outcome="unavailable") == 1.0
-    assert _value(samples, "ftengine_generated_tokens_total") == 4.0
+    completions = "ftengine_completions_total"
+    assert _value(samples, completions, finish_reason="length") == 3.0
+    assert _value(samples, completions, finish_reason="stop") == 1.0
+    assert _value(samples, completions, finish_reason="error") == 1.0
+    assert _value(samples, completions, finish_reason="abort") == 0.0
+    requests = "ftengine_completion_requests_total"
+    assert _value(samples, requests, outcome="accepted") == 4.0
+    assert _value(samples, requests, outcome="rejected") == 1.0
+    assert _value(samples, requests, outcome="unavailable") == 1.0
+    assert _value(samples, "ftengine_generated_tokens_total") == 4.0 + 4.0 + 4.0 + 2.0
     assert _value(samples, "ftengine_faults_total", kind="transient") == 4.0
 
 

@@ -13,9 +13,15 @@ from fastapi.routing import APIRoute
 from fastapi.testclient import TestClient
 
 from ftengine.control.app import create_app
-from ftengine.control.messages import FaultToleranceRequest, GenerateRequest
+from ftengine.control.messages import FaultToleranceRequest
+from ftengine.control.openai_messages import CompletionRequest, CompletionStreamResponse
+from ftengine.control.openai_routes import Completions
 from ftengine.errors import BackendError
-from tests.unit.control_standin import Jobs, StandInCluster
+from tests.unit.control_standin import POISON, Jobs, StandInCluster, StandInService, standin_model
+
+APPLY, STATUS = "/fault_tolerance/apply", "/fault_tolerance/status"
+REQ = "/fault_tolerance/requests/{request_id}"
+COMPLETIONS = "/v1/completions"
 
 _TYPES: dict[str, tuple[type, ...]] = {
     "object": (dict,),
@@ -86,9 +92,12 @@ def _object_errors(
 class Checked:
     """A TestClient wrapper that checks every answer against the published schema."""
 
-    def __init__(self) -> None:
-        self.cluster, self.jobs = StandInCluster(), Jobs()
-        self.app = create_app(self.cluster, spawn=self.jobs)
+    def __init__(self, cluster: StandInCluster | None = None, api_key: str | None = None) -> None:
+        self.cluster, self.jobs = cluster or StandInCluster(), Jobs()
+        completions = Completions(StandInService(self.cluster), standin_model())
+        self.app = create_app(
+            self.cluster, completions=completions, api_key=api_key, spawn=self.jobs
+        )
         self.client = TestClient(self.app)
         self.schema: dict[str, Any] = self.client.get("/openapi.json").json()
         self.seen: set[tuple[str, str, int]] = set()
@@ -108,8 +117,25 @@ class Checked:
                 answer.json(), content["application/json"]["schema"], self.schema
             )
             assert errors == [], f"{method} {path} {status}: {errors}"
+        if media == "text/event-stream":
+            for event in stream_events(answer.text):
+                errors = schema_errors(event, content[media]["schema"], self.schema)
+                if "error" in event:  # an error event mid-stream is vLLM's error object
+                    errors = schema_errors(event, self._ref("ErrorResponse"), self.schema)
+                assert errors == [], f"{method} {path} {status} event {event}: {errors}"
         self.seen.add((method, template or path, answer.status_code))
         return answer
+
+    @staticmethod
+    def _ref(name: str) -> dict[str, Any]:
+        return {"$ref": f"#/components/schemas/{name}"}
+
+
+def stream_events(text: str) -> list[dict[str, Any]]:
+    """The JSON events of a server-sent event stream, which must end with [DONE]."""
+    data = [line.removeprefix("data: ") for line in text.split("\n\n") if line]
+    assert data[-1] == "[DONE]", f"the stream must end with data: [DONE], got {data[-1:]}"
+    return [msgspec.json.decode(item) for item in data[:-1]]
 
 
 @pytest.fixture
@@ -128,61 +154,68 @@ def test_schema_lists_exactly_the_served_routes(api: Checked) -> None:
     }
     published = {(method, path) for path, item in api.schema["paths"].items() for method in item}
     assert served == published
-    assert ("post", "/v1/fault_tolerance/apply") in published
+    assert {("post", APPLY), ("get", STATUS), ("post", COMPLETIONS), ("get", "/v1/models")} <= (
+        published
+    )
+    assert not any(path.startswith("/v1/fault_tolerance") for _, path in published)
 
 
 def test_request_bodies_are_the_decoding_structs(api: Checked) -> None:
     _, components = msgspec.json.schema_components(
-        (FaultToleranceRequest, GenerateRequest), ref_template="#/components/schemas/{name}"
+        (FaultToleranceRequest, CompletionRequest, CompletionStreamResponse),
+        ref_template="#/components/schemas/{name}",
     )
     published = api.schema["components"]["schemas"]
     for name, schema in components.items():
         assert published[name] == schema
-    for path, struct in (
-        ("/v1/fault_tolerance/apply", "FaultToleranceRequest"),
-        ("/v1/generate", "GenerateRequest"),
-    ):
+    for path, struct in ((APPLY, "FaultToleranceRequest"), (COMPLETIONS, "CompletionRequest")):
         body = api.schema["paths"][path]["post"]["requestBody"]
         assert body["required"] is True
         assert body["content"]["application/json"]["schema"]["$ref"].endswith(f"/{struct}")
         assert api.schema["paths"][path]["post"]["security"] == [{"HTTPBearer": []}]
+    assert "scale_down" in api.schema["paths"][APPLY]["post"]["summary"]
+    assert "#46370" in api.schema["paths"][APPLY]["post"]["summary"]
 
 
 def test_every_answer_is_documented_and_matches_its_schema(api: Checked) -> None:
-    apply, req = "/v1/fault_tolerance/apply", "/v1/fault_tolerance/requests/{request_id}"
-    api.call("GET", "/v1/fault_tolerance/status")
+    api.call("GET", STATUS)
     api.call("GET", "/health")
     api.call("GET", "/metrics")
-    api.call("POST", "/v1/generate", json={"prompt_token_ids": [1, 2], "max_tokens": 2})
+    api.call("GET", "/v1/models")
+    api.call("POST", COMPLETIONS, json={"prompt": [1, 2], "max_tokens": 2})
+    api.call("POST", COMPLETIONS, json={"prompt": [[1, 2], [3]], "return_token_ids": True})
+    stream = {"prompt": [1], "max_tokens": 3, "stream": True}
+    api.call("POST", COMPLETIONS, json={**stream, "stream_options": {"include_usage": True}})
+    api.call("POST", COMPLETIONS, json={**stream, "prompt": [POISON]})
+    api.call("POST", COMPLETIONS, json={"prompt": [POISON]})
+    api.call("POST", COMPLETIONS, json={"prompt": [1, 99999]})
+    api.call("POST", COMPLETIONS, json={"prompt": [1], "model": "other"})
     api.cluster.kill(3)
     api.call("GET", "/health")
-    api.call("POST", "/v1/generate", json={"prompt_token_ids": [1]})
-    api.call("POST", "/v1/generate", json={"prompt_token_ids": []})
+    api.call("POST", COMPLETIONS, json={"prompt": [1]})
     body = {"instruction": "scale_down", "params": {"removed_dp_ranks": [3]}, "request_id": "s"}
-    api.call("POST", apply, json=body)
-    api.call("POST", apply, json=body)
-    api.call("POST", apply, json={**body, "request_id": "t"})
-    api.call("GET", "/v1/fault_tolerance/requests/s", template=req)
+    api.call("POST", APPLY, json=body)
+    api.call("POST", APPLY, json=body)
+    api.call("POST", APPLY, json={**body, "request_id": "t"})
+    api.call("GET", "/fault_tolerance/requests/s", template=REQ)
     api.jobs.run_all()
-    api.call("GET", "/v1/fault_tolerance/requests/s", template=req)
-    api.call("GET", "/v1/fault_tolerance/requests/zz", template=req)
-    api.call("POST", apply, json=body)
-    api.call("POST", apply, json={"instruction": "nope", "request_id": "x"})
-    api.call("GET", "/v1/fault_tolerance/status")
+    api.call("GET", "/fault_tolerance/requests/s", template=REQ)
+    api.call("GET", "/fault_tolerance/requests/zz", template=REQ)
+    api.call("POST", APPLY, json=body)
+    api.call("POST", APPLY, json={"instruction": "nope"})
+    api.call("GET", STATUS)
     statuses = {(path, status) for _, path, status in api.seen}
-    expected = {(apply, 202), (apply, 200), (apply, 409), (apply, 422), (req, 200), (req, 404)}
-    expected |= {("/health", 200), ("/health", 503), ("/v1/generate", 503), ("/v1/generate", 422)}
+    expected = {(APPLY, 202), (APPLY, 200), (APPLY, 409), (APPLY, 400), (REQ, 200), (REQ, 404)}
+    expected |= {("/health", 200), ("/health", 503), ("/v1/models", 200)}
+    expected |= {(COMPLETIONS, code) for code in (200, 400, 404, 500, 503)}
     assert expected <= statuses
 
 
 def test_auth_answers_are_documented_too() -> None:
-    cluster, jobs = StandInCluster(), Jobs()
-    client = TestClient(create_app(cluster, api_key="k", spawn=jobs))
-    schema = client.get("/openapi.json").json()
-    answer = client.post("/v1/generate", json={"prompt_token_ids": [1]})
-    assert answer.status_code == 401
-    assert "401" in schema["paths"]["/v1/generate"]["post"]["responses"]
-    assert schema_errors(answer.json(), {"$ref": "#/components/schemas/ErrorBody"}, schema) == []
+    api = Checked(api_key="k")
+    for method, path in (("POST", COMPLETIONS), ("POST", APPLY), ("GET", "/v1/models")):
+        answer = api.call(method, path, json={"prompt": [1]} if method == "POST" else None)
+        assert answer.status_code == 401
 
 
 @pytest.mark.parametrize(
@@ -205,7 +238,7 @@ def test_the_server_accepts_exactly_the_bodies_the_schema_accepts(
         schema_errors(body, {"$ref": "#/components/schemas/FaultToleranceRequest"}, api.schema)
         == []
     )
-    answer = api.call("POST", "/v1/fault_tolerance/apply", json=body)
+    answer = api.call("POST", APPLY, json=body)
     assert (answer.status_code == 202) == schema_ok
 
 
@@ -216,9 +249,11 @@ def test_the_schema_checker_itself_catches_mismatches(api: Checked) -> None:
     assert schema_errors({"success": True}, result, api.schema) == ["$: missing 'request_id'"]
     assert schema_errors({"request_id": 1, "success": True}, result, api.schema) != []
     assert schema_errors({"request_id": "r", "success": 1}, result, api.schema) != []
-    body = {"instruction": "retry", "request_id": "r", "x": 1}
-    assert schema_errors(body, request, api.schema) == ["$: unexpected 'x'"]
+    assert schema_errors({"instruction": "retry", "x": 1}, request, api.schema) == []
+    assert schema_errors({"request_id": "r"}, request, api.schema) == ["$: missing 'instruction'"]
     assert schema_errors({"instruction": "go", "request_id": "r"}, request, api.schema) != []
+    no_extras = {"type": "object", "properties": {}, "additionalProperties": False}
+    assert schema_errors({"x": 1}, no_extras, api.schema) == ["$: unexpected 'x'"]
 
 
 class ShutDown(StandInCluster):
@@ -229,14 +264,12 @@ class ShutDown(StandInCluster):
 
 
 def test_a_cluster_that_is_gone_answers_documented_503s() -> None:
-    api = Checked()
-    api.app = create_app(ShutDown(), spawn=api.jobs)
-    api.client = TestClient(api.app)
+    api = Checked(ShutDown())
     health = api.call("GET", "/health")
     assert health.status_code == 503 and "shut down" in health.json()["detail"]
-    for method, path in (("GET", "/v1/fault_tolerance/status"), ("GET", "/metrics")):
+    for method, path in (("GET", STATUS), ("GET", "/metrics")):
         answer = api.call(method, path)
-        assert answer.status_code == 503 and "shut down" in answer.json()["detail"]
+        assert answer.status_code == 503 and "shut down" in answer.json()["error"]["message"]
     body = {"instruction": "retry", "params": {}, "request_id": "r"}
-    assert api.call("POST", "/v1/fault_tolerance/apply", json=body).status_code == 503
+    assert api.call("POST", APPLY, json=body).status_code == 503
     assert api.jobs.queue == []
