@@ -36,12 +36,20 @@ class RequestAborted(FTEngineError, RuntimeError):
 class StepFailed(RequestAborted):
     """A fault hit the step. ``failed``: the ranks whose step failed; ``culprits``: those
     that raised an error of their own (not a peer's), the ranks a poison request may be on.
-    With re-inference on, the items' caches were kept up to the step before (it is re-run)."""
+    With re-inference on, the items' caches were kept up to the step before (it is re-run).
+    ``refused``: every failed rank only refused the step as not serving (nothing ran)."""
 
-    def __init__(self, message: str, failed: frozenset[int], culprits: frozenset[int]) -> None:
+    def __init__(
+        self,
+        message: str,
+        failed: frozenset[int],
+        culprits: frozenset[int],
+        refused: bool = False,
+    ) -> None:
         super().__init__(message)
         self.failed = failed
         self.culprits = culprits
+        self.refused = refused
 
 
 @attrs.frozen
@@ -257,10 +265,14 @@ class StepRunner:
             self._announce_transient(step, workers, replies, failed)
         culprits = frozenset(_culprits(replies, failed))
         if self._config.reinference_bounds is not None:
+            refused = all(
+                rank in replies and replies[rank].error_type == "NotServing" for rank in failed
+            )
             raise StepFailed(
                 f"step {step} failed ({detail}); its requests are held for re-inference",
                 frozenset(failed),
                 culprits,
+                refused,
             )
         for rank, mine in items.items():
             self.release(rank, [item.request_id for item in mine])

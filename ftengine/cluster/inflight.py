@@ -47,6 +47,7 @@ class Held:
     resumption: Resumption
     probe: PoisonProbe = attrs.field(factory=PoisonProbe)
     since: float | None = None
+    clean: set[str] = attrs.field(factory=set)  # ran a clean step since the last fault
 
     def hold(self) -> None:
         """The cluster does not serve: start (or keep) the hold clock."""
@@ -56,6 +57,11 @@ class Held:
     def resumed(self) -> None:
         """A step ran clean: nothing is held any more."""
         self.since = None
+
+    def cleared(self, request_id: str) -> None:
+        """``request_id`` ran a clean step (or ended): no longer suspected."""
+        self.probe.cleared(request_id)
+        self.clean.add(request_id)
 
     def give_up(self) -> str | None:
         """Why every held request must end now (DEAD, or past the deadline), or None."""
@@ -70,6 +76,8 @@ class Held:
         """A step with items ``ran`` failed: count their re-runs and say which requests end
         now (the poison one alone, or those over the re-run limit)."""
         self.hold()
+        if exc.refused:  # nothing ran (the engines were not serving yet): no re-run spent
+            return []
         lone = self._lone_probe(ran)
         if lone is not None and exc.culprits == {lone[1]}:
             # Its batch-mates are not charged: the fault was the poison's, not theirs.
@@ -87,12 +95,16 @@ class Held:
         )
         for request_id in ended:
             self.probe.cleared(request_id)
+        self.clean = set()
         return endings
 
     def _lone_probe(self, ran: Sequence[Ran]) -> tuple[str, int] | None:
+        """The probe, if it ran and every other request on its rank had run clean steps
+        without it since the fault (so a fault on that rank now is the probe's)."""
         probe = self.probe.probe()
         ranks = {rid: rank for rid, rank, _ in ran}
         if probe is None or probe not in ranks:
             return None
         rank = ranks[probe]
-        return (probe, rank) if sum(1 for r in ranks.values() if r == rank) == 1 else None
+        mates = [rid for rid, r in ranks.items() if r == rank and rid != probe]
+        return (probe, rank) if all(rid in self.clean for rid in mates) else None

@@ -291,7 +291,7 @@ class ServingLoop:
         lost cache to recompute on the next step)."""
         rid = running.request_id
         if self._held is not None:
-            self._held.probe.cleared(rid)
+            self._held.cleared(rid)
         out = result.outputs.get(rid)
         if out is not None:
             try:
