@@ -5,6 +5,7 @@ request is found and ends alone with the documented reason."""
 
 from __future__ import annotations
 
+import signal
 from pathlib import Path
 
 import pytest
@@ -65,6 +66,34 @@ def test_a_poison_request_ends_alone_and_its_batch_mates_finish(
         assert "poison request" in (last.detail or ""), last
         for index, listener in enumerate(good):
             assert listener.wait().finish_reason is FinishReason.LENGTH
+            assert listener.tokens == list(reference[index].token_ids), f"prompt {index}"
+    finally:
+        loop.close()
+
+
+@pytest.mark.timeout(240)
+def test_sigkill_and_scale_down_resume_the_dead_ranks_requests_on_survivors(
+    launch: Launcher, checkpoint: Path
+) -> None:
+    tokens = 40
+    reference = reference_generate(checkpoint, PROMPTS, tokens)
+    cluster = launch()
+    loop = ServingLoop(cluster, resumption=cluster.resumption()).start()
+    try:
+        got = [Collected() for _ in PROMPTS]
+        start = cluster.steps_run
+        for index, prompt in enumerate(PROMPTS):
+            loop.submit(GenerationRequest(prompt, tokens), got[index])
+        wait_steps(cluster, start + 4)
+        cluster.kill(3, signal.SIGKILL)
+        dead = cluster.wait_for(lambda s: s["engines"][3]["status"] == 1, 30.0)
+        assert dead is not None, cluster.status()
+        assert any(not listener.done.is_set() for listener in got), "all finished before"
+        result = cluster.apply("scale_down", {"removed_dp_ranks": [3]}, "reinference-sd")
+        assert result.success, result.reason
+        for index, listener in enumerate(got):
+            last = listener.wait()
+            assert last.finish_reason is FinishReason.LENGTH, last
             assert listener.tokens == list(reference[index].token_ids), f"prompt {index}"
     finally:
         loop.close()
