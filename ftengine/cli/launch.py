@@ -79,6 +79,17 @@ def add_cluster_args(parser: argparse.ArgumentParser, *, policy: str = "orchestr
         help="seconds an UNHEALTHY engine waits for a command before it is DEAD",
     )
     group.add_argument(
+        "--max-reinference",
+        type=int,
+        default=3,
+        help="re-runs of one request after faults before it is aborted (token re-inference)",
+    )
+    group.add_argument(
+        "--no-reinference",
+        action="store_true",
+        help="a fault aborts every in-flight request instead of holding and resuming it",
+    )
+    group.add_argument(
         "--inject-fault",
         default=None,
         metavar="SPEC",
@@ -163,6 +174,8 @@ def cluster_config(
         "heartbeat_s": args.heartbeat,
         "recovery_timeout_s": args.recovery_timeout,
         "inject_fault": args.inject_fault,
+        "reinference": not args.no_reinference,
+        "max_reinference": args.max_reinference,
     }
     fields.update(overrides)
     return ClusterConfig(**fields)  # type: ignore[arg-type]

@@ -88,7 +88,7 @@ def _serve(args: argparse.Namespace, sock: socket.socket, checkpoint: Path, key:
 
     model = ServedModel.from_checkpoint(checkpoint, args.served_model_name)
     cluster = Cluster.launch(launch.cluster_config(args, checkpoint))
-    serving = ServingLoop(cluster).start()
+    serving = ServingLoop(cluster, resumption=cluster.resumption()).start()
     try:
         app = create_app(cluster, completions=Completions(serving, model), api_key=key)
         stop_observer = app.state.plane.observe_every(0.25)

@@ -10,6 +10,7 @@ import attrs
 from ftengine.cluster.faults_inject import FaultSpec
 from ftengine.errors import ConfigError
 from ftengine.policies.registry import POLICY_NAMES, PolicyName
+from ftengine.reinference import DEFAULT_MAX_REINFERENCE, Reinference
 
 # torch.distributed's default process-group timeout (30 min): what a gloo collective waits
 # for a peer in a cluster without ftengine.
@@ -87,6 +88,22 @@ class ClusterConfig:
     command. The same in both modes: the model, the MC2-style dispatch (its elastic_info
     lookup is skipped while no rank is masked, being the identity then), the per-step DP
     sync all-reduce and its lockstep check, and fault injection."""
+    reinference: bool = True
+    """Token-level re-inference (``ftengine.reinference``): a fault holds the serving loop's
+    in-flight requests and resumes them after recovery instead of aborting them. Off (or
+    with fault tolerance off): a fault aborts every in-flight request, as before."""
+    max_reinference: int = attrs.field(
+        default=DEFAULT_MAX_REINFERENCE, validator=attrs.validators.ge(0)
+    )
+    """How many times one request may be re-run after faults before it is aborted."""
+
+    @property
+    def reinference_bounds(self) -> Reinference | None:
+        """The bounds held requests live under, or None when re-inference is off (held
+        requests never wait past ``recovery_timeout_s``, the engines' own deadline)."""
+        if not (self.reinference and self.fault_tolerance):
+            return None
+        return Reinference(self.max_reinference, self.recovery_timeout_s)
 
     @property
     def worker_op_timeout_s(self) -> float:

@@ -3,14 +3,17 @@
 Kinds: ``raise`` (a transient error in the forward pass at ``step``), ``hang`` (the
 worker's main thread stops at ``step`` while its heartbeat thread keeps beating, like a
 stuck device op), ``kill`` (the worker SIGKILLs itself at ``step``) and ``reload_error``
-(the worker's next expert reload fails; ``step`` is ignored). Each injection fires once.
+(the worker's next expert reload fails; ``step`` is ignored). Each injection fires once,
+except ``poison`` (``"kind=poison,token=77"``): every rank's forward pass raises in every
+step that feeds token id ``token`` (``rank`` and ``step`` are ignored), the request whose
+own content faults each re-run.
 """
 
 from __future__ import annotations
 
 import enum
 import os
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 
 import attrs
 
@@ -26,6 +29,7 @@ class InjectKind(str, enum.Enum):
     HANG = "hang"
     KILL = "kill"
     RELOAD_ERROR = "reload_error"
+    POISON = "poison"
 
 
 class InjectedFault(FTEngineError, RuntimeError):
@@ -34,11 +38,13 @@ class InjectedFault(FTEngineError, RuntimeError):
 
 @attrs.frozen
 class FaultSpec:
-    """One fault to inject: on DP ``rank``, at model ``step`` (0-based), of ``kind``."""
+    """One fault to inject: on DP ``rank``, at model ``step`` (0-based), of ``kind``
+    (``token``: the poison token id, for ``poison`` only)."""
 
     rank: int = attrs.field(validator=attrs.validators.ge(0))
     kind: InjectKind
     step: int = attrs.field(default=0, validator=attrs.validators.ge(0))
+    token: int | None = None
 
     @classmethod
     def parse(cls, text: str) -> FaultSpec:
@@ -56,11 +62,15 @@ class FaultSpec:
 
     @classmethod
     def _from_fields(cls, fields: Mapping[str, str], text: str) -> FaultSpec:
-        unknown = set(fields) - {"rank", "step", "kind"}
-        if unknown or "rank" not in fields or "kind" not in fields:
+        unknown = set(fields) - {"rank", "step", "kind", "token"}
+        poison = fields.get("kind") == InjectKind.POISON.value
+        if unknown or "kind" not in fields or ("rank" not in fields) == (not poison):
             raise ConfigError(
-                f"{ENV_VAR}: expected keys rank, kind and optionally step, found {text!r}"
+                f"{ENV_VAR}: expected keys rank, kind and optionally step (or kind=poison "
+                f"and token), found {text!r}"
             )
+        if poison != ("token" in fields):
+            raise ConfigError(f"{ENV_VAR}: token goes with kind=poison only, found {text!r}")
         kinds = ", ".join(k.value for k in InjectKind)
         try:
             kind = InjectKind(fields["kind"])
@@ -69,10 +79,12 @@ class FaultSpec:
                 f"{ENV_VAR}: kind must be one of {kinds}, found {fields['kind']!r}"
             ) from exc
         try:
-            return cls(rank=int(fields["rank"]), kind=kind, step=int(fields.get("step", "0")))
+            token = int(fields["token"]) if poison else None
+            rank, step = int(fields.get("rank", "0")), int(fields.get("step", "0"))
+            return cls(rank=rank, kind=kind, step=step, token=token)
         except ValueError as exc:
             raise ConfigError(
-                f"{ENV_VAR}: rank and step must be integers >= 0, found {text!r}"
+                f"{ENV_VAR}: rank, step and token must be integers >= 0, found {text!r}"
             ) from exc
 
     @classmethod
@@ -82,6 +94,8 @@ class FaultSpec:
         return cls.parse(text) if text else None
 
     def __str__(self) -> str:
+        if self.kind is InjectKind.POISON:
+            return f"kind=poison,token={self.token}"
         return f"rank={self.rank},step={self.step},kind={self.kind.value}"
 
 
@@ -93,13 +107,21 @@ class FaultInjector:
     """
 
     def __init__(self, spec: FaultSpec | None, rank: int) -> None:
-        self._spec = spec if spec is not None and spec.rank == rank else None
+        poison = spec is not None and spec.kind is InjectKind.POISON
+        self._spec = spec if spec is not None and (poison or spec.rank == rank) else None
         self.fired = False
+
+    def poisoned(self, token_ids: Iterable[int]) -> bool:
+        """True when the step feeds the poison token (every time, on every rank)."""
+        spec = self._spec
+        if spec is None or spec.kind is not InjectKind.POISON:
+            return False
+        return spec.token in set(token_ids)
 
     def due(self, step: int) -> InjectKind | None:
         """The step-time kind to fire now (``raise``/``hang``/``kill``), at most once."""
         spec = self._spec
-        if spec is None or self.fired or spec.kind is InjectKind.RELOAD_ERROR:
+        if spec is None or self.fired or spec.kind in (InjectKind.RELOAD_ERROR, InjectKind.POISON):
             return None
         if step < spec.step:
             return None

@@ -33,6 +33,25 @@ class RequestAborted(FTEngineError, RuntimeError):
     """The cluster is not serving, or a fault hit the step: the request was aborted."""
 
 
+class StepFailed(RequestAborted):
+    """A fault hit the step. ``failed``: the ranks whose step failed; ``culprits``: those
+    that raised an error of their own (not a peer's), the ranks a poison request may be on.
+    With re-inference on, the items' caches were kept up to the step before (it is re-run).
+    ``refused``: every failed rank only refused the step as not serving (nothing ran)."""
+
+    def __init__(
+        self,
+        message: str,
+        failed: frozenset[int],
+        culprits: frozenset[int],
+        refused: bool = False,
+    ) -> None:
+        super().__init__(message)
+        self.failed = failed
+        self.culprits = culprits
+        self.refused = refused
+
+
 @attrs.frozen
 class Generation:
     """One request's output: greedy ``token_ids`` and the ``final_logits`` [vocab] behind
@@ -45,10 +64,13 @@ class Generation:
 @attrs.frozen
 class StepResult:
     """One lockstep step's outcome: every computed request's output by request id, and the
-    requests a rank rejected (request id -> why; each failed alone, the step went on)."""
+    requests a rank rejected (request id -> why; each failed alone, the step went on);
+    ``lost``: those rejected because their KV cache was not the length the item expected
+    (to recompute, not to fail)."""
 
     outputs: Mapping[str, StepOutput]
     rejected: Mapping[str, str]
+    lost: frozenset[str] = frozenset()
 
 
 @attrs.define
@@ -195,6 +217,12 @@ class StepRunner:
                 for reply in replies.values()
                 for item in reply.rejected
             },
+            lost=frozenset(
+                item.request_id
+                for reply in replies.values()
+                for item in reply.rejected
+                if item.cache_lost
+            ),
         )
 
     def _collect(self, step: int, workers: list[WorkerHandle]) -> dict[int, StepReply]:
@@ -235,9 +263,24 @@ class StepRunner:
         self._roster.record("step_failed", min(failed), f"step {step}: {detail}")
         if self._config.fault_tolerance and all(w.alive for w in workers):
             self._announce_transient(step, workers, replies, failed)
+        culprits = frozenset(_culprits(replies, failed))
+        if self._config.reinference_bounds is not None:
+            refused = all(
+                rank in replies and replies[rank].error_type == "NotServing" for rank in failed
+            )
+            raise StepFailed(
+                f"step {step} failed ({detail}); its requests are held for re-inference",
+                frozenset(failed),
+                culprits,
+                refused,
+            )
         for rank, mine in items.items():
             self.release(rank, [item.request_id for item in mine])
-        raise RequestAborted(f"step {step} failed ({detail}); all in-flight requests were aborted")
+        raise StepFailed(
+            f"step {step} failed ({detail}); all in-flight requests were aborted",
+            frozenset(failed),
+            culprits,
+        )
 
     def _announce_transient(
         self,
@@ -252,11 +295,7 @@ class StepRunner:
         peer); the supervisor knows nobody died, so the survivors recover together by retry.
         A step that lost a process is announced by the exit watch instead.
         """
-        local = [
-            rank
-            for rank in sorted(failed)
-            if rank in replies and replies[rank].error_type not in PEER_ERROR_TYPES
-        ]
+        local = _culprits(replies, failed)
         culprit = local[0] if local else None
         notice = PeerFault(
             FaultKind.TRANSIENT,
@@ -266,6 +305,15 @@ class StepRunner:
         for worker in workers:
             if worker.rank not in local:
                 worker.send(notice)
+
+
+def _culprits(replies: Mapping[int, StepReply], failed: Mapping[int, str]) -> list[int]:
+    """The failed ranks that raised an error of their own (not a dead or hung peer's)."""
+    return [
+        rank
+        for rank in sorted(failed)
+        if rank in replies and replies[rank].error_type not in PEER_ERROR_TYPES
+    ]
 
 
 def _failure(worker: WorkerHandle, reply: StepReply | None) -> str | None:

@@ -25,11 +25,15 @@ class StepItem:
 
     ``token_ids`` are the new tokens (the whole prompt on the first step, then the
     previous output); ``want_logits`` asks for this step's last-token logits back.
+    ``start``, when set, is how many tokens the request's KV cache must already hold (a
+    resumed request's check): a rank whose cache holds another count rejects the item
+    with ``cache_lost`` instead of computing on the wrong cache.
     """
 
     request_id: str
     token_ids: tuple[int, ...]
     want_logits: bool = False
+    start: int | None = None
 
 
 @attrs.frozen
@@ -57,6 +61,7 @@ class ItemRejected:
 
     request_id: str
     reason: str
+    cache_lost: bool = False  # not the request's fault: its KV cache is gone, recompute it
 
 
 @attrs.frozen

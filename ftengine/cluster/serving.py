@@ -6,8 +6,13 @@ cache then stays), runs one step in which every running request advances by one 
 (its prompt on its first step), hands each request its token, and finishes those that
 reached ``max_tokens`` or generated a stop id, dropping their caches. Every live rank runs
 every step whatever the mix, and the model computes each request on its own shapes, so a
-request's tokens do not depend on what it shares a step with. A failed step (a fault)
-aborts every running request; a request a rank rejects fails alone (``error``).
+request's tokens do not depend on what it shares a step with. A request a rank rejects
+fails alone (``error``). A failed step (a fault) aborts every running request, unless the
+loop was given a :class:`~ftengine.cluster.inflight.Resumption` (token-level
+re-inference): then the running and waiting requests are held while the cluster recovers
+and resume from their last emitted token (a request whose rank is gone is re-routed and
+recomputed), so each stream carries exactly the fault-free tokens; see
+``ftengine.reinference`` for the bounds and the reasons a held request ends with.
 """
 
 from __future__ import annotations
@@ -21,14 +26,17 @@ from typing import Protocol
 
 import attrs
 
-from ftengine.cluster.generation import StepResult
+from ftengine.cluster.generation import StepFailed, StepResult
+from ftengine.cluster.inflight import Held, Resumption
 from ftengine.cluster.protocol import StepItem
 from ftengine.errors import FTEngineError
+from ftengine.reinference import ReplayMismatch, TokenLedger
 from ftengine.serving_api import FinishReason, GenerationRequest, Listener, TokenEvent
 
 logger = logging.getLogger(__name__)
 
 SHUTDOWN_REASON = "the server is shutting down"
+HOLD_POLL_S = 0.05  # how often held requests look whether the cluster serves again
 
 
 class ServingUnavailable(FTEngineError, RuntimeError):
@@ -53,25 +61,32 @@ class StepCluster(Protocol):
 
 @attrs.define(eq=False)
 class _Running:
-    """One request inside the loop: where it runs and what it generated so far."""
+    """One request inside the loop: where it runs and its tokens so far (its ledger)."""
 
     request_id: str
     request: GenerationRequest
     listener: Listener
     rank: int | None = None
-    generated: list[int] = attrs.field(factory=list)
+    ledger: TokenLedger = attrs.field()
     cancelled: bool = False
 
-    def item(self) -> StepItem:
-        tokens = self.request.prompt_token_ids if not self.generated else (self.generated[-1],)
-        return StepItem(self.request_id, tokens)
+    @ledger.default
+    def _ledger(self) -> TokenLedger:
+        return TokenLedger(self.request.prompt_token_ids)
 
-    def advance(self, token: int) -> TokenEvent:
-        """Take one generated token; the event says whether that finished the request."""
-        self.generated.append(token)
+    def item(self, checked: bool) -> StepItem:
+        """This step's input; ``checked``: the rank verifies the cache length first."""
+        start, tokens = self.ledger.next_input()
+        return StepItem(self.request_id, tokens, start=start if checked else None)
+
+    def advance(self, token: int) -> TokenEvent | None:
+        """Take the step's token; the event says whether that finished the request (None:
+        the step replayed a token already emitted). Raises ReplayMismatch."""
+        if self.ledger.accept(token) is None:
+            return None
         if token in self.request.stop_token_ids:
             return TokenEvent((token,), FinishReason.STOP, stop_reason=token)
-        if len(self.generated) >= self.request.max_tokens:
+        if len(self.ledger.emitted) >= self.request.max_tokens:
             return TokenEvent((token,), FinishReason.LENGTH)
         return TokenEvent((token,))
 
@@ -92,12 +107,19 @@ class ServingLoop:
     """A thread that serves submitted requests with continuous batching on ``cluster``.
 
     At most ``max_running`` requests share a step; up to ``max_waiting`` more queue.
+    ``resumption`` turns token-level re-inference on (None: a fault aborts them).
     """
 
     def __init__(
-        self, cluster: StepCluster, *, max_running: int = 256, max_waiting: int = 4096
+        self,
+        cluster: StepCluster,
+        *,
+        max_running: int = 256,
+        max_waiting: int = 4096,
+        resumption: Resumption | None = None,
     ) -> None:
         self._cluster = cluster
+        self._held = None if resumption is None else Held(resumption)
         self._max_running = max_running
         self._max_waiting = max_waiting
         self._cond = threading.Condition()
@@ -166,32 +188,84 @@ class ServingLoop:
         try:
             ranks = self._cluster.serving_ranks()
         except FTEngineError as exc:
-            self._finish(self._take_all(), FinishReason.ABORT, str(exc))
+            self._not_serving(exc)
             return
+        self._reroute(ranks)
         self._admit(ranks)
         self._drop_cancelled()
         if not self._running:
             return
         items: dict[int, list[StepItem]] = {}
-        for running in self._running:
+        ran = [
+            r
+            for r in self._running
+            if self._held is None or not self._held.probe.waits(r.request_id)
+        ]
+        for running in ran:
             assert running.rank is not None  # set on admission
-            items.setdefault(running.rank, []).append(running.item())
+            items.setdefault(running.rank, []).append(running.item(self._held is not None))
         try:
             result = self._cluster.run_step(items)
         except FTEngineError as exc:
+            self._step_failed(exc, ran)
+            return
+        if self._held is not None:
+            self._held.resumed()
+        self._deliver(result, {r.request_id for r in ran})
+
+    # -- held requests (re-inference) ---------------------------------------------------------
+    def _not_serving(self, exc: FTEngineError) -> None:
+        held = self._held
+        why = str(exc) if held is None else held.give_up()
+        if why is None and held is not None:
+            held.hold()  # everything waits for the recovery
+            with self._cond:
+                self._cond.wait(HOLD_POLL_S)
+            return
+        self._finish(self._take_all(), FinishReason.ABORT, why or str(exc))
+
+    def _step_failed(self, exc: FTEngineError, ran: Sequence[_Running]) -> None:
+        held = self._held
+        if held is None:
             self._finish(self._take_running(), FinishReason.ABORT, str(exc))
             return
-        self._deliver(result)
+        if not isinstance(exc, StepFailed):  # raced with a rank leaving: re-plan the step
+            held.hold()
+            return
+        by_id = {r.request_id: r for r in ran}
+        for ending in held.step_failed(exc, [(r.request_id, r.rank or 0, r.ledger) for r in ran]):
+            gone = by_id[ending.request_id]
+            self._running.remove(gone)
+            reason = FinishReason.ERROR if ending.poison else FinishReason.ABORT
+            self._finish([gone], reason, ending.detail)
+        logger.warning(
+            "step failed, %d requests held for re-inference: %s", len(self._running), exc
+        )
+
+    def _reroute(self, ranks: Sequence[int]) -> None:
+        """Requests whose rank no longer serves (scaled away) move to the least loaded
+        survivor and recompute their prompt and emitted tokens there."""
+        lost = [r for r in self._running if r.rank not in ranks]
+        if not lost:
+            return
+        load = self._load(ranks)
+        for running in lost:
+            running.rank = _least_loaded(load)
+            running.ledger.cache_lost()
 
     def _admit(self, ranks: Sequence[int]) -> None:
-        load = collections.Counter({rank: 0 for rank in ranks})
-        load.update(r.rank for r in self._running if r.rank is not None and r.rank in load)
+        load = self._load(ranks)
         with self._cond:
             while self._waiting and len(self._running) < self._max_running:
                 running = self._waiting.popleft()
-                running.rank = min(load, key=lambda rank: (load[rank], rank))
-                load[running.rank] += 1
+                running.rank = _least_loaded(load)
                 self._running.append(running)
+
+    def _load(self, ranks: Sequence[int]) -> collections.Counter[int]:
+        """Running requests per serving rank."""
+        load = collections.Counter({rank: 0 for rank in ranks})
+        load.update(r.rank for r in self._running if r.rank is not None and r.rank in load)
+        return load
 
     def _drop_cancelled(self) -> None:
         with self._cond:
@@ -200,22 +274,35 @@ class ServingLoop:
             self._running = [r for r in self._running if not r.cancelled]
         self._finish(gone, FinishReason.ABORT, "cancelled (the client went away)")
 
-    def _deliver(self, result: StepResult) -> None:
+    def _deliver(self, result: StepResult, ran: set[str]) -> None:
         still = []
         for running in self._running:
-            out = result.outputs.get(running.request_id)
-            rejected = result.rejected.get(running.request_id)
-            if out is not None:
-                event = running.advance(out.next_token)
-            else:
-                why = rejected or f"rank {running.rank} returned no output for it"
-                event = TokenEvent(finish_reason=FinishReason.ERROR, detail=why)
-            self._notify(running, event)
-            if event.finished:
+            event = self._outcome(running, result) if running.request_id in ran else None
+            if event is not None:
+                self._notify(running, event)
+            if event is not None and event.finished:
                 self._release(running)
             else:
                 still.append(running)
         self._running = still
+
+    def _outcome(self, running: _Running, result: StepResult) -> TokenEvent | None:
+        """What the step brought ``running``: an event, or None (a replayed token, or a
+        lost cache to recompute on the next step)."""
+        rid = running.request_id
+        if self._held is not None:
+            self._held.cleared(rid)
+        out = result.outputs.get(rid)
+        if out is not None:
+            try:
+                return running.advance(out.next_token)
+            except ReplayMismatch as exc:
+                return TokenEvent(finish_reason=FinishReason.ERROR, detail=str(exc))
+        if rid in result.lost and self._held is not None:
+            running.ledger.cache_lost()
+            return None
+        why = result.rejected.get(rid) or f"rank {running.rank} returned no output for it"
+        return TokenEvent(finish_reason=FinishReason.ERROR, detail=why)
 
     def _take_running(self) -> list[_Running]:
         taken, self._running = self._running, []
@@ -243,3 +330,10 @@ class ServingLoop:
             # A broken listener (its client gone) must not stop the others being served.
             logger.exception("listener of %s failed; cancelling it", running.request_id)
             running.cancelled = True
+
+
+def _least_loaded(load: collections.Counter[int]) -> int:
+    """The rank with the fewest requests (lowest id on ties), charged one more."""
+    rank = min(load, key=lambda r: (load[r], r))
+    load[rank] += 1
+    return rank

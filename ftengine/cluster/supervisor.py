@@ -27,6 +27,7 @@ from ftengine.cluster.config import ClusterConfig
 from ftengine.cluster.faults_inject import FaultSpec
 from ftengine.cluster.generation import Generation, StepResult, StepRunner
 from ftengine.cluster.handles import ClusterEvent, WorkerHandle, signal_pid
+from ftengine.cluster.inflight import Resumption
 from ftengine.cluster.lifecycle import WorkerState
 from ftengine.cluster.prompts import Prompt, PromptTokenizer
 from ftengine.cluster.protocol import (
@@ -45,6 +46,7 @@ from ftengine.cluster.roster import ClusterError, Roster
 from ftengine.cluster.watch import ExitWatch
 from ftengine.cluster.worker import WorkerSpec, worker_main
 from ftengine.commands import CommandResult
+from ftengine.faults import Phase
 from ftengine.weights.index import CheckpointIndex
 
 logger = logging.getLogger(__name__)
@@ -263,6 +265,25 @@ class Cluster:
     def release(self, rank: int, request_ids: Sequence[str]) -> None:
         """Drop finished or aborted requests' caches on ``rank`` with its next step."""
         self._runner.release(rank, request_ids)
+
+    def resumption(self) -> Resumption | None:
+        """What a serving loop holds requests through faults with (re-inference), or None
+        when ``config`` turns re-inference (or fault tolerance) off."""
+        bounds = self.config.reinference_bounds
+        return None if bounds is None else Resumption(bounds, self.recovery_verdict)
+
+    def recovery_verdict(self) -> str | None:
+        """Why held requests can no longer resume (an engine ended DEAD, or the cluster
+        was shut down), or None while recovery may still succeed."""
+        if self._closed:
+            return "the cluster was shut down"
+        with self._roster.lock:
+            for worker in self._roster.workers():
+                if worker.alive and worker.engine_phase() is Phase.DEAD:
+                    status = worker.status or {}
+                    why = status.get("ft_error") or status.get("fault_info") or "no reason given"
+                    return f"engine {worker.rank} is DEAD: {why}"
+        return None
 
     def apply(
         self, instruction: str, params: Mapping[str, object], request_id: str

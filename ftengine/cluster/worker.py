@@ -177,7 +177,13 @@ class ClusterWorker:
 
     # -- WorkerHooks ----------------------------------------------------------------------
     def clean_state(self) -> None:
-        self.requests.clear()
+        if self.spec.config.reinference_bounds is None:
+            self.requests.clear()
+            return
+        # Re-inference: the host memory survived the fault, so the caches of finished
+        # steps are kept for the held requests; only what the faulted step wrote goes.
+        for request_id in list(self.requests):
+            self._roll_back(request_id)
 
     def run_dummy_batch(self) -> None:
         self.backend.dp_sync(1, -1)
@@ -240,6 +246,8 @@ class ClusterWorker:
         try:
             logits = self._forward(request.step, admitted)
         except Exception as exc:
+            for item in admitted:  # the faulted step's KV is not to be trusted
+                self._roll_back(item.request_id)
             reply = StepReply(
                 self.rank, request.step, error=str(exc), error_type=type(exc).__name__
             )
@@ -267,6 +275,13 @@ class ClusterWorker:
         for item in items:
             state = self.requests.get(item.request_id)
             cached = 0 if state is None else state.num_tokens
+            if item.start is not None and item.start != cached:
+                self.requests.pop(item.request_id, None)
+                why = (
+                    f"its KV cache holds {cached} tokens on rank {self.rank}, {item.start} expected"
+                )
+                rejected.append(ItemRejected(item.request_id, why, cache_lost=True))
+                continue
             problem = self.limits.item_problem(cached, item.token_ids)
             if problem is None:
                 admitted.append(item)
@@ -275,9 +290,23 @@ class ClusterWorker:
                 rejected.append(ItemRejected(item.request_id, problem))
         return admitted, tuple(rejected)
 
+    def _roll_back(self, request_id: str) -> None:
+        """Cut a request's cache back to the tokens its finished steps wrote (a failed step
+        may have appended K/V in some layers before it raised)."""
+        state = self.requests.get(request_id)
+        if state is None:
+            return
+        if state.num_tokens == 0:
+            del self.requests[request_id]
+            return
+        n = state.num_tokens
+        state.cache = [(k[:n], v[:n]) for k, v in state.cache]
+
     def _forward(self, step: int, items: Sequence[StepItem]) -> list[torch.Tensor]:
         """DP sync and one model step of ``items``: each one's last-token logits [V]."""
         self._inject(step)
+        if self.injector.poisoned(t for item in items for t in item.token_ids):
+            raise InjectedFault(f"injected poison token on rank {self.rank} at step {step}")
         self.backend.dp_sync(sum(len(i.token_ids) for i in items), step)
         batch = [
             (self.requests.setdefault(i.request_id, RequestState(i.request_id)), i.token_ids)

@@ -61,6 +61,8 @@ NON_DEFAULT: dict[str, object] = {
     "torch_threads": 2,
     "command_adapter": "pkg.module:factory",
     "fault_tolerance": False,
+    "reinference": False,
+    "max_reinference": 5,
 }
 
 

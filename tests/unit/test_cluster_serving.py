@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import threading
 from collections.abc import Iterator, Mapping, Sequence
+from typing import Any
 
 import pytest
 
@@ -152,7 +153,7 @@ def test_requests_join_between_steps_and_spread_over_ranks(cluster: StepStandIn)
 
 
 @contextlib.contextmanager
-def serving(cluster: StepStandIn, **options: int) -> Iterator[ServingLoop]:
+def serving(cluster: StepStandIn, **options: Any) -> Iterator[ServingLoop]:
     """A loop not yet started (requests submitted before ``start`` share the first step)."""
     loop = ServingLoop(cluster, **options)
     try:
