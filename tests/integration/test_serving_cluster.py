@@ -4,7 +4,6 @@ a worker cannot compute fails alone while the engines stay healthy."""
 
 from __future__ import annotations
 
-import threading
 import time
 
 import pytest
@@ -12,30 +11,12 @@ import pytest
 from ftengine.cluster import Cluster, Generation, RequestAborted
 from ftengine.cluster.serving import ServingLoop
 from ftengine.faults import HealthStatus
-from ftengine.serving_api import FinishReason, GenerationRequest, TokenEvent
+from ftengine.serving_api import FinishReason, GenerationRequest
 from tests.integration.conftest import MAX_TOKENS, PROMPTS, Launcher
+from tests.serving_support import Collected
 
 pytestmark = pytest.mark.integration
 WAIT_S = 60.0
-
-
-class Collected:
-    def __init__(self) -> None:
-        self.events: list[TokenEvent] = []
-        self.done = threading.Event()
-
-    def __call__(self, event: TokenEvent) -> None:
-        self.events.append(event)
-        if event.finished:
-            self.done.set()
-
-    def wait(self) -> TokenEvent:
-        assert self.done.wait(WAIT_S), f"never finished: {self.events}"
-        return self.events[-1]
-
-    @property
-    def tokens(self) -> list[int]:
-        return [token for event in self.events for token in event.token_ids]
 
 
 def wait_steps(cluster: Cluster, count: int) -> None:
@@ -52,7 +33,7 @@ def test_staggered_requests_get_the_reference_tokens_whatever_the_batch(
     cluster = launch()
     loop = ServingLoop(cluster).start()
     try:
-        got = [Collected() for _ in PROMPTS]
+        got = [Collected(WAIT_S) for _ in PROMPTS]
         lengths = [MAX_TOKENS - (i % 3) for i in range(len(PROMPTS))]
         start = cluster.steps_run
         for index, prompt in enumerate(PROMPTS):
@@ -78,7 +59,7 @@ def test_a_request_a_worker_cannot_compute_fails_alone_and_nothing_turns_unhealt
     cluster = launch()
     loop = ServingLoop(cluster).start()
     try:
-        bad, good = Collected(), Collected()
+        bad, good = Collected(WAIT_S), Collected(WAIT_S)
         loop.submit(GenerationRequest((1, 2, 99999), 5), bad)
         loop.submit(GenerationRequest(PROMPTS[0], MAX_TOKENS), good)
         last = bad.wait()
@@ -90,7 +71,7 @@ def test_a_request_a_worker_cannot_compute_fails_alone_and_nothing_turns_unhealt
         assert [e["status"] for e in engines] == [int(HealthStatus.HEALTHY)] * 4
         assert [e["phase"] for e in engines] == ["running"] * 4
         assert not [e for e in cluster.events() if e.kind == "step_failed"]
-        again = Collected()
+        again = Collected(WAIT_S)
         loop.submit(GenerationRequest(PROMPTS[1], MAX_TOKENS), again)
         assert again.wait().finish_reason is FinishReason.LENGTH
         assert again.tokens == list(reference[1].token_ids)

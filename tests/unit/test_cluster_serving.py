@@ -15,6 +15,7 @@ from ftengine.cluster.generation import RequestAborted, StepResult
 from ftengine.cluster.protocol import StepItem, StepOutput
 from ftengine.cluster.serving import SHUTDOWN_REASON, ServingLoop, ServingUnavailable
 from ftengine.serving_api import FinishReason, GenerationRequest, TokenEvent
+from tests.serving_support import Collected
 
 VOCAB = 50
 WAIT_S = 10.0
@@ -74,27 +75,6 @@ class StepStandIn:
             self.caches[rank].pop(request_id, None)
 
 
-class Collected:
-    """A listener that keeps a request's events and signals its last one."""
-
-    def __init__(self) -> None:
-        self.events: list[TokenEvent] = []
-        self.done = threading.Event()
-
-    def __call__(self, event: TokenEvent) -> None:
-        self.events.append(event)
-        if event.finished:
-            self.done.set()
-
-    def wait(self) -> TokenEvent:
-        assert self.done.wait(WAIT_S), f"request never finished: {self.events}"
-        return self.events[-1]
-
-    @property
-    def tokens(self) -> list[int]:
-        return [token for event in self.events for token in event.token_ids]
-
-
 @pytest.fixture
 def cluster() -> StepStandIn:
     return StepStandIn()
@@ -114,7 +94,7 @@ def request(prompt: Sequence[int], max_tokens: int, stop: Sequence[int] = ()) ->
 def test_tokens_arrive_one_per_step_and_the_last_says_length(
     loop: ServingLoop, cluster: StepStandIn
 ) -> None:
-    got = Collected()
+    got = Collected(WAIT_S)
     loop.submit(request([3, 4], 3), got)
     last = got.wait()
     assert got.tokens == [5, 6, 7]
@@ -126,7 +106,7 @@ def test_tokens_arrive_one_per_step_and_the_last_says_length(
 
 
 def test_a_stop_id_finishes_with_stop_and_keeps_the_token(loop: ServingLoop) -> None:
-    got = Collected()
+    got = Collected(WAIT_S)
     loop.submit(request([10], 8, stop=[12]), got)
     last = got.wait()
     assert got.tokens == [11, 12]
@@ -134,7 +114,7 @@ def test_a_stop_id_finishes_with_stop_and_keeps_the_token(loop: ServingLoop) -> 
 
 
 def test_requests_join_between_steps_and_spread_over_ranks(cluster: StepStandIn) -> None:
-    first, second, third = Collected(), Collected(), Collected()
+    first, second, third = Collected(WAIT_S), Collected(WAIT_S), Collected(WAIT_S)
     cluster.hold()
     with serving(cluster) as loop:
         loop.submit(request([1], 4), first)
@@ -176,7 +156,7 @@ def test_a_failed_step_aborts_every_running_request_and_serving_goes_on(
     cluster: StepStandIn,
 ) -> None:
     cluster.fail_next_step = "step 0 failed (rank 3: InjectedFault)"
-    a, b, again = Collected(), Collected(), Collected()
+    a, b, again = Collected(WAIT_S), Collected(WAIT_S), Collected(WAIT_S)
     with serving(cluster) as loop:
         loop.submit(request([1], 5), a)
         loop.submit(request([2], 5), b)
@@ -192,7 +172,7 @@ def test_a_failed_step_aborts_every_running_request_and_serving_goes_on(
 
 def test_a_request_a_rank_rejects_fails_alone(cluster: StepStandIn) -> None:
     cluster.reject = {49}
-    bad, good = Collected(), Collected()
+    bad, good = Collected(WAIT_S), Collected(WAIT_S)
     with serving(cluster) as loop:
         loop.submit(request([49], 3), bad)
         loop.submit(request([7], 3), good)
@@ -209,12 +189,12 @@ def test_submit_while_not_serving_raises_and_queues_nothing(
 ) -> None:
     cluster.serving = False
     with pytest.raises(RequestAborted, match="not serving"):
-        loop.submit(request([1], 2), Collected())
+        loop.submit(request([1], 2), Collected(WAIT_S))
     assert cluster.steps == []
 
 
 def test_losing_service_mid_request_aborts_it_with_the_reason(cluster: StepStandIn) -> None:
-    got = Collected()
+    got = Collected(WAIT_S)
     cluster.hold()
     with serving(cluster) as loop:
         loop.submit(request([1], 10), got)
@@ -229,7 +209,7 @@ def test_losing_service_mid_request_aborts_it_with_the_reason(cluster: StepStand
 
 
 def test_cancel_aborts_and_releases(cluster: StepStandIn) -> None:
-    got = Collected()
+    got = Collected(WAIT_S)
     cluster.hold()
     with serving(cluster) as loop:
         ticket = loop.submit(request([1], 10), got)
@@ -247,13 +227,13 @@ def test_a_broken_listener_costs_only_its_own_request(loop: ServingLoop) -> None
         raise RuntimeError("client gone")
 
     loop.submit(request([1], 5), broken)
-    good = Collected()
+    good = Collected(WAIT_S)
     loop.submit(request([2], 3), good)
     assert good.wait().finish_reason is FinishReason.LENGTH and good.tokens == [3, 4, 5]
 
 
 def test_close_aborts_what_is_left_and_refuses_new_requests(cluster: StepStandIn) -> None:
-    running, waiting = Collected(), Collected()
+    running, waiting = Collected(WAIT_S), Collected(WAIT_S)
     cluster.hold()
     loop = ServingLoop(cluster, max_running=1)
     loop.submit(request([1], 10), running)
@@ -270,11 +250,11 @@ def test_close_aborts_what_is_left_and_refuses_new_requests(cluster: StepStandIn
         assert last.finish_reason is FinishReason.ABORT and last.detail == SHUTDOWN_REASON
     assert running.tokens == [2] and waiting.tokens == []
     with pytest.raises(ServingUnavailable, match="closed"):
-        loop.submit(request([1], 1), Collected())
+        loop.submit(request([1], 1), Collected(WAIT_S))
 
 
 def test_max_running_bounds_a_step_and_the_rest_wait(cluster: StepStandIn) -> None:
-    got = [Collected() for _ in range(5)]
+    got = [Collected(WAIT_S) for _ in range(5)]
     with serving(cluster, max_running=2) as loop:
         for index, listener in enumerate(got):
             loop.submit(request([index], 2), listener)
