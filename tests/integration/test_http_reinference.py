@@ -202,3 +202,33 @@ def test_sigstop_fence_and_scale_down_keep_every_stream_exact(
     pid = run_rank_loss(rank_loss_server, reference, signal.SIGSTOP, "reinference-sigstop")
     # A stopped process never exits by itself: it is gone because the supervisor fenced it.
     assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+
+
+@pytest.mark.timeout(240)
+def test_a_request_over_the_reinference_limit_is_aborted_with_the_reason(
+    starter: Starter, reference: list[list[int]]
+) -> None:
+    """``--max-reinference 0``: a request whose step faults (the poison injector's token)
+    is aborted at its first fault, and the HTTP client reads why in ``stop_reason``; the
+    server goes on serving. (With N >= 1 a request that faults every re-run is found by
+    the poison probe first and ends as ``error``; test_serving_reinference covers that.)"""
+    used = {t for p in PROMPTS for t in p} | {t for r in reference for t in r}
+    token = min(set(range(1, 512)) - used)
+    server = starter(
+        "--dp-size", "2", "--policy", "auto", "--max-reinference", "0",
+        "--inject-fault", f"kind=poison,token={token}",
+    )  # fmt: skip
+    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0)
+    answer = client.completions.create(
+        model=MODEL, prompt=[token, 5, 6], max_tokens=4, temperature=0,
+        extra_body={"ignore_eos": True, "return_token_ids": True},
+    )  # fmt: skip
+    [choice] = answer.choices
+    assert str(choice.finish_reason) == "abort" and (choice.model_extra or {})["token_ids"] == []
+    reason = str((choice.model_extra or {})["stop_reason"])
+    assert reason.startswith("re-inference limit reached: the request was in 1 faulted"), reason
+    assert "at most 0 times (max_reinference)" in reason
+    server.wait(lambda e: all(x["status"] == "healthy" for x in e.values()), 60)
+    good = Stream(client, PROMPTS[0])
+    good.start()
+    good.check(reference[0])
