@@ -2,7 +2,8 @@
 once every prompt finished, or server-sent events in OpenAI's chunk format as the tokens
 come (one chunk per token, the finish reason on the last), ending with ``data: [DONE]``.
 
-A request a fault aborted answers normally with what it had and ``finish_reason: abort``;
+A request a fault aborted answers normally with what it had, ``finish_reason: abort`` and
+why in ``stop_reason``;
 one that failed (``error``) is a 500, or an error event in a stream, as vLLM does.
 """
 
@@ -11,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Collection
 from http import HTTPStatus
 
 import attrs
@@ -164,14 +165,12 @@ class CompletionRun:
     ) -> CompletionChoice:
         last = choice.last
         reason = last.finish_reason if last is not None else None
-        stop_reason = last.stop_reason if last is not None else None
         ids = self.plan.return_token_ids
         return CompletionChoice(
             index=choice.index,
             text=text,
             finish_reason=None if reason is None else reason.value,
-            # vLLM: the stop token id for a requested stop id, None for end-of-sequence.
-            stop_reason=stop_reason if stop_reason in self.plan.user_stop_ids else None,
+            stop_reason=_stop_reason(last, self.plan.user_stop_ids),
             token_ids=list(token_ids) if ids else None,
             prompt_token_ids=list(choice.prompt) if ids and with_prompt else None,
         )
@@ -209,6 +208,17 @@ class CompletionRun:
 
 def _reason(choice: _Choice) -> FinishReason | None:
     return None if choice.last is None else choice.last.finish_reason
+
+
+def _stop_reason(last: TokenEvent | None, user_stop_ids: Collection[int]) -> int | str | None:
+    """vLLM's ``stop_reason``: the stop token id for a requested stop id, None for an
+    end-of-sequence. An abort carries why (e.g. the re-inference limit), ftengine's
+    extension: vLLM has no other field a client could read the reason from."""
+    if last is None:
+        return None
+    if last.finish_reason is FinishReason.ABORT:
+        return last.detail
+    return last.stop_reason if last.stop_reason in user_stop_ids else None
 
 
 def _generation_error(choice: _Choice) -> ApiError:
