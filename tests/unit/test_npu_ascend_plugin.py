@@ -202,6 +202,14 @@ def test_every_name_the_glue_uses_exists_in_the_stand_in(npu_state: FakeNpuState
         assert callable(getattr(manager, method)), method
 
 
+def test_missing_lists_nothing_on_the_stand_in_and_names_what_moved(
+    npu_state: FakeNpuState, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    assert names.missing() == []
+    monkeypatch.setattr(names, "ASCEND_CONFIG", "get_ascend_config_v2")
+    assert names.missing() == ["vllm_ascend.ascend_config.get_ascend_config_v2"]
+
+
 def test_a_moved_name_is_reported_as_such() -> None:
     with pytest.raises(names.AscendGlueError, match="has no WorkerSentinel2"):
         names.resolve(names.WRAPPER_MODULE, "WorkerSentinel2")

@@ -107,3 +107,31 @@ def resolve_first(modules: tuple[str, ...], name: str) -> Any:
         except AscendGlueError as exc:
             errors.append(str(exc))
     raise AscendGlueError(f"no module of {list(modules)} has {name}: " + "; ".join(errors))
+
+
+def missing() -> list[str]:
+    """Every name above this vLLM-Ascend / vLLM lacks, as ``module.name`` (empty: all found).
+
+    For a person on an Ascend machine: ``python -c "from ftengine.integrations.vllm_ascend
+    .names import missing; print(missing() or 'all found')"``.
+    """
+    wanted = [
+        (WRAPPER_MODULE, WRAPPER_CLASS),
+        (WORKER_MODULE, WORKER_CLASS),
+        (WORKER_MODULE, SENTINEL_NAME),
+        (SENTINEL_MODULE, SENTINEL_NAME),
+        (ASCEND_CONFIG_MODULE, ASCEND_CONFIG),
+        (DEVICE_CONFIG_MODULE, DEVICE_TYPE),
+        (OUTPUTS_MODULE, EMPTY_OUTPUT),
+    ]
+    problems = []
+    for module, name in wanted:
+        try:
+            resolve(module, name)
+        except AscendGlueError:
+            problems.append(f"{module}.{name}")
+    try:
+        resolve_first(ROUTING_MODULES, REFRESH_ROUTING)
+    except AscendGlueError:
+        problems.append(f"{' or '.join(ROUTING_MODULES)}.{REFRESH_ROUTING}")
+    return problems

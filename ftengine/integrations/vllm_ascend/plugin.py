@@ -114,4 +114,12 @@ def prepare_worker(
             settings.npu.communication_abort_timeout_s
         )
     setattr(module, SENTINEL_NAME, sentinel)
+    logger.info(
+        "[FT] ftengine takes over vLLM-Ascend's worker sentinel (DP rank %d, rank %d): "
+        "TASK_QUEUE_ENABLE=%s, op timeout %s s",
+        parallel.data_parallel_rank,
+        worker.rank,
+        env.get("TASK_QUEUE_ENABLE"),
+        settings.npu.communication_abort_timeout_s or "torch_npu's default",
+    )
     return True
