@@ -216,10 +216,23 @@ def test_reloaded_weights_keep_their_storage_and_nz_format(
     assert bool(casts) is (quant == "w8a8_dynamic")
 
 
+@pytest.mark.parametrize("quant", ["none", "w8a8_dynamic"])
+@pytest.mark.parametrize(("tp", "redundant"), [(1, 4), (2, 8)])
 def test_a_device_error_resets_once_fences_the_worker_and_retry_recovers(
-    npu_state: FakeNpuState, tiny_checkpoints: TinyCheckpoints
+    npu_state: FakeNpuState,
+    tiny_checkpoints: TinyCheckpoints,
+    quant: Quant,
+    tp: int,
+    redundant: int,
 ) -> None:
-    rig = start_worker(checkpoint_for(tiny_checkpoints, "none"), dp_rank=2, dp_size=DP)
+    rig = start_worker(
+        checkpoint_for(tiny_checkpoints, quant),
+        dp_rank=2,
+        dp_size=DP,
+        tp_size=tp,
+        tp_rank=tp - 1,
+        redundant=redundant,
+    )
     npu_state.clear_calls()
     npu_state.poison()
     npu_state.fail(DISPATCH, FakeDeviceError("EZ9999: device error, stream poisoned"))
@@ -236,6 +249,8 @@ def test_a_device_error_resets_once_fences_the_worker_and_retry_recovers(
     assert npu_state.names().count("npu.stop_device") == 2  # the barrier's, then the retry's
     assert health(rig) is HealthStatus.HEALTHY
     assert rig.worker.model_runner.req_states.req_id_to_index == {}  # requests dropped
+    # the engine's gloo DP group re-made among all four, on this worker's port
+    assert rig.dist.inits[-1][1:4] == (41000 + rig.worker.rank, 2, DP)
     rig.worker.execute_model(SchedulerOutput(["r4"]))
     assert rig.worker.sample_tokens(None).get_output().req_ids == ["r4"]
 
