@@ -17,6 +17,7 @@ import torch
 
 from ftengine.backends.base import RepairReport
 from ftengine.backends.npu_config import NpuFtConfig
+from ftengine.backends.npu_env import apply_ft_environment
 from ftengine.backends.npu_groups import GroupFactory, OwnedGroups, TorchGroupFactory
 from ftengine.backends.npu_host import NpuHost, NpuTopology
 from ftengine.backends.npu_mc2 import Mc2Communicator, Mc2Params
@@ -63,12 +64,14 @@ def _observed(
     runtime: NpuRuntime,
 ) -> NpuDeployment:
     """The host's ``declared`` deployment with the facts this process sees for itself put
-    over the host's word."""
+    over the host's word (an aclnn probe that cannot tell keeps the host's answer)."""
+    base = declared if declared is not None else NpuDeployment()
+    kernels = runtime.has_elastic_info_kernels
     return attrs.evolve(
-        declared if declared is not None else NpuDeployment(),
-        tp_size=topology.tp_size,
+        base,
         num_redundant_experts=placement.num_redundant,
         has_dispatch_v2=runtime.has_mc2_v2,
+        elastic_info_kernels=base.elastic_info_kernels if kernels is None else kernels,
     )
 
 
@@ -89,7 +92,9 @@ class NpuBackend:
     ``runtime`` defaults to the real torch_npu (``TorchNpuUnavailable`` if it is missing);
     ``group_factory`` to ``torch.distributed``; ``environ`` to ``os.environ``; ``device`` to
     ``npu:<device_index>``. With ``config.scale_down`` every unmet scale-down precondition
-    is reported at once (``PreconditionFailed``) here, at start-up.
+    is reported at once (``PreconditionFailed``) here, at start-up. The FT environment
+    (``npu_env``) and the op timeout are applied here too; vllm-ascend's glue applies them
+    earlier, before the device is set up, and this is then a no-op.
     """
 
     name = "npu"
@@ -116,9 +121,9 @@ class NpuBackend:
         if self.config.scale_down:
             check_scale_down(self.deployment)
         self.device = device if device is not None else self.runtime.device(topology.device_index)
-        self.timeouts = OpTimeoutController(
-            self.runtime, os.environ if environ is None else environ
-        )
+        env = os.environ if environ is None else environ
+        apply_ft_environment(env, topology.tp_size)
+        self.timeouts = OpTimeoutController(self.runtime, env)
         self.timeouts.apply(self.config.communication_abort_timeout_s)
         self.groups = _owned_groups(topology, self.config, group_factory)
         self._resetter = DeviceResetter(self.runtime, topology.device_index, self.groups)
@@ -244,7 +249,8 @@ class NpuBackend:
         )
 
     def repair_experts(self, dead_ranks: frozenset[int]) -> RepairReport:
-        """Plan the redistribution (same plan on every survivor), reload this rank's moves."""
+        """Plan the redistribution (same plan on every survivor), reload this rank's moves,
+        update the maps, then the host's routing tables (densified once, in place)."""
         self._require_scale_down()
         dead_ep = dp_to_ep_ranks(dead_ranks, self.topology.tp_size)
         if not dead_ep:
@@ -259,6 +265,7 @@ class NpuBackend:
             else NO_RELOAD
         )
         apply_plan(placement, plan)
+        self.host.refresh_routing(self.elastic.table1())
         return RepairReport(
             reloads=stats.experts,
             reload_lower_bound=plan.lower_bound,
@@ -267,9 +274,11 @@ class NpuBackend:
         )
 
     def run_dummy_batch(self) -> None:
-        """The host's dummy step (through MC2 with the current elastic_info)."""
+        """The host's dummy step (through MC2 with the current elastic_info), then a device
+        synchronize: the step's kernels are queued, and their errors surface there."""
         try:
             self.host.run_dummy_batch()
+            self.runtime.synchronize()
         except Exception as exc:
             raise BackendError(
                 f"the dummy batch failed on NPU rank {self.topology.dp_rank}: {exc}"

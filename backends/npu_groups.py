@@ -1,8 +1,9 @@
 """The process groups ftengine itself owns on an NPU worker, re-created after every reset.
 
-``reinit_process_group`` only repairs the default group; every group created with
-``new_group`` (ftengine's DP-sync / recovery groups) is stale afterwards and must be made
-again (the bug a reviewer caught in the token-level re-inference seed).
+``reinit_process_group(None, rebuild_link=False)`` resumes every HCCL group in place after
+a device restart, but a gloo group (ftengine's DP-sync / recovery groups) that timed out
+on a dead peer stays broken, so the gloo groups are made again after every reset; a
+scale-down rebuilds all of them among the survivors (their membership changes).
 """
 
 from __future__ import annotations
@@ -134,22 +135,30 @@ class OwnedGroups:
             self._stale = True
 
     def recreate(self) -> None:
-        """Re-create every owned group with the same members and epoch."""
-        self.rebuild(self._members, self._epoch)
+        """After a device reset: re-create the gloo groups with the same members and epoch;
+        the HCCL ones were resumed in place by ``reinit_process_group``."""
+        with self._lock:
+            for spec in self._specs:
+                if spec.backend == "gloo":
+                    self._remake(spec)
+            self._stale = False
+
+    def _remake(self, spec: GroupSpec) -> None:
+        """Destroy ``spec``'s group (if any) and create it over the current members."""
+        old = self._groups.pop(spec.name, None)
+        if old is not None:
+            self._factory.destroy_group(old)
+        self._groups[spec.name] = self._factory.new_group(
+            self._members, backend=spec.backend, timeout_s=spec.timeout_s
+        )
 
     def rebuild(self, members: Sequence[int], epoch: int) -> None:
         """Destroy every owned group and create it again over ``members`` for ``epoch``."""
         with self._lock:
-            for spec in self._specs:
-                old = self._groups.pop(spec.name, None)
-                if old is not None:
-                    self._factory.destroy_group(old)
             self._members = tuple(sorted(members))
             self._epoch = epoch
             for spec in self._specs:
-                self._groups[spec.name] = self._factory.new_group(
-                    self._members, backend=spec.backend, timeout_s=spec.timeout_s
-                )
+                self._remake(spec)
             self._stale = False
         logger.info(
             "owned process groups rebuilt",

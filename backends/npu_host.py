@@ -1,8 +1,9 @@
 """What the host worker (vLLM-Ascend's NPU worker, or a test double) gives the NPU backend.
 
 The backend never reaches into a model: it sees this worker's expert slot tensors, the EPLB
-placement maps and the checkpoint index through :class:`NpuHost`, and where it runs through
-:class:`NpuTopology`. A vLLM worker adapter implements ``NpuHost`` over its FusedMoE layers.
+placement maps, the MoE routing tables and the checkpoint index through :class:`NpuHost`,
+and where it runs through :class:`NpuTopology`. vLLM-Ascend's worker adapter
+(``ftengine.integrations.vllm_ascend``) implements ``NpuHost`` over its MoE layers.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from __future__ import annotations
 from typing import Protocol
 
 import attrs
+import torch
 
 from ftengine.backends.npu_reload import SlotStorage
 from ftengine.errors import ConfigError, PlacementError
@@ -34,6 +36,14 @@ class NpuHost(Protocol):
 
     def run_dummy_batch(self) -> None:
         """One model step on dummy input through every collective (all survivors together)."""
+        ...
+
+    def refresh_routing(self, table1: torch.Tensor) -> None:
+        """Make a redistribution live for the router: rebuild the kernel-facing routing
+        tables from the (already updated) maps and densify them once, in place.
+
+        ``table1``: original -> dense EP rank, int64 ``[W]`` (identity when none is dead).
+        """
         ...
 
 

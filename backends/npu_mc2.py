@@ -4,7 +4,9 @@ The ``elastic_info`` device tensor (``ftengine.placement.elastic.ElasticInfo``) 
 once and rebuilt in place from a pinned host buffer, so captured graphs keep pointing at
 it. Callers keep passing the *original*
 ``ep_world_size`` / ``ep_rank_id`` / ``moe_expert_num`` / ``global_bs``; only
-``elastic_info`` and the densified expert ids change after a scale-down.
+``elastic_info`` and the expert ids change after a scale-down. The ids come from a routing
+table (vllm-ascend's ``expert_replica_routing_table``) that :func:`densify_routing_table`
+renumbers once per redistribution, in place: no MoE call pays a host sync for it.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ import torch
 
 from ftengine.backends.npu_runtime import NpuRuntime
 from ftengine.errors import PlacementError
-from ftengine.placement.elastic import HEADER, ElasticInfo, densify_routing_ids
+from ftengine.placement.elastic import ElasticInfo, densify_routing_ids
 
 
 def _positive(instance: object, attribute: attrs.Attribute[int], value: int) -> None:
@@ -96,19 +98,6 @@ class Mc2Communicator:
         self.params = params
         self.elastic = elastic
 
-    def routing_ids(self, physical_ids: torch.Tensor) -> torch.Tensor:
-        """int32 expert ids for the kernel: densified once any rank is masked.
-
-        ``physical_ids`` ``[BS, K]`` use the original physical numbering; a dense id is
-        ``table1[id // L] * L + id % L``. An id on a dead rank raises ``PlacementError``.
-        """
-        ids = physical_ids
-        if self.elastic.dead_ep_ranks:
-            # table1 read from the device tensor itself: no host-to-device copy per step.
-            table1 = self.elastic.tensor[HEADER : HEADER + self.elastic.world]
-            ids = densify_routing_ids(ids, table1.to(ids.device), self.params.local_slots)
-        return ids.to(torch.int32)
-
     def _common(self) -> dict[str, object]:
         p = self.params
         return {
@@ -129,16 +118,17 @@ class Mc2Communicator:
     def dispatch_kwargs(
         self,
         x: torch.Tensor,
-        physical_ids: torch.Tensor,
+        expert_ids: torch.Tensor,
         *,
         scales: torch.Tensor | None = None,
         x_active_mask: torch.Tensor | None = None,
     ) -> dict[str, object]:
-        """Keyword arguments of ``npu_moe_distribute_dispatch_v2`` for tokens ``x`` ``[BS, H]``."""
+        """Keyword arguments of ``npu_moe_distribute_dispatch_v2`` for tokens ``x`` ``[BS, H]``
+        and ``expert_ids`` ``[BS, K]`` read from a (densified) routing table."""
         kwargs = self._common()
         kwargs.update(
             x=x,
-            expert_ids=self.routing_ids(physical_ids),
+            expert_ids=expert_ids.to(torch.int32),
             scales=scales,
             x_active_mask=x_active_mask,
             quant_mode=self.params.quant_mode,
@@ -166,13 +156,13 @@ class Mc2Communicator:
     def dispatch(
         self,
         x: torch.Tensor,
-        physical_ids: torch.Tensor,
+        expert_ids: torch.Tensor,
         *,
         scales: torch.Tensor | None = None,
         x_active_mask: torch.Tensor | None = None,
     ) -> DispatchResult:
         """Send tokens to the ranks hosting their experts (dead ranks masked)."""
-        kwargs = self.dispatch_kwargs(x, physical_ids, scales=scales, x_active_mask=x_active_mask)
+        kwargs = self.dispatch_kwargs(x, expert_ids, scales=scales, x_active_mask=x_active_mask)
         out = self._runtime.dispatch_v2(kwargs)
         expand_x, assist, token_nums, ep_recv = out[0], out[2], out[3], out[4]
         if expand_x is None or assist is None or token_nums is None or ep_recv is None:
@@ -198,3 +188,16 @@ class Mc2Communicator:
     ) -> torch.Tensor:
         """Bring expert outputs back and sum them with ``expert_scales`` ``[BS, K]``."""
         return self._runtime.combine_v2(self.combine_kwargs(dispatched, expand_x, expert_scales))
+
+
+def densify_routing_table(table: torch.Tensor, table1: torch.Tensor, local_slots: int) -> None:
+    """Renumber a routing table of physical expert ids into MC2's dense numbering, in place.
+
+    ``table`` holds original physical ids (any shape and integer dtype, e.g. vllm-ascend's
+    ``expert_replica_routing_table`` ``[rows, logical experts]`` int32) and keeps its
+    storage, so captured graphs keep reading it; ``table1`` is ``elastic_info``'s original
+    -> dense EP rank table ``[W]`` (identity when none is dead). Call it once, right after
+    the table is rebuilt from the maps. An id on a dead rank raises ``PlacementError`` and
+    leaves the table unchanged.
+    """
+    table.copy_(densify_routing_ids(table, table1, local_slots))

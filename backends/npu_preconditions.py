@@ -1,14 +1,22 @@
 """Start-up checks for NPU scale-down: every unmet precondition reported at once.
 
 MC2 scale-down masks dead ranks through ``elastic_info`` in dispatch_v2 / combine_v2;
-that only works on the deployments listed in :func:`scale_down_problems`.
+that only works on the deployments listed in :func:`scale_down_problems`. TP > 1 is fine:
+each DP rank owns ``tp_size`` EP ranks and MC2 is always called with ``tp_world_size=1``.
 """
 
 from __future__ import annotations
 
+import logging
+
 import attrs
 
 from ftengine.errors import PreconditionFailed
+
+logger = logging.getLogger(__name__)
+
+ELASTIC_INFO_DEVICE = "A3"
+"""The Atlas generation whose MC2 ops implement ``elastic_info`` (reserved on A2)."""
 
 
 @attrs.frozen
@@ -16,10 +24,13 @@ class NpuDeployment:
     """The facts about a vLLM-Ascend deployment that decide whether scale-down can work.
 
     ``model_runner``: "v1" or "v2"; ``num_redundant_experts``: EPLB's extra slots;
-    ``tp_size``: tensor parallel size of the MoE layers; ``has_dispatch_v2``: whether
-    torch_npu offers ``npu_moe_distribute_dispatch_v2`` / ``combine_v2``; ``device_type``:
-    "A2" or "A3" (the op docs list ``elastic_info`` as a reserved, unsupported argument on
-    Atlas A2, so the dead-rank mask needs A3).
+    ``fused_mc2``: vllm-ascend's ``enable_fused_mc2`` (its fused dispatch/FFN/combine ops
+    take no ``elastic_info``); ``hierarchical_comm``: ``enable_mc2_hierarchy_comm``;
+    ``has_dispatch_v2``: whether torch_npu offers ``npu_moe_distribute_dispatch_v2`` /
+    ``combine_v2``; ``elastic_info_kernels``: whether CANN has the aclnn V3 MC2 kernels
+    those switch to when ``elastic_info`` is passed (None: could not tell, warned);
+    ``device_type``: vllm-ascend's ``AscendDeviceType`` name ("A2", "A3", ...; the op docs
+    list ``elastic_info`` as reserved, unsupported, on Atlas A2).
     """
 
     model_runner: str = "v2"
@@ -27,9 +38,9 @@ class NpuDeployment:
     num_redundant_experts: int = 1
     fused_mc2: bool = False
     hierarchical_comm: bool = False
-    tp_size: int = 1
     has_dispatch_v2: bool = True
-    device_type: str = "A3"
+    elastic_info_kernels: bool | None = True
+    device_type: str = ELASTIC_INFO_DEVICE
 
 
 def scale_down_problems(deployment: NpuDeployment) -> tuple[str, ...]:
@@ -52,18 +63,20 @@ def scale_down_problems(deployment: NpuDeployment) -> tuple[str, ...]:
         problems.append("scale-down does not support fused MC2: disable fused MC2")
     if deployment.hierarchical_comm:
         problems.append("scale-down does not support hierarchical communication: disable it")
-    if deployment.tp_size != 1:
-        problems.append(
-            f"elastic_info is only valid with tp_world_size == 1, found tp {deployment.tp_size}"
-        )
     if not deployment.has_dispatch_v2:
         problems.append(
             "torch_npu lacks npu_moe_distribute_dispatch_v2 / combine_v2 (elastic_info): "
             "upgrade torch_npu and CANN"
         )
-    if deployment.device_type != "A3":
+    if deployment.elastic_info_kernels is False:
         problems.append(
-            f"MC2 elastic_info is only supported on Atlas A3, found {deployment.device_type!r}"
+            "CANN lacks aclnnMoeDistributeDispatchV3 / CombineV3, which dispatch_v2 / "
+            "combine_v2 need once elastic_info is passed: upgrade CANN"
+        )
+    if deployment.device_type != ELASTIC_INFO_DEVICE:
+        problems.append(
+            f"MC2 elastic_info is only supported on Atlas {ELASTIC_INFO_DEVICE}, found "
+            f"{deployment.device_type!r}"
         )
     return tuple(problems)
 
@@ -71,6 +84,11 @@ def scale_down_problems(deployment: NpuDeployment) -> tuple[str, ...]:
 def check_scale_down(deployment: NpuDeployment) -> None:
     """Raise one ``PreconditionFailed`` listing every unmet scale-down precondition."""
     problems = scale_down_problems(deployment)
+    if deployment.elastic_info_kernels is None:
+        logger.warning(
+            "could not tell whether CANN has the aclnn V3 MC2 kernels elastic_info needs; "
+            "the first dummy batch of a scale-down will fail if it does not"
+        )
     if problems:
         raise PreconditionFailed(
             f"NPU scale-down is not possible ({len(problems)} problem"

@@ -26,7 +26,9 @@ class DeviceResetter:
     """Runs the reset sequence on NPU ``device_index``, then re-creates the owned groups.
 
     Order (REFERENCE §5): set_device → stop_device → restart_device →
-    reinit_process_group(None, rebuild_link=False) → synchronize → owned groups.
+    reinit_process_group(None, rebuild_link=False) → synchronize → owned groups. The
+    reinit resumes every HCCL group of the process in place; only the gloo groups
+    ftengine owns are made again (a timed-out gloo group stays broken).
     """
 
     def __init__(self, runtime: NpuRuntime, device_index: int, groups: OwnedGroups) -> None:
@@ -46,7 +48,7 @@ class DeviceResetter:
             ("set_device", lambda: rt.set_device(index)),
             ("stop_device", lambda: rt.stop_device(index)),
             ("restart_device", lambda: rt.restart_device(index)),
-            ("reinit_process_group", rt.reinit_default_group),
+            ("reinit_process_group", rt.resume_hccl_groups),
             ("synchronize", rt.synchronize),
         )
         for name, step in steps:

@@ -6,9 +6,10 @@ the rest of the backend is typed and a test can put a recording fake in its plac
 
 from __future__ import annotations
 
+import ctypes
 import importlib
 import logging
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from types import ModuleType
 from typing import Any
 
@@ -22,17 +23,29 @@ logger = logging.getLogger(__name__)
 REQUIRED_APIS: tuple[str, ...] = (
     "npu.set_device",
     "npu.synchronize",
-    "npu.set_op_timeout_ms",
     "npu.stop_device",
     "npu.restart_device",
     "distributed.reinit_process_group",
     "npu_format_cast",
 )
+# Only a non-zero ft_communication_abort_timeout needs it (torch_npu >= 7.3.0).
+OP_TIMEOUT_API = "npu.set_op_timeout_ms"
 # Only scale-down needs these (checked by the start-up preconditions, not here).
 MC2_V2_APIS: tuple[str, ...] = (
     "npu_moe_distribute_dispatch_v2",
     "npu_moe_distribute_combine_v2",
 )
+ELASTIC_INFO_KERNELS: tuple[str, ...] = (
+    "aclnnMoeDistributeDispatchV3",
+    "aclnnMoeDistributeCombineV3",
+)
+"""CANN kernels dispatch_v2 / combine_v2 switch to when ``elastic_info`` is passed."""
+# CANN's op-API library, where the aclnn kernels are exported (*unconfirmed* that the MC2
+# V3 kernels live in this one; if it cannot be loaded the probe answers "unknown").
+OPAPI_LIBRARY = "libopapi.so"
+
+AclnnProbe = Callable[[str], "bool | None"]
+"""Whether CANN exports an aclnn kernel symbol (None: cannot tell)."""
 
 _CANN_HINT = (
     "source the CANN environment first (e.g. `source /usr/local/Ascend/ascend-toolkit/set_env.sh`)"
@@ -41,6 +54,15 @@ _CANN_HINT = (
 
 class TorchNpuUnavailable(BackendError, ImportError):
     """torch_npu (or the CANN libraries under it) cannot be imported or lacks an API we call."""
+
+
+def cann_exports(symbol: str) -> bool | None:
+    """Whether CANN's op-API library exports ``symbol`` (None when it cannot be loaded)."""
+    try:
+        library = ctypes.CDLL(OPAPI_LIBRARY)
+    except OSError:
+        return None
+    return hasattr(library, symbol)
 
 
 def _lookup(module: ModuleType, path: str) -> Any:
@@ -97,25 +119,46 @@ def import_torch_npu(module_name: str = "torch_npu") -> ModuleType:
 class NpuRuntime:
     """The torch_npu calls the NPU backend makes, one typed method each.
 
-    ``module`` is the imported torch_npu (or a test fake with the same attribute layout).
+    ``module`` is the imported torch_npu (or a test fake with the same attribute layout);
+    ``aclnn_probe`` answers whether CANN has a kernel (default: :func:`cann_exports`).
     """
 
-    def __init__(self, module: ModuleType) -> None:
+    def __init__(self, module: ModuleType, *, aclnn_probe: AclnnProbe | None = None) -> None:
         self._mod = module
+        self._aclnn_probe: AclnnProbe = aclnn_probe if aclnn_probe is not None else cann_exports
 
     @classmethod
-    def load(cls, module_name: str = "torch_npu") -> NpuRuntime:
+    def load(
+        cls, module_name: str = "torch_npu", *, aclnn_probe: AclnnProbe | None = None
+    ) -> NpuRuntime:
         """Import torch_npu now (never at ftengine import time)."""
-        return cls(import_torch_npu(module_name))
+        return cls(import_torch_npu(module_name), aclnn_probe=aclnn_probe)
 
     @property
     def module(self) -> ModuleType:
         return self._mod
 
     @property
+    def version(self) -> str:
+        return str(getattr(self._mod, "__version__", "unknown"))
+
+    @property
     def has_mc2_v2(self) -> bool:
         """Whether ``npu_moe_distribute_dispatch_v2`` / ``combine_v2`` exist in this torch_npu."""
         return all(_has(self._mod, path) for path in MC2_V2_APIS)
+
+    @property
+    def has_op_timeout(self) -> bool:
+        """Whether this torch_npu has ``npu.set_op_timeout_ms`` (torch_npu >= 7.3.0)."""
+        return _has(self._mod, OP_TIMEOUT_API)
+
+    @property
+    def has_elastic_info_kernels(self) -> bool | None:
+        """Whether CANN has the aclnn V3 MC2 kernels ``elastic_info`` needs (None: unknown)."""
+        answers = [self._aclnn_probe(symbol) for symbol in ELASTIC_INFO_KERNELS]
+        if any(answer is False for answer in answers):
+            return False
+        return None if any(answer is None for answer in answers) else True
 
     def device(self, index: int) -> torch.device:
         """The torch device of NPU ``index``."""
@@ -140,18 +183,26 @@ class NpuRuntime:
             )
 
     def restart_device(self, index: int) -> None:
-        """Recover the device's streams; HCCL watchdogs go back to RUN."""
+        """Recover the device's streams (``rebuild_all_resources`` left False: keep the
+        allocations the model holds)."""
         self._mod.npu.restart_device(index)
 
-    def reinit_default_group(self) -> None:
-        """Re-initialise the default HCCL group keeping its links (no new rendezvous)."""
+    def resume_hccl_groups(self) -> None:
+        """``reinit_process_group(None, rebuild_link=False)``: resume every HCCL group of the
+        process in place, keeping its links (no new rendezvous with peers)."""
         self._mod.distributed.reinit_process_group(None, rebuild_link=False)
 
     def synchronize(self) -> None:
         self._mod.npu.synchronize()
 
     def set_op_timeout_ms(self, milliseconds: int) -> None:
-        """Abort any NPU op (communication ops included) running longer than this."""
+        """Abort any NPU op (communication ops included) running longer than this.
+
+        ``TorchNpuUnavailable`` when this torch_npu predates the API (see
+        :func:`op_timeout_missing`).
+        """
+        if not self.has_op_timeout:
+            raise op_timeout_missing(self.version, milliseconds)
         self._mod.npu.set_op_timeout_ms(milliseconds)
 
     # Ops ------------------------------------------------------------------------------------
@@ -172,3 +223,13 @@ class NpuRuntime:
         """``torch_npu.npu_moe_distribute_combine_v2(**kwargs)``."""
         result: torch.Tensor = self._mod.npu_moe_distribute_combine_v2(**kwargs)
         return result
+
+
+def op_timeout_missing(version: str, milliseconds: int) -> TorchNpuUnavailable:
+    """The error for an op timeout this torch_npu cannot install."""
+    return TorchNpuUnavailable(
+        f"an op timeout of {milliseconds} ms needs torch_npu.{OP_TIMEOUT_API}, which torch_npu "
+        f"{version} lacks: it exists from torch_npu 7.3.0 and calls aclrtSetOpExecuteTimeOutV2, "
+        "so it also needs a CANN with that V2 call; upgrade torch_npu and CANN together, or "
+        "set ft_communication_abort_timeout to 0 (no op timeout)"
+    )

@@ -2,8 +2,10 @@
 
 T seconds (0 = off, else an integer >= 2) gives ``HCCL_EVENT_TIMEOUT = T`` and
 ``HCCL_EXEC_TIMEOUT = T - 1`` unless the user set them, and
-``torch_npu.npu.set_op_timeout_ms(T * 1000)``. HCCL reads its variables when a
-communicator is created, so the plan must be applied before the distributed init.
+``torch_npu.npu.set_op_timeout_ms(T * 1000)`` (torch_npu >= 7.3.0, needed only when T > 0).
+Turning T off after it was on restores torch_npu's own default op timeout (547 s). HCCL
+reads its variables when a communicator is created, so the plan must be applied before the
+distributed init.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ from collections.abc import Mapping, MutableMapping
 
 import attrs
 
-from ftengine.backends.npu_runtime import NpuRuntime
+from ftengine.backends.npu_runtime import NpuRuntime, op_timeout_missing
 from ftengine.errors import ConfigError
 
 logger = logging.getLogger(__name__)
@@ -26,6 +28,8 @@ HCCL_CONNECT_TIMEOUT = "HCCL_CONNECT_TIMEOUT"
 DEFAULT_HCCL_EXEC_TIMEOUT_S = 1836
 DEFAULT_HCCL_EVENT_TIMEOUT_S = 1868
 DEFAULT_HCCL_CONNECT_TIMEOUT_S = 120
+TORCH_NPU_DEFAULT_OP_TIMEOUT_MS = 547_000
+"""torch_npu's op timeout when nobody set one (``kMaxOpExecuteTimeOut``, 547 s)."""
 
 
 def validate_abort_timeout(value: object, *, key: str = ABORT_TIMEOUT_KEY) -> int:
@@ -136,8 +140,14 @@ class OpTimeoutController:
         self.plan: OpTimeoutPlan | None = None
 
     def apply(self, seconds: int | float) -> OpTimeoutPlan:
-        """Validate and apply T seconds (0 = off); returns the plan that was applied."""
+        """Validate and apply T seconds (0 = off); returns the plan that was applied.
+
+        Nothing is changed when T > 0 and this torch_npu has no ``set_op_timeout_ms``
+        (``TorchNpuUnavailable`` naming the torch_npu and CANN versions it needs).
+        """
         seconds = validate_abort_timeout(seconds)
+        if seconds > 0 and not self._runtime.has_op_timeout:
+            raise op_timeout_missing(self._runtime.version, seconds * 1000)
         user_env = {
             name: value
             for name, value in self._environ.items()
@@ -152,9 +162,9 @@ class OpTimeoutController:
         if plan.op_timeout_ms is not None:
             self._runtime.set_op_timeout_ms(plan.op_timeout_ms)
         elif self._installed_ms is not None:
-            # Turning it off after it was on: 0 asks CANN for its default (*unconfirmed*
-            # for torch_npu; aclrtSetOpExecuteTimeOut documents 0 as "use the default").
-            self._runtime.set_op_timeout_ms(0)
+            # Off after on: back to torch_npu's own default, not 0 (what 0 means to
+            # aclrtSetOpExecuteTimeOutV2 is not documented for torch_npu).
+            self._runtime.set_op_timeout_ms(TORCH_NPU_DEFAULT_OP_TIMEOUT_MS)
         self._installed_ms = plan.op_timeout_ms
         self.plan = plan
         logger.info(

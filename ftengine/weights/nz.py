@@ -2,7 +2,7 @@
 
 The CPU path and the tests use it; the NPU backend calls ``torch_npu.npu_format_cast(x, 29)``
 instead. ND ``[..., m, n]`` becomes ``[..., ceil(n/n0), ceil(m/16)*16, n0]`` with
-``n0 = 32 bytes / element size`` and zero padding; ``ND[i, j] -> NZ[j // n0, i, j % n0]``.
+``n0 = 32 bytes / min(element size, 2)`` and zero padding; ``ND[i, j] -> NZ[j // n0, i, j % n0]``.
 The element order is inferred from the shape convention (unconfirmed upstream), so every
 index computation lives in the two functions below.
 """
@@ -20,17 +20,19 @@ M0 = 16
 """Rows per fractal block."""
 
 _BLOCK_BYTES = 32
+_N0_ITEMSIZE_CAP = 2
+"""torch_npu caps the element size at 2 bytes when it picks n0, so fp32 blocks are 16 wide."""
 
 
 def n0_for(dtype: torch.dtype) -> int:
-    """Columns per fractal block for ``dtype``: 16 for fp16/bf16, 32 for int8, 8 for fp32."""
+    """Columns per fractal block for ``dtype``: 32 for int8, 16 for fp16/bf16 and fp32."""
     size = torch.empty((), dtype=dtype).element_size()
     if size > _BLOCK_BYTES:
         raise WeightLoadError(
             f"FRACTAL_NZ needs elements of at most {_BLOCK_BYTES} bytes, found {dtype} "
             f"({size} bytes); keep such tensors in ND format"
         )
-    return _BLOCK_BYTES // size
+    return _BLOCK_BYTES // min(size, _N0_ITEMSIZE_CAP)
 
 
 def nz_shape(shape: tuple[int, ...] | torch.Size, dtype: torch.dtype) -> tuple[int, ...]:

@@ -1,9 +1,10 @@
 """A host worker for the NPU backend in tests: real checkpoint and slots, a tiny MoE step.
 
 ``FakeNpuHost`` implements ``NpuHost`` over a checkpoint written by the weights module; its
-model step routes tokens through the EPLB maps and, with EP >= 2, through MC2 dispatch_v2 /
-combine_v2 of the (fake) torch_npu. ``RecordingGroupFactory`` stands in for
-``torch.distributed.new_group``.
+model step routes tokens through per-layer routing tables built from the EPLB maps (as
+vllm-ascend's are, densified after a scale-down) and, with EP >= 2, through MC2
+dispatch_v2 / combine_v2 of the (fake) torch_npu, which needs H >= 1024 on A3.
+``RecordingGroupFactory`` stands in for ``torch.distributed.new_group``.
 """
 
 from __future__ import annotations
@@ -16,14 +17,19 @@ import torch
 from ftengine.backends.npu import NpuBackend
 from ftengine.backends.npu_config import NpuFtConfig
 from ftengine.backends.npu_host import NpuTopology
-from ftengine.backends.npu_mc2 import Mc2Communicator
+from ftengine.backends.npu_mc2 import Mc2Communicator, densify_routing_table
 from ftengine.backends.npu_preconditions import NpuDeployment
-from ftengine.backends.npu_reload import ExpertSlotsStorage, SlotStorage
+from ftengine.backends.npu_reload import ExpertSlotsStorage, NzPolicy, SlotStorage
 from ftengine.backends.npu_runtime import NpuRuntime
 from ftengine.placement.maps import ExpertPlacement
 from ftengine.weights.index import CheckpointIndex
 from ftengine.weights.reload import load_experts_into_slots
 from ftengine.weights.slots import ExpertSlots
+from tests.fakes.npu_routing import build_routing_table
+from tests.fakes.npu_state import STATE
+
+EP_GROUP = "fake_hccl_ep_group"
+"""The HCCL name of the fake host's EP group (registered with the fake torch_npu)."""
 
 
 @attrs.frozen
@@ -64,18 +70,17 @@ class FakeNpuHost:
         ep_size: int,
         ep_rank: int,
         num_redundant: int,
-        nz: bool = True,
+        nz: NzPolicy | None = None,
         fused_scales: bool = False,
     ) -> None:
         self.index = index
         self.ep_rank = ep_rank
+        self.nz = nz if nz is not None else NzPolicy()
         self._placement = ExpertPlacement.default(
             index.num_layers, index.num_experts, num_redundant, ep_size
         )
         local = self._placement.local_slots
-        self.slots = ExpertSlots.allocate(
-            index, index.num_layers, local, nz=nz, fused_scales=fused_scales
-        )
+        self.slots = ExpertSlots.allocate(index, index.num_layers, local, fused_scales=fused_scales)
         p2l = self._placement.physical_to_logical_map
         first = ep_rank * local
         # What the model loader did at start-up (with the reference NZ transform).
@@ -88,6 +93,7 @@ class FakeNpuHost:
                 for s in range(local)
             ],
         )
+        self.routing = [self._routing_table(layer) for layer in range(index.num_layers)]
         self.mc2: Mc2Communicator | None = None
         self.step: Callable[[torch.Tensor], torch.Tensor] = self._step
         self.dummy_batches = 0
@@ -96,8 +102,17 @@ class FakeNpuHost:
     def attach(self, backend: NpuBackend) -> None:
         """Wire the backend in: MC2 with its elastic_info, the model call behind its barrier."""
         if self._placement.ep_size >= 2:
-            self.mc2 = backend.make_mc2("fake_hccl_ep_group")
+            STATE.add_hccl_group(EP_GROUP)
+            self.mc2 = backend.make_mc2(EP_GROUP)
         self.step = backend.guard(self._step, self._empty)
+
+    def _routing_table(self, layer: int) -> torch.Tensor:
+        placement = self._placement
+        return build_routing_table(
+            placement.logical_to_physical_map[layer],
+            placement.logical_replica_count[layer],
+            self.ep_rank,
+        )
 
     # NpuHost -------------------------------------------------------------------------------
 
@@ -105,7 +120,7 @@ class FakeNpuHost:
         return self._placement
 
     def slot_storage(self) -> SlotStorage:
-        return ExpertSlotsStorage(self.slots)
+        return ExpertSlotsStorage(self.slots, nz=self.nz)
 
     def checkpoint(self) -> CheckpointIndex:
         self.checkpoint_reads += 1
@@ -116,6 +131,13 @@ class FakeNpuHost:
         if out.numel() == 0:
             raise RuntimeError("the dummy batch got an empty output: the worker is still fenced")
         self.dummy_batches += 1
+
+    def refresh_routing(self, table1: torch.Tensor) -> None:
+        """Rebuild every layer's table from the maps, then densify it, each in place."""
+        local = self._placement.local_slots
+        for layer, table in enumerate(self.routing):
+            table.copy_(self._routing_table(layer))
+            densify_routing_table(table, table1, local)
 
     # The model step ------------------------------------------------------------------------
 
@@ -129,22 +151,24 @@ class FakeNpuHost:
             .to(torch.bfloat16)
         )
 
-    def physical_ids(self, count: int, layer: int = 0) -> torch.Tensor:
-        """Top-k physical expert ids ``[count, K]`` read from the live logical→physical map."""
-        logical = torch.tensor(
-            [
-                [(t + k) % self._placement.num_logical for k in range(self.top_k)]
-                for t in range(count)
-            ]
+    def logical_ids(self, count: int) -> torch.Tensor:
+        """The router's top-k logical experts ``[count, K]``: token t picks t, t+1, ..."""
+        num_logical = self._placement.num_logical
+        return torch.tensor(
+            [[(t + k) % num_logical for k in range(self.top_k)] for t in range(count)]
         )
-        replicas = self._placement.logical_replica_count[layer, logical]
-        choice = torch.arange(count).unsqueeze(1) % replicas
-        return self._placement.logical_to_physical_map[layer, logical, choice]
+
+    def expert_ids(self, count: int, layer: int = 0) -> torch.Tensor:
+        """The ids MC2 gets ``[count, K]`` int32: token t reads row ``t % rows`` of the
+        layer's routing table (dense ids after a scale-down)."""
+        table = self.routing[layer]
+        rows = torch.arange(count).unsqueeze(1) % table.shape[0]
+        return table[rows, self.logical_ids(count)]
 
     def _step(self, x: torch.Tensor) -> torch.Tensor:
         if self.mc2 is None:
             return x
-        ids = self.physical_ids(x.shape[0])
+        ids = self.expert_ids(x.shape[0])
         scales = torch.full(ids.shape, 0.5, dtype=torch.float32)
         dispatched = self.mc2.dispatch(x, ids)
         return self.mc2.combine(dispatched, dispatched.expand_x, scales)
@@ -171,13 +195,14 @@ def make_npu_rig(
     num_redundant: int = 2,
     device_index: int = 0,
     tp_size: int = 1,
-    nz: bool = True,
+    nz: NzPolicy | None = None,
     fused_scales: bool = False,
     config: NpuFtConfig | None = None,
     deployment: NpuDeployment | None = None,
     environ: dict[str, str] | None = None,
 ) -> NpuRig:
-    """Build the NPU backend for DP rank ``dp_rank`` of ``dp_size`` (the fake must be installed)."""
+    """Build the NPU backend for DP rank ``dp_rank`` of ``dp_size`` (TP rank 0; the fake
+    must be installed)."""
     env = {} if environ is None else environ
     groups = RecordingGroupFactory()
     host = FakeNpuHost(
@@ -193,7 +218,7 @@ def make_npu_rig(
         NpuTopology(dp_rank=dp_rank, dp_size=dp_size, device_index=device_index, tp_size=tp_size),
         config=config,
         deployment=deployment,
-        runtime=NpuRuntime.load(),
+        runtime=NpuRuntime.load(aclnn_probe=STATE.has_aclnn),
         group_factory=groups,
         environ=env,
         device=torch.device("cpu"),

@@ -1,4 +1,5 @@
-"""Put the fake torch_npu on ``sys.path`` for one test and take it away again afterwards."""
+"""Put the fake torch_npu (and the vLLM-Ascend stand-in) on ``sys.path`` for one test and take
+them away again afterwards."""
 
 from __future__ import annotations
 
@@ -13,21 +14,24 @@ from tests.fakes.npu_state import STATE, FakeNpuState
 FAKES_DIR = Path(__file__).resolve().parent
 
 
-def _torch_npu_modules() -> dict[str, object]:
+FAKE_PACKAGES = ("torch_npu", "vllm_ascend")
+"""Top-level packages under ``tests/fakes`` that tests import by their real names."""
+
+
+def _fake_modules() -> dict[str, object]:
     return {
-        name: module
-        for name, module in sys.modules.items()
-        if name == "torch_npu" or name.startswith("torch_npu.")
+        name: module for name, module in sys.modules.items() if name.split(".")[0] in FAKE_PACKAGES
     }
 
 
 @contextlib.contextmanager
 def fake_torch_npu() -> Iterator[FakeNpuState]:
-    """Make ``import torch_npu`` load the fake; yields the fresh shared ``STATE``.
+    """Make ``import torch_npu`` load the fake (and ``import vllm_ascend`` the stand-in);
+    yields the fresh shared ``STATE``.
 
     Restores ``sys.path`` and ``sys.modules`` on exit, so no later test sees the fake.
     """
-    saved = _torch_npu_modules()
+    saved = _fake_modules()
     for name in saved:
         del sys.modules[name]
     sys.path.insert(0, str(FAKES_DIR))
@@ -40,7 +44,7 @@ def fake_torch_npu() -> Iterator[FakeNpuState]:
         yield STATE
     finally:
         sys.path.remove(str(FAKES_DIR))
-        for name in _torch_npu_modules():
+        for name in _fake_modules():
             del sys.modules[name]
         sys.modules.update(saved)  # type: ignore[arg-type]
         STATE.reset()

@@ -1,20 +1,46 @@
-"""State of the fake torch_npu: every call recorded with its arguments, device faults injectable.
+"""State of the fake torch_npu: every call recorded, the device and HCCL life cycle, the SoC.
 
-The fake models the device life cycle the backend depends on: after ``poison()`` (a device
-error) every device op raises until ``stop_device`` then ``restart_device``; a stopped
-device rejects ``reinit_process_group`` and ``synchronize`` until it is restarted.
+The fake models what the backend depends on and what the real library enforces:
+
+- after ``poison()`` (a device error) every device op raises until ``stop_device`` then
+  ``restart_device``; a stopped device rejects ``reinit_process_group`` and
+  ``synchronize`` until it is restarted;
+- every HCCL group's watchdog goes STOP at ``stop_device``; after ``restart_device`` the
+  groups stay suspended until ``reinit_process_group(None, rebuild_link=False)`` resumes
+  every one of them (``rebuild_link=True`` re-links the default group only); an MC2 op on
+  a group that is not running raises;
+- the SoC (``"A3"`` or ``"A2"``) and whether CANN has the aclnn V3 MC2 kernels (the ones
+  ``elastic_info`` needs) decide what the fake MC2 ops accept;
+- ``npu_format_cast`` keeps the logical size and remembers the storage format it gave.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
+from typing import Any
 
 import attrs
+import torch
+
+DEFAULT_GROUP = "hccl_world_group"
+"""The name the fake gives the default HCCL process group."""
+
+ACL_FORMAT_ND = 2
+
+RUNNING, STOPPED, SUSPENDED = "running", "stopped", "suspended"
+"""HCCL watchdog states of a group: serving; stopped by stop_device; device restarted but
+the group not yet resumed by reinit_process_group."""
+
+ACLNN_V3 = ("aclnnMoeDistributeDispatchV3", "aclnnMoeDistributeCombineV3")
+"""The CANN kernels torch_npu's dispatch_v2 / combine_v2 switch to when elastic_info is given."""
+
+DISPATCH, COMBINE = "npu_moe_distribute_dispatch_v2", "npu_moe_distribute_combine_v2"
+"""The MC2 ops as the fake torch_npu records them."""
 
 
 @attrs.frozen
 class Call:
-    """One recorded torch_npu call."""
+    """One recorded torch_npu call, with its arguments as the caller passed them."""
 
     name: str
     args: tuple[object, ...] = ()
@@ -27,6 +53,10 @@ class FakeDeviceError(RuntimeError):
 
 class Mc2ArgumentError(ValueError):
     """An MC2 argument the real op would reject (raised by the fake dispatch / combine)."""
+
+
+class AclnnMissing(RuntimeError):
+    """An op needs a CANN kernel this (fake) CANN does not have."""
 
 
 class FakeNpuState:
@@ -43,7 +73,11 @@ class FakeNpuState:
         self.op_timeout_ms: int | None = None
         self.stop_result = 0
         self.failures: dict[str, BaseException] = {}
-        self.last_dispatch: dict[str, object] | None = None
+        self.last_dispatch: dict[str, Any] | None = None
+        self.soc = "A3"
+        self.aclnn: set[str] = set(ACLNN_V3)
+        self.hccl_groups: dict[str, str] = {DEFAULT_GROUP: RUNNING}
+        self._formats: dict[int, tuple[int, torch.Tensor]] = {}
 
     # Recording -----------------------------------------------------------------------------
 
@@ -79,6 +113,41 @@ class FakeNpuState:
             raise FakeDeviceError(f"{name}: the stream is poisoned by an earlier device error")
         if self.current_device is not None and self.current_device in self.stopped:
             raise FakeDeviceError(f"{name}: device {self.current_device} is stopped")
+
+    # CANN capabilities ----------------------------------------------------------------------
+
+    def has_aclnn(self, symbol: str) -> bool:
+        """Whether the fake CANN exports ``symbol`` (the runtime's aclnn probe in tests)."""
+        return symbol in self.aclnn
+
+    # HCCL groups ---------------------------------------------------------------------------
+
+    def add_hccl_group(self, name: str) -> None:
+        """An HCCL communicator named ``name`` (e.g. the MC2 EP group), running."""
+        self.hccl_groups[name] = RUNNING
+
+    def set_watchdogs(self, state: str, *, only: str | None = None) -> None:
+        for name in self.hccl_groups:
+            if only is None or name == only:
+                self.hccl_groups[name] = state
+
+    def require_group(self, name: str, op: str) -> None:
+        state = self.hccl_groups.get(name)
+        if state is None:
+            raise Mc2ArgumentError(f"{op}: no HCCL communicator named {name!r}")
+        if state != RUNNING:
+            raise FakeDeviceError(f"{op}: HCCL group {name!r} is {state}, not running")
+
+    # Storage formats -----------------------------------------------------------------------
+
+    def remember_format(self, tensor: torch.Tensor, acl_format: int) -> None:
+        # The tensor itself is kept so that its address is never reused by another one.
+        self._formats[tensor.untyped_storage().data_ptr()] = (acl_format, tensor)
+
+    def format_of(self, tensor: torch.Tensor) -> int:
+        """The format of ``tensor``'s storage (a view shares its base's format, as on NPU)."""
+        entry = self._formats.get(tensor.untyped_storage().data_ptr())
+        return entry[0] if entry is not None else ACL_FORMAT_ND
 
 
 STATE = FakeNpuState()

@@ -14,40 +14,49 @@ from pathlib import Path
 import pytest
 
 from ftengine.weights.checkpoint_gen import make_checkpoint
-from ftengine.weights.index import CheckpointIndex
+from ftengine.weights.index import CheckpointIndex, Quant
 from tests.fakes.npu_install import fake_torch_npu
-from tests.fakes.npu_state import FakeNpuState
+from tests.fakes.npu_state import COMBINE, DISPATCH, FakeNpuState
 
-DISPATCH, COMBINE = "npu_moe_distribute_dispatch_v2", "npu_moe_distribute_combine_v2"
-"""The MC2 ops as the fake torch_npu records them."""
+__all__ = ["COMBINE", "DISPATCH", "HIDDEN", "INTERMEDIATE", "MC2_HIDDEN", "TinyCheckpoints"]
 
 HIDDEN, INTERMEDIATE = 32, 16
+MC2_HIDDEN = 1024
+"""The smallest hidden size MC2 takes on Atlas A3: checkpoints whose model step runs MC2."""
 
 
 class TinyCheckpoints:
-    """Tiny bf16 checkpoints (hidden 32, intermediate 16) under ``root``, each written once
-    per ``(layers, experts)``. Tests only read them (copy one before breaking it)."""
+    """Tiny checkpoints (hidden 32 unless asked, intermediate 16) under ``root``, each
+    written once per ``(layers, experts, hidden, quant)``. Tests only read them (copy one
+    before breaking it)."""
 
     def __init__(self, root: Path) -> None:
         self._root = root
-        self._paths: dict[tuple[int, int], Path] = {}
+        self._paths: dict[tuple[int, int, int, Quant], Path] = {}
 
-    def path(self, *, layers: int, experts: int) -> Path:
+    def path(
+        self, *, layers: int, experts: int, hidden: int = HIDDEN, quant: Quant = "none"
+    ) -> Path:
         """The checkpoint directory with ``layers`` MoE layers of ``experts`` experts."""
-        key = (layers, experts)
+        key = (layers, experts, hidden, quant)
         if key not in self._paths:
             self._paths[key] = make_checkpoint(
-                self._root / f"layers{layers}-experts{experts}",
+                self._root / f"layers{layers}-experts{experts}-hidden{hidden}-{quant}",
                 layers=layers,
                 experts=experts,
-                hidden=HIDDEN,
+                hidden=hidden,
                 intermediate=INTERMEDIATE,
+                quant=quant,
             )
         return self._paths[key]
 
-    def index(self, *, layers: int, experts: int) -> CheckpointIndex:
-        """A fresh index over ``path(layers=..., experts=...)``."""
-        return CheckpointIndex.open(self.path(layers=layers, experts=experts))
+    def index(
+        self, *, layers: int, experts: int, hidden: int = HIDDEN, quant: Quant = "none"
+    ) -> CheckpointIndex:
+        """A fresh index over ``path(...)`` with the same arguments."""
+        return CheckpointIndex.open(
+            self.path(layers=layers, experts=experts, hidden=hidden, quant=quant)
+        )
 
 
 @pytest.fixture(scope="session")

@@ -96,5 +96,5 @@ def test_backend_from_additional_config_applies_the_timeout(
         device=torch.device("cpu"),
     )
     assert backend.config.policy == "auto"
-    assert env == {"HCCL_EVENT_TIMEOUT": "30", "HCCL_EXEC_TIMEOUT": "29"}
+    assert env == {"TASK_QUEUE_ENABLE": "0", "HCCL_EVENT_TIMEOUT": "30", "HCCL_EXEC_TIMEOUT": "29"}
     assert npu_state.of("npu.set_op_timeout_ms") == [Call("npu.set_op_timeout_ms", (30000,))]

@@ -46,6 +46,20 @@ def test_stale_groups_refuse_use_until_recreated() -> None:
     assert (groups.members, groups.epoch) == ((0, 1), 0)
 
 
+def test_a_reset_recreates_gloo_groups_and_keeps_the_resumed_hccl_ones() -> None:
+    factory = RecordingGroupFactory()
+    groups = OwnedGroups(factory, [0, 1])
+    sync = groups.register("dp_sync")
+    side = groups.register("ep_side", backend="hccl")
+    groups.mark_stale()
+    groups.recreate()
+    # reinit_process_group(None, rebuild_link=False) resumed the HCCL group in place.
+    assert factory.destroyed == [sync]
+    assert groups.get("ep_side") is side
+    assert groups.get("dp_sync") is factory.created[-1]
+    assert factory.created[-1] == FakeGroup(2, (0, 1), "gloo", None)
+
+
 def test_names_are_unique_and_unknown_names_are_reported() -> None:
     groups = OwnedGroups(RecordingGroupFactory(), [0])
     groups.register("dp_sync")

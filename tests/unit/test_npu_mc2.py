@@ -1,26 +1,28 @@
-"""MC2 on the NPU backend: elastic_info in place, original MC2 arguments, densified ids."""
+"""MC2 on the NPU backend: elastic_info in place, original MC2 arguments, routing tables
+densified once in place; the fake ops take exactly the published schemas and SoC limits."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from ftengine.backends.npu_mc2 import Mc2Communicator, Mc2Params
+from ftengine.backends.npu_mc2 import Mc2Communicator, Mc2Params, densify_routing_table
 from ftengine.backends.npu_runtime import NpuRuntime
 from ftengine.errors import PlacementError, PreconditionFailed
 from ftengine.faults import Fault, FaultKind
-from ftengine.placement.elastic import ElasticInfo
+from ftengine.placement.elastic import ElasticInfo, densify_routing_ids
 from ftengine.weights.index import CheckpointIndex
 from tests.fakes.npu_host import NpuRig, make_npu_rig
-from tests.fakes.npu_state import FakeNpuState, Mc2ArgumentError
-from tests.unit.npu_fixtures import COMBINE, DISPATCH, TinyCheckpoints
+from tests.fakes.npu_routing import build_routing_table
+from tests.fakes.npu_state import AclnnMissing, FakeNpuState, Mc2ArgumentError
+from tests.unit.npu_fixtures import COMBINE, DISPATCH, MC2_HIDDEN, TinyCheckpoints
 from tests.unit.npu_fixtures import npu_state as npu_state
 from tests.unit.npu_fixtures import tiny_checkpoints as tiny_checkpoints
 
 
 @pytest.fixture(scope="module")
 def index(tiny_checkpoints: TinyCheckpoints) -> CheckpointIndex:
-    return tiny_checkpoints.index(layers=2, experts=16)
+    return tiny_checkpoints.index(layers=2, experts=16, hidden=MC2_HIDDEN)
 
 
 @pytest.fixture
@@ -66,17 +68,20 @@ def test_the_op_docs_example_passes_the_fake_ops_validation(npu_state: FakeNpuSt
     params = Mc2Params(
         group_ep="ep", ep_world_size=8, ep_rank_id=6, moe_expert_num=7, shared_expert_rank_num=1
     )
+    npu_state.add_hccl_group("ep")
     mc2 = Mc2Communicator(NpuRuntime.load(), params, elastic)
-    x = torch.ones(1, 32, dtype=torch.bfloat16)
+    x = torch.ones(1, MC2_HIDDEN, dtype=torch.bfloat16)
     out = mc2.dispatch(x, torch.tensor([[0, 1]]))
     assert out.expert_ids.tolist() == [[0, 1]]
     assert npu_state.of(DISPATCH)[0].kwargs["elastic_info"] is elastic.tensor
 
 
-def test_dispatch_keeps_the_original_arguments_and_densifies_ids(
+def test_dispatch_keeps_the_original_arguments_and_reads_the_densified_table(
     rig: NpuRig, npu_state: FakeNpuState
 ) -> None:
-    scale_down(rig, frozenset({3}), 1)
+    tables = [table.data_ptr() for table in rig.host.routing]
+    scale_down(rig, frozenset({1}), 1)
+    assert [table.data_ptr() for table in rig.host.routing] == tables  # densified in place
     npu_state.clear_calls()
     rig.host.step(rig.host.tokens(6))
     (dispatch,) = npu_state.of(DISPATCH)
@@ -91,39 +96,54 @@ def test_dispatch_keeps_the_original_arguments_and_densifies_ids(
     assert kw["tp_world_size"] == 1
     ids = kw["expert_ids"]
     assert isinstance(ids, torch.Tensor) and ids.dtype == torch.int32
-    physical = rig.host.physical_ids(6)
-    assert not bool((physical // 8 == 3).any())  # the maps no longer route to rank 3
-    assert torch.equal(ids.long(), physical)  # ranks 0..2 keep their dense numbers
+    assert torch.equal(ids, rig.host.expert_ids(6))
+    # the table is the maps' routing (which no longer name rank 1) renumbered densely
+    placement = rig.host.placement()
+    physical = build_routing_table(
+        placement.logical_to_physical_map[0], placement.logical_replica_count[0], 0
+    )
+    assert not bool((physical // 8 == 1).any())
+    assert torch.equal(rig.host.routing[0], densify_routing_ids(physical, [0, -1, 1, 2], 8))
     assert int(ids.max()) < 24
     (combine,) = npu_state.of(COMBINE)
     assert combine.kwargs["expert_ids"] is ids
     assert combine.kwargs["elastic_info"] is rig.backend.elastic.tensor
 
 
-def test_ids_above_a_dead_rank_are_shifted_down(rig: NpuRig, npu_state: FakeNpuState) -> None:
-    scale_down(rig, frozenset({1}), 1)
-    mc2 = rig.host.mc2
-    assert mc2 is not None
-    physical = torch.tensor([[0, 16], [24, 31]])
-    assert mc2.routing_ids(physical).tolist() == [[0, 8], [16, 23]]
+def test_a_routing_table_is_densified_in_place_ids_above_a_dead_rank_shifted_down() -> None:
+    table = torch.tensor([[0, 16], [24, 31]], dtype=torch.int32)
+    ptr = table.data_ptr()
+    densify_routing_table(table, torch.tensor([0, -1, 1, 2]), 8)  # rank 1 of 4 dead
+    assert table.tolist() == [[0, 8], [16, 23]] and table.data_ptr() == ptr
+    assert table.dtype == torch.int32
     with pytest.raises(PlacementError, match=r"\[8\]"):
-        mc2.routing_ids(torch.tensor([[0, 8]]))  # a slot of dead rank 1
+        densify_routing_table(torch.tensor([[0, 8]]), torch.tensor([0, -1, 1, 2]), 8)
 
 
-def test_reference_densify_example(npu_state: FakeNpuState) -> None:
-    elastic = ElasticInfo(4, 4)
-    elastic.update({1})
-    params = Mc2Params(group_ep="ep", ep_world_size=4, ep_rank_id=0, moe_expert_num=16)
-    mc2 = Mc2Communicator(NpuRuntime.load(), params, elastic)
-    assert mc2.routing_ids(torch.tensor([[0, 8, 12]])).tolist() == [[0, 4, 8]]
+def test_reference_densify_example() -> None:
+    table = torch.tensor([[0, 8, 12]])
+    densify_routing_table(table, torch.tensor([0, -1, 1, 2]), 4)
+    assert table.tolist() == [[0, 4, 8]]
 
 
-def test_healthy_path_passes_ids_unchanged(rig: NpuRig, npu_state: FakeNpuState) -> None:
+def test_a_table_naming_a_dead_rank_is_left_unchanged() -> None:
+    table = torch.tensor([[0, 5]])
+    with pytest.raises(PlacementError):
+        densify_routing_table(table, torch.tensor([0, -1]), 4)
+    assert table.tolist() == [[0, 5]]
+
+
+def test_healthy_path_passes_the_tables_physical_ids(rig: NpuRig, npu_state: FakeNpuState) -> None:
     rig.host.step(rig.host.tokens(4))
     (dispatch,) = npu_state.of(DISPATCH)
     ids = dispatch.kwargs["expert_ids"]
     assert isinstance(ids, torch.Tensor)
-    assert torch.equal(ids.long(), rig.host.physical_ids(4))
+    placement = rig.host.placement()
+    physical = build_routing_table(
+        placement.logical_to_physical_map[0], placement.logical_replica_count[0], 0
+    )
+    rows = torch.arange(4).unsqueeze(1) % physical.shape[0]
+    assert torch.equal(ids, physical[rows, rig.host.logical_ids(4)])
     assert values(rig.backend.elastic.tensor) == [0] * 12
 
 
@@ -152,7 +172,7 @@ def test_the_fake_validates_like_the_op_docs(
 ) -> None:
     mc2 = rig.host.mc2
     assert mc2 is not None
-    kwargs = mc2.dispatch_kwargs(rig.host.tokens(2), rig.host.physical_ids(2))
+    kwargs = mc2.dispatch_kwargs(rig.host.tokens(2), rig.host.expert_ids(2))
     kwargs[field] = value
     with pytest.raises(Mc2ArgumentError, match=message):
         NpuRuntime.load().dispatch_v2(kwargs)
@@ -184,3 +204,81 @@ def test_dead_dp_columns_are_neutralized(rig: NpuRig) -> None:
     tokens = torch.tensor([5, 6, 7, 8])
     rig.backend.neutralize_dp_columns(tokens, 0)
     assert tokens.tolist() == [5, 6, 0, 8]
+
+
+def test_a_misspelt_keyword_to_an_mc2_op_fails(rig: NpuRig, npu_state: FakeNpuState) -> None:
+    mc2 = rig.host.mc2
+    assert mc2 is not None
+    runtime = NpuRuntime.load()
+    kwargs = mc2.dispatch_kwargs(rig.host.tokens(2), rig.host.expert_ids(2))
+    kwargs["elastic_infos"] = kwargs.pop("elastic_info")
+    with pytest.raises(TypeError, match="unexpected keyword argument 'elastic_infos'"):
+        runtime.dispatch_v2(kwargs)
+    dispatched = mc2.dispatch(rig.host.tokens(2), rig.host.expert_ids(2))
+    scales = torch.full((2, 2), 0.5)
+    combine = mc2.combine_kwargs(dispatched, dispatched.expand_x, scales)
+    combine["quant_mode"] = 0  # a dispatch-only parameter: combine_v2 has comm_quant_mode
+    with pytest.raises(TypeError, match="unexpected keyword argument 'quant_mode'"):
+        runtime.combine_v2(combine)
+
+
+def test_keyword_only_parameters_cannot_be_passed_positionally(npu_state: FakeNpuState) -> None:
+    import torch_npu
+
+    npu_state.add_hccl_group("ep")
+    x = torch.ones(1, MC2_HIDDEN, dtype=torch.bfloat16)
+    ids = torch.tensor([[0, 1]], dtype=torch.int32)
+    out = torch_npu.npu_moe_distribute_dispatch_v2(x, ids, "ep", 4, 0, 32)
+    assert len(out) == 7
+    with pytest.raises(TypeError, match="positional argument"):
+        torch_npu.npu_moe_distribute_dispatch_v2(x, ids, "ep", 4, 0, 32, None)
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"x": torch.ones(2, 512, dtype=torch.bfloat16)}, "A3: H must be in \\[1024, 8192\\]"),
+        ({"x": torch.ones(2, 9216, dtype=torch.bfloat16)}, "A3: H must be in"),
+        ({"expert_scales": torch.ones(2, 2)}, "A3: expert_scales is not supported"),
+    ],
+)
+def test_the_fake_enforces_atlas_a3_limits(
+    rig: NpuRig, npu_state: FakeNpuState, change: dict[str, object], message: str
+) -> None:
+    mc2 = rig.host.mc2
+    assert mc2 is not None
+    kwargs = mc2.dispatch_kwargs(rig.host.tokens(2), rig.host.expert_ids(2))
+    kwargs.update(change)
+    with pytest.raises(Mc2ArgumentError, match=message):
+        NpuRuntime.load().dispatch_v2(kwargs)
+
+
+def test_a3_takes_at_most_512_tokens(rig: NpuRig, npu_state: FakeNpuState) -> None:
+    mc2 = rig.host.mc2
+    assert mc2 is not None
+    rig.host.step(rig.host.tokens(512))
+    kwargs = mc2.dispatch_kwargs(rig.host.tokens(513), rig.host.expert_ids(513))
+    with pytest.raises(Mc2ArgumentError, match="A3: BS must be in \\(0, 512\\]"):
+        NpuRuntime.load().dispatch_v2(kwargs)
+
+
+def test_a2_refuses_elastic_info(rig: NpuRig, npu_state: FakeNpuState) -> None:
+    mc2 = rig.host.mc2
+    assert mc2 is not None
+    npu_state.soc = "A2"
+    kwargs = mc2.dispatch_kwargs(rig.host.tokens(2), rig.host.expert_ids(2))
+    with pytest.raises(Mc2ArgumentError, match="A2: elastic_info must be None"):
+        NpuRuntime.load().dispatch_v2(kwargs)
+    kwargs["elastic_info"] = None
+    assert len(NpuRuntime.load().dispatch_v2(kwargs)) == 7
+
+
+def test_elastic_info_needs_the_aclnn_v3_kernels(rig: NpuRig, npu_state: FakeNpuState) -> None:
+    mc2 = rig.host.mc2
+    assert mc2 is not None
+    npu_state.aclnn.clear()
+    kwargs = mc2.dispatch_kwargs(rig.host.tokens(2), rig.host.expert_ids(2))
+    with pytest.raises(AclnnMissing, match="aclnnMoeDistributeDispatchV3"):
+        NpuRuntime.load().dispatch_v2(kwargs)
+    kwargs["elastic_info"] = None
+    assert len(NpuRuntime.load().dispatch_v2(kwargs)) == 7

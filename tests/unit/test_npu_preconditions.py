@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
+from ftengine.backends.npu import NpuBackend
 from ftengine.backends.npu_config import NpuFtConfig
+from ftengine.backends.npu_host import NpuTopology
 from ftengine.backends.npu_preconditions import NpuDeployment, check_scale_down
+from ftengine.backends.npu_runtime import NpuRuntime
 from ftengine.errors import PreconditionFailed
 from ftengine.weights.index import CheckpointIndex
-from tests.fakes.npu_host import make_npu_rig
+from tests.fakes.npu_host import FakeNpuHost, RecordingGroupFactory, make_npu_rig
 from tests.fakes.npu_state import FakeNpuState
 from tests.unit.npu_fixtures import TinyCheckpoints
 from tests.unit.npu_fixtures import npu_state as npu_state
@@ -20,8 +24,8 @@ EVERYTHING_WRONG = NpuDeployment(
     num_redundant_experts=0,
     fused_mc2=True,
     hierarchical_comm=True,
-    tp_size=2,
     has_dispatch_v2=False,
+    elastic_info_kernels=False,
     device_type="A2",
 )
 REASON_KEYS = (
@@ -30,8 +34,8 @@ REASON_KEYS = (
     "num_redundant_experts > 0",
     "fused MC2",
     "hierarchical",
-    "tp_world_size == 1",
     "npu_moe_distribute_dispatch_v2",
+    "aclnnMoeDistributeDispatchV3",
     "Atlas A3",
 )
 
@@ -69,14 +73,48 @@ def test_backend_start_up_checks_what_it_can_see_itself(
     import torch_npu
 
     monkeypatch.delattr(torch_npu, "npu_moe_distribute_dispatch_v2")
-    # The host claims a good deployment; torch_npu, TP and the placement say otherwise.
+    npu_state.aclnn.clear()  # a CANN without the aclnn V3 MC2 kernels
+    # The host claims a good deployment; torch_npu, CANN and the placement say otherwise.
     with pytest.raises(PreconditionFailed) as caught:
-        make_npu_rig(index, dp_size=2, tp_size=2, num_redundant=0, deployment=NpuDeployment())
+        make_npu_rig(index, dp_size=2, num_redundant=0, deployment=NpuDeployment())
     reasons = caught.value.reasons
     assert len(reasons) == 3
     assert "num_redundant_experts > 0, found 0" in reasons[0]
-    assert "tp 2" in reasons[1]
-    assert "dispatch_v2" in reasons[2]
+    assert "dispatch_v2" in reasons[1]
+    assert "aclnnMoeDistributeDispatchV3" in reasons[2]
+
+
+def test_tp_2_passes_start_up_each_dp_rank_owning_two_ep_ranks(
+    npu_state: FakeNpuState, index: CheckpointIndex
+) -> None:
+    rig = make_npu_rig(index, dp_size=2, tp_size=2, num_redundant=4)
+    assert rig.backend.topology.ep_size == 4
+    assert rig.backend.elastic.world == 4
+
+
+def backend_with_unknown_aclnn(index: CheckpointIndex, declared: bool | None) -> NpuBackend:
+    """A backend whose aclnn probe cannot tell (no CANN library to ask), the host declaring
+    ``declared``."""
+    return NpuBackend(
+        FakeNpuHost(index, ep_size=2, ep_rank=0, num_redundant=4),
+        NpuTopology(dp_rank=0, dp_size=2, device_index=0),
+        deployment=NpuDeployment(elastic_info_kernels=declared),
+        runtime=NpuRuntime.load(aclnn_probe=lambda symbol: None),
+        group_factory=RecordingGroupFactory(),
+        environ={},
+        device=torch.device("cpu"),
+    )
+
+
+def test_an_aclnn_probe_that_cannot_tell_keeps_the_hosts_word(
+    npu_state: FakeNpuState, index: CheckpointIndex, caplog: pytest.LogCaptureFixture
+) -> None:
+    assert backend_with_unknown_aclnn(index, True).deployment.elastic_info_kernels is True
+    with pytest.raises(PreconditionFailed, match="aclnnMoeDistributeDispatchV3"):
+        backend_with_unknown_aclnn(index, False)
+    with caplog.at_level("WARNING"):
+        backend_with_unknown_aclnn(index, None)
+    assert "could not tell whether CANN has the aclnn V3 MC2 kernels" in caplog.text
 
 
 def test_with_scale_down_off_start_up_passes_and_scale_down_is_refused(

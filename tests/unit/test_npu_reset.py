@@ -10,9 +10,16 @@ from ftengine.errors import BackendError, DeviceError
 from ftengine.faults import Fault, FaultKind, HealthStatus, Phase
 from ftengine.policies import OrchestratorDriven
 from ftengine.weights.index import CheckpointIndex
-from tests.fakes.npu_host import NpuRig, make_npu_rig
-from tests.fakes.npu_state import Call, FakeDeviceError, FakeNpuState
-from tests.unit.npu_fixtures import COMBINE, DISPATCH, TinyCheckpoints
+from tests.fakes.npu_host import EP_GROUP, NpuRig, make_npu_rig
+from tests.fakes.npu_state import (
+    DEFAULT_GROUP,
+    RUNNING,
+    SUSPENDED,
+    Call,
+    FakeDeviceError,
+    FakeNpuState,
+)
+from tests.unit.npu_fixtures import COMBINE, DISPATCH, MC2_HIDDEN, TinyCheckpoints
 from tests.unit.npu_fixtures import npu_state as npu_state
 from tests.unit.npu_fixtures import tiny_checkpoints as tiny_checkpoints
 
@@ -27,7 +34,7 @@ RESET = [
 
 @pytest.fixture(scope="module")
 def index(tiny_checkpoints: TinyCheckpoints) -> CheckpointIndex:
-    return tiny_checkpoints.index(layers=1, experts=8)
+    return tiny_checkpoints.index(layers=1, experts=8, hidden=MC2_HIDDEN)
 
 
 @pytest.fixture
@@ -56,7 +63,7 @@ def test_reset_runs_the_exact_sequence_then_recreates_owned_groups(
     assert npu_state.calls == [
         Call("npu.set_device", (3,)),
         Call("npu.stop_device", (3,)),
-        Call("npu.restart_device", (3,), {"rebuild_all_resource": False}),
+        Call("npu.restart_device", (3,)),  # keep every allocation: rebuild_all_resources=False
         Call("distributed.reinit_process_group", (None,), {"rebuild_link": False}),
         Call("npu.synchronize"),
     ]
@@ -64,6 +71,25 @@ def test_reset_runs_the_exact_sequence_then_recreates_owned_groups(
     new = rig.groups.created[-1]
     assert (new.ranks, new.backend) == ((0, 1, 2, 3), "gloo")
     assert rig.backend.groups.get("dp_sync") is new
+
+
+def test_reset_resumes_every_hccl_group_not_only_the_default_one(
+    rig: NpuRig, npu_state: FakeNpuState
+) -> None:
+    npu_state.fail("distributed.reinit_process_group", RuntimeError("EI0006: link lost"))
+    with pytest.raises(DeviceError, match="reinit_process_group"):
+        rig.backend.reset_device()
+    # stop_device stopped every watchdog, restart_device left the groups suspended ...
+    assert npu_state.hccl_groups == {DEFAULT_GROUP: SUSPENDED, EP_GROUP: SUSPENDED}
+    rig.backend.reset_device()
+    # ... and reinit_process_group(None, rebuild_link=False) resumed all of them.
+    assert npu_state.hccl_groups == {DEFAULT_GROUP: RUNNING, EP_GROUP: RUNNING}
+
+
+def test_an_mc2_call_on_a_suspended_group_fails(rig: NpuRig, npu_state: FakeNpuState) -> None:
+    npu_state.hccl_groups[EP_GROUP] = SUSPENDED  # what a re-link of the default group leaves
+    with pytest.raises(FakeDeviceError, match=f"{EP_GROUP}' is suspended"):
+        rig.host.step(rig.host.tokens(2))
 
 
 def test_reset_clears_a_poisoned_device(rig: NpuRig, npu_state: FakeNpuState) -> None:
@@ -102,7 +128,7 @@ def test_first_device_error_resets_at_once_and_fences_later_calls(
     calls_before = len(npu_state.calls)
     for _ in range(3):
         out = rig.host.step(rig.host.tokens(4))
-        assert out.shape == (0, 32)
+        assert out.shape == (0, MC2_HIDDEN)
     assert len(npu_state.calls) == calls_before  # device-free while quarantined
     with pytest.raises(BackendError, match="stale"):
         rig.backend.groups.get("dp_sync")
@@ -135,7 +161,7 @@ def test_rebuild_recreates_groups_for_the_epoch_and_lets_calls_through(
     assert rig.backend.epoch == 1 and not rig.backend.groups.stale
     npu_state.clear_calls()
     out = rig.host.step(rig.host.tokens(4))
-    assert out.shape == (4, 32)
+    assert out.shape == (4, MC2_HIDDEN)
     assert npu_state.names() == [DISPATCH, COMBINE]
 
 
@@ -163,7 +189,8 @@ def test_engine_retry_path_calls_the_device_in_order(rig: NpuRig, npu_state: Fak
     assert result.success, result.reason
     assert engine.phase is Phase.HEALTHY
     # barrier reset, then the retry's full reset, then the dummy batch through MC2
-    assert npu_state.names() == [DISPATCH, *RESET, *RESET, DISPATCH, COMBINE]
+    # ... and the synchronize that makes its queued kernels' errors surface
+    assert npu_state.names() == [DISPATCH, *RESET, *RESET, DISPATCH, COMBINE, "npu.synchronize"]
     assert rig.backend.epoch == engine.epoch == 1
     assert rig.host.dummy_batches == 1
     # groups: the initial one, re-created by reset_device, re-created by rebuild_groups

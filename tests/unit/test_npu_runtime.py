@@ -22,6 +22,7 @@ from tests.unit.npu_fixtures import npu_state as npu_state
 NPU_MODULES = (
     "ftengine.backends.npu",
     "ftengine.backends.npu_config",
+    "ftengine.backends.npu_env",
     "ftengine.backends.npu_groups",
     "ftengine.backends.npu_host",
     "ftengine.backends.npu_mc2",
@@ -30,6 +31,13 @@ NPU_MODULES = (
     "ftengine.backends.npu_reset",
     "ftengine.backends.npu_runtime",
     "ftengine.backends.npu_timeouts",
+    "ftengine.integrations.vllm_ascend",
+    "ftengine.integrations.vllm_ascend.config",
+    "ftengine.integrations.vllm_ascend.factory",
+    "ftengine.integrations.vllm_ascend.hooks",
+    "ftengine.integrations.vllm_ascend.names",
+    "ftengine.integrations.vllm_ascend.plugin",
+    "ftengine.integrations.vllm_ascend.sentinel",
 )
 
 

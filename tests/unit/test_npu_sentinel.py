@@ -13,17 +13,19 @@ from ftengine.sentinel import WorkerSentinel
 from ftengine.weights.index import CheckpointIndex
 from tests.fakes.npu_host import NpuRig, SentinelHooks, make_npu_rig
 from tests.fakes.npu_state import FakeDeviceError, FakeNpuState
-from tests.unit.npu_fixtures import DISPATCH, TinyCheckpoints
+from tests.unit.npu_fixtures import DISPATCH, MC2_HIDDEN, TinyCheckpoints
 from tests.unit.npu_fixtures import npu_state as npu_state
 from tests.unit.npu_fixtures import tiny_checkpoints as tiny_checkpoints
 
 
 @pytest.fixture(scope="module")
 def index(tiny_checkpoints: TinyCheckpoints) -> CheckpointIndex:
-    return tiny_checkpoints.index(layers=2, experts=8)
+    return tiny_checkpoints.index(layers=2, experts=8, hidden=MC2_HIDDEN)
 
 
-def sentinel_for(rig: NpuRig) -> tuple[WorkerSentinel, SentinelHooks]:
+def sentinel_for(
+    rig: NpuRig, *, world_size: int = 4, tp_size: int = 1
+) -> tuple[WorkerSentinel, SentinelHooks]:
     placement = rig.host.placement()
     hooks = SentinelHooks(rig.host)
     sentinel = WorkerSentinel(
@@ -31,10 +33,13 @@ def sentinel_for(rig: NpuRig) -> tuple[WorkerSentinel, SentinelHooks]:
         rig.backend,
         hooks,
         rank=0,
-        world_size=4,
+        world_size=world_size,
         clock=ManualClock(),
         redundancy=RedundancyFacts(
-            ep_size=4, local_slots=placement.local_slots, num_logical=placement.num_logical
+            ep_size=world_size * tp_size,
+            local_slots=placement.local_slots,
+            num_logical=placement.num_logical,
+            tp_size=tp_size,
         ),
     )
     return sentinel, hooks
@@ -62,7 +67,7 @@ def test_scale_down_of_rank_3_then_rank_2(npu_state: FakeNpuState, index: Checkp
     assert hooks.cleaned == 2
     assert rig.backend.dead_dp_ranks == frozenset({2, 3})
     out = rig.host.step(rig.host.tokens(3))
-    assert out.shape == (3, 32)
+    assert out.shape == (3, MC2_HIDDEN)
 
 
 def test_device_error_then_retry(npu_state: FakeNpuState, index: CheckpointIndex) -> None:
@@ -78,4 +83,22 @@ def test_device_error_then_retry(npu_state: FakeNpuState, index: CheckpointIndex
     result = sentinel.handle_ft_command("retry", {}, "retry-1")
     assert result.success, result.reason
     assert sentinel.health is HealthStatus.HEALTHY
-    assert rig.host.step(rig.host.tokens(2)).shape == (2, 32)
+    assert rig.host.step(rig.host.tokens(2)).shape == (2, MC2_HIDDEN)
+
+
+def test_tp_2_scale_down_masks_both_ep_ranks_of_the_dead_dp_rank(
+    npu_state: FakeNpuState, index: CheckpointIndex
+) -> None:
+    # DP 2 x TP 2: EP world 4; 8 experts + 8 redundant give 4 slots per EP rank, and DP
+    # rank 1 owns EP ranks 2 and 3 (slots 8..15).
+    rig = make_npu_rig(index, dp_size=2, dp_rank=0, tp_size=2, num_redundant=8)
+    sentinel, _ = sentinel_for(rig, world_size=2, tp_size=2)
+    sentinel.peer_fault(FaultKind.DEAD_PEER, rank=1, info="EOF")
+    result = sentinel.handle_ft_command("scale_down", {"removed_dp_ranks": [1]}, "sd")
+    assert result.success, result.reason
+    assert rig.backend.elastic.tensor.tolist() == [1, 2, 0, 8, 0, 1, -1, -1, 0, 1, -1, -1]
+    placement = rig.host.placement()
+    assert bool((placement.physical_to_logical_map[:, 8:] == -1).all())
+    assert bool((placement.logical_replica_count >= 1).all())
+    assert all(int(table.max()) < 8 for table in rig.host.routing)  # dense ids of EP 0, 1
+    assert rig.host.step(rig.host.tokens(3)).shape == (3, MC2_HIDDEN)

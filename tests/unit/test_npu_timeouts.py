@@ -1,12 +1,18 @@
-"""ft_communication_abort_timeout → exact HCCL env values and set_op_timeout_ms argument."""
+"""ft_communication_abort_timeout → exact HCCL env values and set_op_timeout_ms argument; the
+rest of the environment FT needs (TASK_QUEUE_ENABLE, HCCL_ASYNC_ERROR_HANDLING)."""
 
 from __future__ import annotations
 
 import pytest
 
 from ftengine.backends.npu_config import NpuFtConfig
-from ftengine.backends.npu_runtime import NpuRuntime
-from ftengine.backends.npu_timeouts import OpTimeoutController, plan_op_timeout
+from ftengine.backends.npu_env import apply_ft_environment, ft_environment_problems
+from ftengine.backends.npu_runtime import NpuRuntime, TorchNpuUnavailable
+from ftengine.backends.npu_timeouts import (
+    TORCH_NPU_DEFAULT_OP_TIMEOUT_MS,
+    OpTimeoutController,
+    plan_op_timeout,
+)
 from ftengine.errors import ConfigError
 from ftengine.weights.index import CheckpointIndex
 from tests.fakes.npu_host import make_npu_rig
@@ -16,6 +22,9 @@ from tests.unit.npu_fixtures import npu_state as npu_state
 from tests.unit.npu_fixtures import tiny_checkpoints as tiny_checkpoints
 
 EVENT, EXEC = "HCCL_EVENT_TIMEOUT", "HCCL_EXEC_TIMEOUT"
+TASK_QUEUE, ASYNC_ERRORS = "TASK_QUEUE_ENABLE", "HCCL_ASYNC_ERROR_HANDLING"
+FT_ENV = {TASK_QUEUE: "0"}
+"""What every FT worker's environment holds whatever T is (TP = 1)."""
 
 
 @pytest.fixture(scope="module")
@@ -29,7 +38,12 @@ def test_backend_start_up_derives_env_and_op_timeout(
 ) -> None:
     config = NpuFtConfig(communication_abort_timeout_s=seconds)
     rig = make_npu_rig(index, config=config, environ={"PATH": "/bin"})
-    assert rig.environ == {"PATH": "/bin", EVENT: str(seconds), EXEC: str(seconds - 1)}
+    assert rig.environ == {
+        "PATH": "/bin",
+        **FT_ENV,
+        EVENT: str(seconds),
+        EXEC: str(seconds - 1),
+    }
     assert npu_state.of("npu.set_op_timeout_ms") == [
         Call("npu.set_op_timeout_ms", (seconds * 1000,))
     ]
@@ -44,7 +58,7 @@ def test_backend_start_up_derives_env_and_op_timeout(
 
 def test_zero_turns_everything_off(npu_state: FakeNpuState, index: CheckpointIndex) -> None:
     rig = make_npu_rig(index, config=NpuFtConfig(communication_abort_timeout_s=0))
-    assert rig.environ == {}
+    assert rig.environ == FT_ENV
     assert npu_state.of("npu.set_op_timeout_ms") == []
 
 
@@ -53,7 +67,7 @@ def test_users_exec_timeout_is_kept_as_in_the_seed_command(
 ) -> None:
     config = NpuFtConfig(communication_abort_timeout_s=30)
     rig = make_npu_rig(index, config=config, environ={EXEC: "1"})
-    assert rig.environ == {EXEC: "1", EVENT: "30"}
+    assert rig.environ == {EXEC: "1", **FT_ENV, EVENT: "30"}
     assert npu_state.of("npu.set_op_timeout_ms") == [Call("npu.set_op_timeout_ms", (30000,))]
 
 
@@ -68,7 +82,7 @@ def test_an_integral_float_is_accepted_by_the_backend_call(
 ) -> None:
     rig = make_npu_rig(index)
     rig.backend.set_op_timeout(45.0)
-    assert rig.environ == {EVENT: "45", EXEC: "44"}
+    assert rig.environ == {**FT_ENV, EVENT: "45", EXEC: "44"}
     assert npu_state.of("npu.set_op_timeout_ms")[-1] == Call("npu.set_op_timeout_ms", (45000,))
     with pytest.raises(ConfigError, match="whole number"):
         rig.backend.set_op_timeout(0.5)
@@ -109,7 +123,9 @@ def test_reapplying_replaces_our_values_and_keeps_the_users(npu_state: FakeNpuSt
     controller.apply(0)
     assert env == {"HCCL_CONNECT_TIMEOUT": "120"}
     calls = [call.args for call in npu_state.of("npu.set_op_timeout_ms")]
-    assert calls == [(30000,), (10000,), (0,)]
+    # Off after on is torch_npu's own default (547 s), never 0.
+    assert calls == [(30000,), (10000,), (TORCH_NPU_DEFAULT_OP_TIMEOUT_MS,)]
+    assert TORCH_NPU_DEFAULT_OP_TIMEOUT_MS == 547_000
 
 
 def test_a_variable_the_user_changed_after_us_is_theirs(npu_state: FakeNpuState) -> None:
@@ -132,3 +148,50 @@ def test_owned_gloo_groups_get_the_cpu_distributed_timeout(
         ("gloo", 30.0),
         ("hccl", None),
     ]
+
+
+def test_a_torch_npu_before_7_3_runs_without_an_op_timeout(
+    npu_state: FakeNpuState, index: CheckpointIndex, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import torch_npu
+
+    monkeypatch.delattr(torch_npu.npu, "set_op_timeout_ms")  # torch_npu 7.2
+    rig = make_npu_rig(index, config=NpuFtConfig(communication_abort_timeout_s=0))
+    assert rig.environ == FT_ENV
+    with pytest.raises(TorchNpuUnavailable) as caught:
+        make_npu_rig(index, config=NpuFtConfig(communication_abort_timeout_s=30))
+    message = str(caught.value)
+    assert "set_op_timeout_ms" in message and "torch_npu 7.3.0" in message
+    assert "aclrtSetOpExecuteTimeOutV2" in message and "CANN" in message
+
+
+def test_a_missing_op_timeout_changes_nothing(
+    npu_state: FakeNpuState, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import torch_npu
+
+    monkeypatch.delattr(torch_npu.npu, "set_op_timeout_ms")
+    env = {"PATH": "/bin"}
+    with pytest.raises(TorchNpuUnavailable, match="ft_communication_abort_timeout to 0"):
+        OpTimeoutController(NpuRuntime.load(), env).apply(30)
+    assert env == {"PATH": "/bin"}
+
+
+def test_tp_2_also_turns_hccl_async_error_handling_off(
+    npu_state: FakeNpuState, index: CheckpointIndex
+) -> None:
+    rig = make_npu_rig(index, dp_size=2, tp_size=2, num_redundant=4)
+    assert rig.environ == {TASK_QUEUE: "0", ASYNC_ERRORS: "0"}
+
+
+def test_the_users_task_queue_is_overridden_and_logged(caplog: pytest.LogCaptureFixture) -> None:
+    env = {TASK_QUEUE: "2", ASYNC_ERRORS: "1"}
+    assert ft_environment_problems(env, 2) != ()
+    with caplog.at_level("WARNING"):
+        replaced = apply_ft_environment(env, 2)
+    assert replaced == {TASK_QUEUE: "2", ASYNC_ERRORS: "1"}
+    assert env == {TASK_QUEUE: "0", ASYNC_ERRORS: "0"}
+    assert "TASK_QUEUE_ENABLE=2 overridden to 0" in caplog.text
+    assert ft_environment_problems(env, 2) == ()
+    assert apply_ft_environment(env, 1) == {}  # TP = 1 leaves the async handling alone
+    assert env[ASYNC_ERRORS] == "0"

@@ -28,9 +28,9 @@ def test_acl_format_id() -> None:
 
 @pytest.mark.parametrize(
     ("dtype", "n0"),
-    [(torch.float16, 16), (torch.bfloat16, 16), (torch.int8, 32), (torch.float32, 8)],
+    [(torch.float16, 16), (torch.bfloat16, 16), (torch.int8, 32), (torch.float32, 16)],
 )
-def test_n0_is_32_bytes_per_block(dtype: torch.dtype, n0: int) -> None:
+def test_n0_is_32_bytes_per_block_with_fp32_capped_at_16(dtype: torch.dtype, n0: int) -> None:
     assert n0_for(dtype) == n0
 
 

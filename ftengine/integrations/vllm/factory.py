@@ -1,13 +1,15 @@
 """Build one vLLM worker's ftengine sentinel: platform choice, backend, engine, adapter.
 
-Ascend NPU (vLLM-Ascend) gets ftengine's NPU backend; every other platform gets a clear
-start-up error (a CUDA backend is future work). Tests pass their own ``backend_factory``.
+Ascend NPU (vLLM-Ascend) is served by ``ftengine.integrations.vllm_ascend``, whose sentinel
+builds the worker's ftengine sentinel here with its own backend factory and hooks; every
+other platform gets a clear start-up error (a CUDA backend is future work). Tests pass
+their own ``backend_factory``.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING, TypedDict
+from typing import TypedDict
 
 import attrs
 import torch
@@ -25,11 +27,6 @@ from ftengine.integrations.vllm.sentinel import FtengineWorkerSentinel
 from ftengine.integrations.vllm.shapes import VllmDistributed, WorkerLike
 from ftengine.placement.maps import ExpertPlacement
 from ftengine.sentinel import WorkerSentinel
-
-if TYPE_CHECKING:  # the NPU modules are imported only when an NPU backend is built
-    from typing import Unpack  # 3.11+; annotations are never evaluated at run time
-
-    from ftengine.backends.npu import NpuSeams
 
 PLATFORMS_MODULE = "vllm.platforms"
 NPU = "npu"
@@ -55,41 +52,14 @@ def current_device_type() -> str:
     return str(import_vllm(PLATFORMS_MODULE).current_platform.device_type)
 
 
-def npu_backend(
-    worker: WorkerLike,
-    hooks: VllmWorkerHooks,
-    settings: VllmFtSettings,
-    **seams: Unpack[NpuSeams],
-) -> DeviceBackend:
-    """ftengine's NPU backend over the worker (imports torch_npu; needs the model loaded).
-
-    ``seams`` are ``NpuBackend``'s (defaults: the real torch_npu, torch's process groups,
-    ``os.environ``, the worker's NPU)."""
-    from ftengine.backends.npu import NpuBackend
-    from ftengine.backends.npu_host import NpuTopology
-    from ftengine.backends.npu_preconditions import NpuDeployment
-
-    parallel = worker.parallel_config
-    tp = parallel.tensor_parallel_size
-    topology = NpuTopology(
-        dp_rank=parallel.data_parallel_rank,
-        dp_size=parallel.data_parallel_size,
-        device_index=worker.local_rank,
-        tp_size=tp,
-        tp_rank=worker.rank % tp,
-    )
-    deployment = NpuDeployment(
-        model_runner="v2" if worker.use_v2_model_runner else "v1",
-        eplb_enabled=bool(parallel.enable_eplb),
-    )
-    backend = NpuBackend(hooks, topology, config=settings.npu, deployment=deployment, **seams)
-    return DeviceBackend(backend, backend.elastic.tensor)
-
-
 def backend_for_platform(device_type: str) -> BackendFactory:
     """The backend factory for vLLM's platform, or ``UnsupportedPlatform`` saying what to do."""
     if device_type == NPU:
-        return npu_backend
+        raise UnsupportedPlatform(
+            "vLLM-Ascend workers get ftengine's NPU backend from "
+            "ftengine.integrations.vllm_ascend (its own vllm.general_plugins entry point), "
+            "whose sentinel brings the backend; this generic path is not used on an NPU"
+        )
     raise UnsupportedPlatform(
         f"--enable-fault-tolerance with ftengine needs an Ascend NPU (vLLM-Ascend), found "
         f"platform {device_type!r}: ftengine has no backend for it yet (CUDA is future work). "
@@ -106,6 +76,7 @@ class SentinelSeams(TypedDict, total=False):
     dist: VllmDistributed | None
     messages: VllmMessages | None
     clock: Clock | None
+    hooks: VllmWorkerHooks | None
 
 
 def build_worker_sentinel(
@@ -116,15 +87,18 @@ def build_worker_sentinel(
     dist: VllmDistributed | None = None,
     messages: VllmMessages | None = None,
     clock: Clock | None = None,
+    hooks: VllmWorkerHooks | None = None,
 ) -> FtengineWorkerSentinel:
     """The ftengine sentinel of a vLLM worker whose model is loaded (EPLB maps exist).
 
     Defaults: settings from the worker's vLLM config, the backend of vLLM's platform,
-    vLLM's own process groups and message types, the monotonic clock.
+    vLLM's own process groups and message types, the monotonic clock, generic vLLM
+    worker ``hooks`` over ``dist`` (vLLM-Ascend passes its own).
     """
     settings = settings or VllmFtSettings.from_vllm_config(worker.vllm_config)
     factory = backend_factory or backend_for_platform(current_device_type())
-    hooks = VllmWorkerHooks(worker, dist if dist is not None else RealVllmDistributed())
+    if hooks is None:
+        hooks = VllmWorkerHooks(worker, dist if dist is not None else RealVllmDistributed())
     device = factory(worker, hooks, settings)
     parallel = worker.parallel_config
     tp = parallel.tensor_parallel_size

@@ -1,9 +1,10 @@
-"""``WorkerHooks`` (and the NPU backend's ``NpuHost``) over a vLLM worker.
+"""``WorkerHooks`` over a vLLM worker.
 
 What the recovery does to a vLLM worker besides the device: drop the model runner's
-in-flight requests, run its dummy batch, hand the FusedMoE expert slots and the EPLB map
-tensors (updated in place) to the backend, point the all2all manager at the dead-rank
-mask, and rebuild the worker's gloo DP group on the ports vLLM's engine core publishes.
+in-flight requests, run its dummy batch, hand the EPLB map tensors (updated in place) and
+the checkpoint to the backend, point the all2all manager at the dead-rank mask, and
+rebuild the worker's gloo DP group on the ports vLLM's engine core publishes. vLLM-Ascend's
+worker is served by ``ftengine.integrations.vllm_ascend.hooks``, a subclass.
 """
 
 from __future__ import annotations
@@ -15,7 +16,6 @@ from typing import Protocol, cast
 
 import torch
 
-from ftengine.backends.npu_reload import SlotStorage
 from ftengine.errors import BackendError, PlacementError
 from ftengine.integrations.vllm.shapes import (
     EplbStateLike,
@@ -28,22 +28,15 @@ from ftengine.weights.index import CheckpointIndex
 
 logger = logging.getLogger(__name__)
 
-# vLLM-Ascend's MC2 all2all manager owns the dead-rank mask that dispatch_v2 / combine_v2
-# read (the seed PR's npu_communicator). These attribute names are *unconfirmed*: the
-# upstream DeepEP / NIXL managers find dead ranks in-kernel (query_active_mask) instead.
+# Where a generic all2all manager is handed the dead ranks and the device's mask tensor:
+# upstream's DeepEP / NIXL managers find dead ranks in-kernel (query_active_mask), so these
+# attributes are ftengine's own. vLLM-Ascend's manager has a real accessor instead
+# (update_mask / get_elastic_info), which ``vllm_ascend.hooks`` uses.
 MASK_ATTR = "elastic_info"
 DEAD_RANKS_ATTR = "dead_ep_ranks"
 
-# FusedMoE's per-slot parameters (w13 [slots, H, 2I] and w2 [slots, I, H] once vLLM-Ascend
-# has transposed them), by the names SlotStorage uses.
-SLOT_PARAMS = {
-    "w13": "w13_weight",
-    "w2": "w2_weight",
-    "w13_scale": "w13_weight_scale",
-    "w2_scale": "w2_weight_scale",
-    "w13_offset": "w13_weight_offset",
-    "w2_offset": "w2_weight_offset",
-}
+MOE_WEIGHTS = ("w13_weight", "w2_weight")
+"""The FusedMoE parameters that mark a module as an expert layer."""
 
 
 class InputBatchLike(Protocol):
@@ -80,38 +73,15 @@ class RunnerV2Like(Protocol):
     def _remove_request(self, req_id: str) -> None: ...
 
 
-class FusedMoeSlots:
-    """:class:`SlotStorage` over the FusedMoE layers' stacked per-slot parameters."""
-
-    def __init__(self, layers: Sequence[torch.nn.Module], *, nz: bool) -> None:
-        self.layers = layers
-        self._nz = nz
-
-    @property
-    def nz(self) -> bool:
-        return self._nz
-
-    def slot(self, layer: int, slot: int) -> Mapping[str, torch.Tensor]:
-        module = self.layers[layer]
-        views: dict[str, torch.Tensor] = {}
-        for name, attr in SLOT_PARAMS.items():
-            tensor = getattr(module, attr, None)
-            if isinstance(tensor, torch.Tensor):
-                views[name] = tensor.data[slot]
-        return views
-
-
 class VllmWorkerHooks:
-    """What the recovery does to one vLLM worker (E's ``WorkerHooks`` and D's ``NpuHost``).
+    """What the recovery does to one vLLM worker (the sentinel's ``WorkerHooks``).
 
     ``dist`` reaches vLLM's process groups (``RealVllmDistributed`` in a vLLM process).
-    ``nz``: the expert weights are stored in FRACTAL_NZ (Ascend int8 always is).
     """
 
-    def __init__(self, worker: WorkerLike, dist: VllmDistributed, *, nz: bool = False) -> None:
+    def __init__(self, worker: WorkerLike, dist: VllmDistributed) -> None:
         self.worker = worker
         self.dist = dist
-        self.nz = nz
         self._dp_ports: list[int] | None = None
         self._placement: ExpertPlacement | None = None
         self._checkpoint: CheckpointIndex | None = None
@@ -151,20 +121,16 @@ class VllmWorkerHooks:
         return [
             m
             for m in model.modules()
-            if isinstance(getattr(m, SLOT_PARAMS["w13"], None), torch.Tensor)
-            and isinstance(getattr(m, SLOT_PARAMS["w2"], None), torch.Tensor)
+            if all(isinstance(getattr(m, name, None), torch.Tensor) for name in MOE_WEIGHTS)
         ]
 
-    # -- NpuHost -------------------------------------------------------------------------
+    # -- what the device backend reads ---------------------------------------------------
 
     def placement(self) -> ExpertPlacement:
         """vLLM's EPLB maps, adopted without copying (the backend updates them in place)."""
         if self._placement is None:
             self._placement = self._adopt_eplb_maps()
         return self._placement
-
-    def slot_storage(self) -> SlotStorage:
-        return FusedMoeSlots(self.expert_layers(), nz=self.nz)
 
     def checkpoint(self) -> CheckpointIndex:
         """The checkpoint the model was loaded from (``--model`` must be a local directory)."""

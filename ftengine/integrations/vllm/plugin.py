@@ -3,7 +3,10 @@
 vLLM loads ``ftengine.integrations.vllm.plugin:register`` (entry point group
 ``vllm.general_plugins``) in each of its processes before the worker class is imported.
 ``register`` puts :class:`PluginWorkerSentinel` where vLLM's GPU worker builds its
-``WorkerSentinel(worker=self)``, which vLLM does only when fault tolerance is on.
+``WorkerSentinel(worker=self)``, which vLLM does only when fault tolerance is on. On
+vLLM-Ascend (platform "npu") it leaves vLLM's GPU modules alone: vLLM-Ascend's ``NPUWorker``
+is no GPU ``Worker`` and builds a sentinel of its own, which ftengine's second entry point
+(``ftengine.integrations.vllm_ascend.plugin:register``) takes over.
 vLLM has no hook for "model loaded" or "model step failed", so the sentinel wraps the
 worker's ``load_model`` (build the engine once the EPLB maps exist) and ``execute_model``
 (report the exception, then re-raise it for vLLM's own fault path).
@@ -13,7 +16,6 @@ from __future__ import annotations
 
 import functools
 import logging
-import os
 import sys
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -49,6 +51,10 @@ def register() -> None:
     except VllmUnavailable as exc:
         logger.warning("ftengine's vLLM plugin is inactive: %s", exc)
         return
+    if current_device_type() == NPU:
+        # Replacing the GPU sentinel here would make vLLM-Ascend's own sentinel, which
+        # subclasses it, a half-initialised subclass of ours; vllm_ascend.plugin acts instead.
+        return
     if WORKER_MODULE in sys.modules:  # imported already: it bound the name at import
         modules.append(sys.modules[WORKER_MODULE])
     for module in modules:
@@ -60,9 +66,9 @@ class PluginWorkerSentinel:
 
     At construction (vLLM start-up, before the device and the model exist) it checks
     ftengine's settings and the platform, so a bad flag or an unsupported platform stops
-    vLLM at once, and applies the NPU op timeout before the HCCL groups are created. The
-    ftengine sentinel is built by :meth:`attach` after ``load_model``. ``seams`` (see
-    ``build_worker_sentinel``) are for tests; vLLM passes only ``worker``.
+    vLLM at once. The ftengine sentinel is built by :meth:`attach` after ``load_model``.
+    ``seams`` (see ``build_worker_sentinel``) are for tests and for vLLM-Ascend's subclass;
+    vLLM passes only ``worker``.
     """
 
     def __init__(self, worker: WorkerLike, **seams: Unpack[SentinelSeams]) -> None:
@@ -77,13 +83,8 @@ class PluginWorkerSentinel:
         _wrap_worker(worker, self)
 
     def _platform_backend(self) -> BackendFactory:
-        """vLLM's platform's backend (or ``UnsupportedPlatform``); on Ascend the op timeout
-        is applied now, before the HCCL groups exist."""
-        device_type = current_device_type()
-        factory = backend_for_platform(device_type)
-        if device_type == NPU:
-            _apply_npu_op_timeout(self.settings)
-        return factory
+        """vLLM's platform's backend (or ``UnsupportedPlatform``)."""
+        return backend_for_platform(current_device_type())
 
     def attach(self) -> FtengineWorkerSentinel:
         """Build the ftengine sentinel (once; the model and its EPLB maps must be loaded)."""
@@ -138,15 +139,3 @@ def _reporting(step: Callable[..., Any], sentinel: PluginWorkerSentinel) -> Call
             raise
 
     return run
-
-
-def _apply_npu_op_timeout(settings: VllmFtSettings) -> None:
-    """``ft_communication_abort_timeout`` before HCCL exists (the NPU backend re-applies it)."""
-    if not settings.npu.communication_abort_timeout_s:
-        return
-    from ftengine.backends.npu_runtime import NpuRuntime
-    from ftengine.backends.npu_timeouts import OpTimeoutController
-
-    OpTimeoutController(NpuRuntime.load(), os.environ).apply(
-        settings.npu.communication_abort_timeout_s
-    )
