@@ -14,7 +14,8 @@ from ftengine.cluster import reference_generate
 from ftengine.cluster.serving import ServingLoop
 from ftengine.serving_api import FinishReason, GenerationRequest
 from tests.integration.conftest import PROMPTS, Launcher
-from tests.integration.test_serving_cluster import Collected, wait_steps
+from tests.integration.test_serving_cluster import WAIT_S, wait_steps
+from tests.serving_support import Collected
 
 pytestmark = pytest.mark.integration
 LONG = 16
@@ -29,7 +30,7 @@ def test_an_injected_fault_and_auto_retry_lose_no_request_and_no_token(
     loop = ServingLoop(cluster, resumption=cluster.resumption()).start()
     try:
         start = cluster.steps_run
-        got = [Collected() for _ in PROMPTS]
+        got = [Collected(WAIT_S) for _ in PROMPTS]
         for index, prompt in enumerate(PROMPTS):
             if index == 3:
                 wait_steps(cluster, start + 2)
@@ -55,11 +56,11 @@ def test_a_poison_request_ends_alone_and_its_batch_mates_finish(
     cluster = launch(policy="auto", inject_fault=f"kind=poison,token={token}")
     loop = ServingLoop(cluster, resumption=cluster.resumption()).start()
     try:
-        good = [Collected() for _ in range(4)]
+        good = [Collected(WAIT_S) for _ in range(4)]
         for index in range(4):
             loop.submit(GenerationRequest(PROMPTS[index], LONG), good[index])
         wait_steps(cluster, cluster.steps_run + 2)
-        poison = Collected()
+        poison = Collected(WAIT_S)
         loop.submit(GenerationRequest((token, 5, 6), LONG), poison)
         last = poison.wait()
         assert last.finish_reason is FinishReason.ERROR and poison.tokens == []
@@ -80,7 +81,7 @@ def test_sigkill_and_scale_down_resume_the_dead_ranks_requests_on_survivors(
     cluster = launch()
     loop = ServingLoop(cluster, resumption=cluster.resumption()).start()
     try:
-        got = [Collected() for _ in PROMPTS]
+        got = [Collected(WAIT_S) for _ in PROMPTS]
         start = cluster.steps_run
         for index, prompt in enumerate(PROMPTS):
             loop.submit(GenerationRequest(prompt, tokens), got[index])
