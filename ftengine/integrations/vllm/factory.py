@@ -33,6 +33,7 @@ if TYPE_CHECKING:  # the NPU modules are imported only when an NPU backend is bu
 
 PLATFORMS_MODULE = "vllm.platforms"
 NPU = "npu"
+CPU = "cpu"
 
 
 class UnsupportedPlatform(ConfigError):

@@ -19,7 +19,9 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from ftengine.integrations.vllm.config import VllmFtSettings
+from ftengine.integrations.vllm.cpu_patches import apply_cpu_patches
 from ftengine.integrations.vllm.factory import (
+    CPU,
     NPU,
     BackendFactory,
     SentinelSeams,
@@ -43,7 +45,8 @@ WRAPPED_STEPS = ("execute_model", "sample_tokens")
 
 
 def register() -> None:
-    """Install :class:`PluginWorkerSentinel` as vLLM's worker sentinel (idempotent)."""
+    """Install :class:`PluginWorkerSentinel` as vLLM's worker sentinel and, on vLLM's CPU
+    platform, the DP+EP pieces it lacks (``cpu_patches``); idempotent."""
     try:
         modules = [import_vllm(SENTINEL_MODULE)]
     except VllmUnavailable as exc:
@@ -53,6 +56,8 @@ def register() -> None:
         modules.append(sys.modules[WORKER_MODULE])
     for module in modules:
         setattr(module, SENTINEL_NAME, PluginWorkerSentinel)
+    if current_device_type() == CPU:
+        apply_cpu_patches()
 
 
 class PluginWorkerSentinel:

@@ -1,0 +1,210 @@
+"""What vLLM's CPU platform lacks for DP+EP MoE, patched in by ftengine's plugin; the one
+module that replaces vLLM names.
+
+With ``--enable-expert-parallel`` and DP > 1, vLLM on CPU picks the
+``allgather_reducescatter`` all2all, which calls ``all_gatherv`` / ``reduce_scatterv`` on the
+group's communicator: ``CpuCommunicator`` inherits the base class's ``NotImplementedError``.
+Both are written here over gloo. Next, ``CPUUnquantizedExperts.apply`` hands the *global*
+expert ids to a kernel that holds only this rank's experts (it ignores ``expert_map``) and
+segfaults; the wrapper maps the ids through ``expert_map`` and gives the experts this rank
+does not hold a zero weight (their rows are then summed in by the other ranks' combine).
+
+:data:`PATCHES` names each replaced attribute with the parameters ftengine expects it to
+have; ``tests/unit/test_vllm_cpu_patches.py`` fails when vLLM moves or changes one.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import logging
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import attrs
+import torch
+import torch.distributed as dist
+
+from ftengine.errors import ConfigError
+from ftengine.integrations.vllm.messages import import_vllm
+
+logger = logging.getLogger(__name__)
+
+COMMUNICATOR_MODULE = "vllm.distributed.device_communicators.cpu_communicator"
+EXPERTS_MODULE = "vllm.model_executor.layers.fused_moe.experts.cpu_moe"
+PATCHED_MARK = "__ftengine_patched__"
+
+
+class VllmSeamMoved(ConfigError):
+    """A vLLM name ftengine patches is missing or no longer has the expected parameters."""
+
+
+def _pieces(comm: Any, tensor: torch.Tensor, sizes: Sequence[int] | None) -> list[int]:
+    """Rows per rank along dim 0, checked against this rank's ``tensor``."""
+    world = int(comm.world_size)
+    counts = [int(tensor.shape[0])] * world if sizes is None else [int(s) for s in sizes]
+    if len(counts) != world or counts[comm.rank_in_group] != tensor.shape[0]:
+        raise ValueError(
+            f"all_gatherv/reduce_scatterv: expected {world} sizes with this rank's "
+            f"({comm.rank_in_group}) equal to its {tensor.shape[0]} rows, found {counts}"
+        )
+    return counts
+
+
+def _gatherv_one(comm: Any, tensor: torch.Tensor, sizes: Sequence[int] | None) -> torch.Tensor:
+    counts = _pieces(comm, tensor, sizes)
+    most = max(counts)
+    # Gloo's all_gather needs equal shapes: pad every rank's rows to the largest count.
+    padded = tensor.new_zeros((most, *tensor.shape[1:]))
+    padded[: tensor.shape[0]] = tensor
+    gathered = tensor.new_empty((len(counts) * most, *tensor.shape[1:]))
+    dist.all_gather_into_tensor(gathered, padded, group=comm.device_group)
+    return torch.cat([gathered[r * most : r * most + n] for r, n in enumerate(counts)])
+
+
+def all_gatherv(
+    self: Any,
+    input_: torch.Tensor | list[torch.Tensor],
+    dim: int = 0,
+    sizes: list[int] | None = None,
+) -> torch.Tensor | list[torch.Tensor]:
+    """``CpuCommunicator.all_gatherv``: concatenate every rank's rows (``sizes[r]`` from rank
+    r) along dim 0, for one tensor or a list of them (CUDA's semantics, dim 0 only)."""
+    if dim != 0:
+        raise NotImplementedError(f"only dim 0 all-gatherv is supported, found dim={dim}")
+    if isinstance(input_, torch.Tensor):
+        return _gatherv_one(self, input_, sizes)
+    return [_gatherv_one(self, t, sizes) for t in input_]
+
+
+def reduce_scatterv(
+    self: Any, input_: torch.Tensor, dim: int = -1, sizes: list[int] | None = None
+) -> torch.Tensor:
+    """``CpuCommunicator.reduce_scatterv``: sum ``input_`` (every rank's rows, ``sizes[r]``
+    for rank r along ``dim``) over the ranks and keep this rank's rows.
+
+    Gloo has no reduce-scatter: an all-reduce of the whole tensor, then a slice. The MoE
+    combine's tensors are a step's tokens, so the extra traffic is small.
+    """
+    dim = dim + input_.dim() if dim < 0 else dim
+    rows = input_.movedim(dim, 0).contiguous()
+    world = int(self.world_size)
+    if sizes is None:
+        if rows.shape[0] % world:
+            raise ValueError(
+                f"reduce_scatterv: expected rows divisible by {world} ranks, found {rows.shape[0]}"
+            )
+        sizes = [rows.shape[0] // world] * world
+    if len(sizes) != world or sum(sizes) != rows.shape[0]:
+        raise ValueError(
+            f"reduce_scatterv: expected {world} sizes summing to {rows.shape[0]}, found {sizes}"
+        )
+    dist.all_reduce(rows, group=self.device_group)
+    start = sum(sizes[: self.rank_in_group])
+    mine = rows[start : start + sizes[self.rank_in_group]]
+    return mine.movedim(0, dim).contiguous()
+
+
+def local_expert_ids(
+    topk_ids: torch.Tensor, topk_weights: torch.Tensor, expert_map: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Global expert ids ``[tokens, k]`` as this rank's local ids, with zero weight (and a
+    valid id, 0) where the expert lives on another rank (``expert_map[e] == -1``)."""
+    if expert_map is None:
+        return topk_ids, topk_weights
+    local = expert_map[topk_ids.long()]
+    remote = local < 0
+    ids = torch.where(remote, torch.zeros_like(local), local).to(topk_ids.dtype)
+    weights = topk_weights.masked_fill(remote, 0.0)
+    return ids, weights
+
+
+def _ep_correct_apply(apply: Callable[..., None]) -> Callable[..., None]:
+    @functools.wraps(apply)
+    def ep_apply(self: Any, *args: Any, **kwargs: Any) -> None:
+        bound = inspect.signature(apply).bind(self, *args, **kwargs)
+        arguments = bound.arguments
+        arguments["topk_ids"], arguments["topk_weights"] = local_expert_ids(
+            arguments["topk_ids"], arguments["topk_weights"], arguments["expert_map"]
+        )
+        arguments["expert_map"] = None  # the ids are local now
+        apply(*bound.args, **bound.kwargs)
+
+    setattr(ep_apply, PATCHED_MARK, apply)
+    return ep_apply
+
+
+@attrs.frozen
+class Patch:
+    """``module.owner.name`` replaced by ``make(original)``; ``params`` are the parameter
+    names (after ``self``) the original must have for the replacement to be right."""
+
+    module: str
+    owner: str
+    name: str
+    params: tuple[str, ...]
+    make: Callable[[Callable[..., Any]], Callable[..., Any]]
+
+    def target(self) -> tuple[type, Callable[..., Any]]:
+        """The owning class and its current attribute, checked against ``params``."""
+        owner = getattr(import_vllm(self.module), self.owner, None)
+        original = getattr(owner, self.name, None)
+        if not isinstance(owner, type) or not callable(original):
+            raise VllmSeamMoved(
+                f"expected {self.module}.{self.owner}.{self.name} in the installed vLLM, "
+                "found none: ftengine's CPU patches need updating for this vLLM version"
+            )
+        original = getattr(original, PATCHED_MARK, original)
+        found = tuple(inspect.signature(original).parameters)[1:]
+        if found != self.params:
+            raise VllmSeamMoved(
+                f"{self.module}.{self.owner}.{self.name}: expected parameters "
+                f"{self.params}, found {found}: ftengine's CPU patches need updating"
+            )
+        return owner, original
+
+
+def _replace(function: Callable[..., Any]) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    def make(original: Callable[..., Any]) -> Callable[..., Any]:
+        @functools.wraps(function)
+        def replacement(*args: Any, **kwargs: Any) -> Any:
+            return function(*args, **kwargs)
+
+        setattr(replacement, PATCHED_MARK, original)
+        return replacement
+
+    return make
+
+
+PATCHES = (
+    Patch(
+        COMMUNICATOR_MODULE, "CpuCommunicator", "all_gatherv", ("input_", "dim", "sizes"),
+        _replace(all_gatherv),
+    ),
+    Patch(
+        COMMUNICATOR_MODULE, "CpuCommunicator", "reduce_scatterv", ("input_", "dim", "sizes"),
+        _replace(reduce_scatterv),
+    ),
+    Patch(
+        EXPERTS_MODULE,
+        "CPUUnquantizedExperts",
+        "apply",
+        (
+            "output", "hidden_states", "w1", "w2", "topk_weights", "topk_ids", "activation",
+            "global_num_experts", "expert_map", "a1q_scale", "a2_scale", "workspace13",
+            "workspace2", "expert_tokens_meta", "apply_router_weight_on_input",
+        ),
+        _ep_correct_apply,
+    ),
+)  # fmt: skip
+
+
+def apply_cpu_patches() -> None:
+    """Install every patch (idempotent); raise :class:`VllmSeamMoved` before changing
+    anything if one of them no longer fits the installed vLLM."""
+    targets = [(patch, *patch.target()) for patch in PATCHES]
+    for patch, owner, original in targets:
+        current = getattr(owner, patch.name)
+        if getattr(current, PATCHED_MARK, None) is None:
+            setattr(owner, patch.name, patch.make(original))
+    logger.debug("[FT] vLLM CPU patches installed: %s", [p.name for p in PATCHES])

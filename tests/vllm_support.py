@@ -1,0 +1,76 @@
+"""Shared set-up of the real-vLLM tests: a tiny Hugging Face Qwen3-MoE checkpoint.
+
+``write_tiny_qwen3_moe`` is the one place that writes it (transformers' ``Qwen3MoeConfig`` +
+``save_pretrained`` and a ``tokenizers`` WordLevel tokenizer, REFERENCE.md section 9); when
+``ftengine make-checkpoint`` writes real HF Qwen3-MoE checkpoints this is swapped for it.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+VOCAB = 512
+WORDS = tuple(f"w{i}" for i in range(VOCAB - 2))
+UNK, EOS = "<unk>", "<eos>"
+
+
+def write_tiny_qwen3_moe(path: Path, *, experts: int = 8, seed: int = 0) -> Path:
+    """A random-weight float32 Qwen3-MoE (vocab 512, hidden 128, 2 layers, ``experts``
+    experts, top-2, moe_intermediate 64) and its tokenizer at ``path``; returns ``path``.
+
+    Prompts are words ``w0 .. w509`` separated by spaces. Same ``seed``, same weights.
+    """
+    import torch
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    config = Qwen3MoeConfig(
+        vocab_size=VOCAB,
+        hidden_size=128,
+        intermediate_size=256,
+        moe_intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        num_experts=experts,
+        num_experts_per_tok=2,
+        decoder_sparse_step=1,
+        norm_topk_prob=True,
+        max_position_embeddings=512,
+        # Wider than the default 0.02, so greedy picks are not near-ties that a different
+        # float summation order (EP vs one process) could flip.
+        initializer_range=0.1,
+        tie_word_embeddings=False,
+        bos_token_id=None,
+        eos_token_id=VOCAB - 1,
+        pad_token_id=None,
+        dtype="float32",
+    )
+    torch.manual_seed(seed)
+    model = Qwen3MoeForCausalLM(config).to(torch.float32).eval()
+    path.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(path, safe_serialization=True)
+    _write_tokenizer(path)
+    return path
+
+
+def _write_tokenizer(path: Path) -> None:
+    from tokenizers import Tokenizer
+    from tokenizers.models import WordLevel
+    from tokenizers.pre_tokenizers import WhitespaceSplit
+
+    vocab = {word: i for i, word in enumerate(WORDS)}
+    vocab[UNK] = VOCAB - 2
+    vocab[EOS] = VOCAB - 1
+    tokenizer = Tokenizer(WordLevel(vocab, unk_token=UNK))
+    tokenizer.pre_tokenizer = WhitespaceSplit()
+    tokenizer.save(str(path / "tokenizer.json"))
+    settings = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "unk_token": UNK,
+        "eos_token": EOS,
+        "model_max_length": 512,
+        "clean_up_tokenization_spaces": False,
+    }
+    (path / "tokenizer_config.json").write_text(json.dumps(settings, indent=2))
