@@ -9,6 +9,9 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
+
+import attrs
 
 VOCAB = 512
 WORDS = tuple(f"w{i}" for i in range(VOCAB - 2))
@@ -24,7 +27,7 @@ def write_tiny_qwen3_moe(path: Path, *, experts: int = 8, seed: int = 0) -> Path
     import torch
     from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
-    config = Qwen3MoeConfig(
+    settings: dict[str, Any] = dict(
         vocab_size=VOCAB,
         hidden_size=128,
         intermediate_size=256,
@@ -47,8 +50,10 @@ def write_tiny_qwen3_moe(path: Path, *, experts: int = 8, seed: int = 0) -> Path
         pad_token_id=None,
         dtype="float32",
     )
+    config = Qwen3MoeConfig(**settings)
     torch.manual_seed(seed)
-    model = Qwen3MoeForCausalLM(config).to(torch.float32).eval()
+    build: Any = Qwen3MoeForCausalLM  # transformers' stubs type its wrapped constructor oddly
+    model = build(config).to(torch.float32).eval()
     path.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(path, safe_serialization=True)
     _write_tokenizer(path)
@@ -74,3 +79,34 @@ def _write_tokenizer(path: Path) -> None:
         "clean_up_tokenization_spaces": False,
     }
     (path / "tokenizer_config.json").write_text(json.dumps(settings, indent=2))
+
+
+@attrs.define
+class Comm:
+    """The part of vLLM's ``CpuCommunicator`` the CPU patches read."""
+
+    world_size: int
+    rank_in_group: int
+    device_group: Any = None
+
+
+def gloo_patch_rank(rank: int, init_file: str, out: Any) -> None:
+    """Rank ``rank`` of 2 (a spawned process; no vLLM import): all-gatherv rows 3 + 1 and
+    reduce-scatterv a ``[4, 2]`` tensor of ``rank + 1`` back as 3 + 1 rows; puts
+    ``(rank, gathered lists, scattered list)`` on ``out``."""
+    import torch
+    import torch.distributed as dist
+
+    from ftengine.integrations.vllm.cpu_patches import all_gatherv, reduce_scatterv
+
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
+    try:
+        comm = Comm(2, rank, dist.group.WORLD)
+        sizes = [3, 1]
+        mine = torch.arange(sizes[rank] * 2, dtype=torch.float32).reshape(-1, 2) + 10 * rank
+        ids = torch.full((sizes[rank], 2), rank, dtype=torch.int32)
+        gathered = all_gatherv(comm, [mine, ids], dim=0, sizes=sizes)
+        scattered = reduce_scatterv(comm, torch.ones(4, 2) * (rank + 1), dim=0, sizes=sizes)
+        out.put((rank, [t.tolist() for t in gathered], scattered.tolist()))
+    finally:
+        dist.destroy_process_group()
