@@ -39,12 +39,15 @@ from ftengine.policies.builtin import OrchestratorDriven
 
 logger = logging.getLogger(__name__)
 
-BEAT_S = 0.1
+BEAT_S = 0.05
 STALE_S = 5.0  # an engine core whose beat stops this long is taken for dead (GIL-starved
 # threads on a loaded 2-core machine were seen to pause ~1 s; a status change is instant)
+SETTLE_S = 2.0  # after a recovery, peers finish theirs: their "unhealthy" is stale this long
 STORE_FAILURES = 5
+FAULT_MARK = "ftengine-peer-fault"
+"""Request type of the agent's input-queue marker (no vLLM request type has this value)."""
+EPOCH_ATTR = "_dp_reinit_epoch"  # EngineCoreSentinel's count of DP-group rebuilds (retries)
 KEY = "ftengine/engine_status/{rank}"
-ENGINE_MODULE = "vllm.v1.engine"
 UTILS_MODULE = "vllm.v1.fault_tolerance.utils"
 
 
@@ -106,6 +109,8 @@ class EngineCoreAgent:
         self._seen: dict[int, tuple[int, float]] = {}
         self._store_failures = 0
         self._timed_group: object = None
+        self._healthy_since = 0.0
+        self._was_healthy = True
         self._stop = threading.Event()
         self._lock = threading.Lock()
         self.thread = threading.Thread(target=self._run, name="ftengine-agent", daemon=True)
@@ -118,18 +123,22 @@ class EngineCoreAgent:
 
     # -- called from the patched EngineCoreSentinel ------------------------------------
 
-    def translate(self, exc: BaseException) -> BaseException:
-        """The fault vLLM's ``on_fault`` records: the peer fault the agent injected (so
-        ``fault_info`` says ``PeerDead``), else ``exc`` itself."""
+    def raise_pending(self) -> None:
+        """In the busy loop (the queued marker of :meth:`_inject`): raise the peer fault if
+        it is still news, so vLLM's own ``on_fault`` runs; a marker left over from a fault
+        handled meanwhile does nothing."""
         with self._lock:
-            injected, self.pending = self.pending, None
-        return injected if injected is not None else exc
+            pending, self.pending = self.pending, None
+        if pending is not None and self._own_status() == "healthy":
+            raise pending
 
     def on_fault(self, exc: BaseException) -> None:
         """Before vLLM's ``on_fault``: remember the fault for the policy, and hand it to a
         worker that is still serving (its FSM quarantines before the status is pushed)."""
         from ftengine.sentinel import classify_exception
 
+        with self._lock:
+            self.pending = None  # this fault is the news; a queued marker is now stale
         kind = FaultKind.DEAD_PEER if isinstance(exc, PeerDead) else classify_exception(exc)
         now = time.monotonic()
         self.fault = Fault(kind=kind, info=type(exc).__name__, at=now)
@@ -176,8 +185,13 @@ class EngineCoreAgent:
             return
         self._beat += 1
         own = self._own_status()
+        now = time.monotonic()
+        if own == "healthy" and not self._was_healthy:
+            self._healthy_since = now
+        self._was_healthy = own == "healthy"
+        mine = {"status": own, "beat": self._beat, "epoch": self._epoch()}
         try:
-            store.set(KEY.format(rank=self.rank), json.dumps({"status": own, "beat": self._beat}))
+            store.set(KEY.format(rank=self.rank), json.dumps(mine))
             peers = self._read_peers(store)
             self._store_failures = 0
         except Exception as exc:
@@ -185,24 +199,32 @@ class EngineCoreAgent:
             if self._store_failures >= STORE_FAILURES:
                 self._inject(0, f"the DP store (hosted by DP rank 0) stopped answering: {exc}")
             return
-        now = time.monotonic()
-        for rank, (status, beat) in peers.items():
+        for rank, (status, beat, epoch) in peers.items():
             last = self._seen.get(rank)
             if last is None or last[0] != beat:
                 self._seen[rank] = (beat, now)
-            if status in ("dead", "unhealthy"):
+            if status in ("dead", "unhealthy") and self._current(epoch, now):
                 self._inject(rank, f"engine {rank} is {status}")
             elif last is not None and now - self._seen[rank][1] > STALE_S:
                 self._inject(rank, f"engine {rank}'s beat stopped {STALE_S:.0f} s ago")
 
-    def _read_peers(self, store: Any) -> dict[int, tuple[str, int]]:
-        peers: dict[int, tuple[str, int]] = {}
+    def _epoch(self) -> int:
+        return int(getattr(self.sentinel, EPOCH_ATTR, 0))
+
+    def _current(self, peer_epoch: int, now: float) -> bool:
+        """Whether a peer's fault is news: not from before our last recovery, and not the
+        state a peer still finishing the same recovery publishes for a moment."""
+        mine = self._epoch()
+        return peer_epoch > mine or (peer_epoch == mine and now - self._healthy_since > SETTLE_S)
+
+    def _read_peers(self, store: Any) -> dict[int, tuple[str, int, int]]:
+        peers: dict[int, tuple[str, int, int]] = {}
         for rank in range(self.world):
             key = KEY.format(rank=rank)
             if rank == self.rank or not store.check([key]):
                 continue
             value = json.loads(store.get(key))
-            peers[rank] = (str(value["status"]), int(value["beat"]))
+            peers[rank] = (str(value["status"]), int(value["beat"]), int(value["epoch"]))
         return peers
 
     def _inject(self, rank: int, why: str) -> None:
@@ -214,10 +236,9 @@ class EngineCoreAgent:
                 return
             self.pending = PeerDead(f"[FT] engine {self.rank}: {why}")
         logger.warning("[FT] engine %d: %s; faulting now", self.rank, why)
-        request_type = import_vllm(ENGINE_MODULE).EngineCoreRequestType
-        # The busy loop raises on EXECUTOR_FAILED; ``translate`` then swaps in our PeerDead,
-        # and vLLM's on_fault sees a live executor, so this engine is UNHEALTHY, not DEAD.
-        self.engine.input_queue.put_nowait((request_type.EXECUTOR_FAILED, None))
+        # The busy loop hands the marker to the patched _handle_client_request, which calls
+        # raise_pending; vLLM's on_fault then sees a live executor: UNHEALTHY, not DEAD.
+        self.engine.input_queue.put_nowait((FAULT_MARK, self))
 
     def _maybe_recover(self) -> None:
         if self.waits_only or self.fault is None or self._own_status() != "unhealthy":

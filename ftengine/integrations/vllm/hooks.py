@@ -8,6 +8,7 @@ mask, and rebuild the worker's gloo DP group on the ports vLLM's engine core pub
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections.abc import Mapping, Sequence
 from datetime import timedelta
@@ -209,7 +210,8 @@ class VllmWorkerHooks:
         port = ports[self.worker.rank % parallel.world_size]
         manager = self.dist.all2all_manager()
         if manager is not None:
-            manager.clean_buffers()
+            with contextlib.suppress(NotImplementedError):  # allgather_reducescatter has none
+                manager.clean_buffers()
         group = self.dist.dp_group()
         self.dist.destroy_group(group.cpu_group)
         seconds = self.group_timeout_s

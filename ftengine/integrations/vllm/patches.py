@@ -2,8 +2,10 @@
 
 **Engine core** (any platform ftengine supports): ``EngineCoreSentinel.__init__`` starts
 ftengine's :class:`~ftengine.integrations.vllm.engine_agent.EngineCoreAgent`,
-``on_fault`` lets it name an injected peer fault and hand the fault to the worker's FSM,
-``_push_status`` adds ftengine's phase, epoch and removed ranks to the pushed status.
+``on_fault`` hands the fault to it (and so to the worker's FSM), ``_push_status`` adds
+ftengine's phase, epoch and removed ranks to the pushed status, and
+``EngineCoreProc._handle_client_request`` lets the agent's input-queue marker raise a peer
+fault into the busy loop (vLLM's own fault path then runs).
 
 **CPU platform** (what it lacks for DP+EP MoE):
 With ``--enable-expert-parallel`` and DP > 1, vLLM on CPU picks the
@@ -37,6 +39,7 @@ logger = logging.getLogger(__name__)
 
 COMMUNICATOR_MODULE = "vllm.distributed.device_communicators.cpu_communicator"
 EXPERTS_MODULE = "vllm.model_executor.layers.fused_moe.experts.cpu_moe"
+CORE_MODULE = "vllm.v1.engine.core"
 CORE_SENTINEL_MODULE = "vllm.v1.fault_tolerance.engine_core_sentinel"
 ENGINE_MODULE = "vllm.v1.engine"
 SERIAL_MODULE = "vllm.v1.serial_utils"
@@ -202,7 +205,6 @@ def _agent_on_fault(on_fault: Callable[..., None]) -> Callable[..., None]:
     def agent_on_fault(self: Any, exc: BaseException) -> None:
         agent = getattr(self, AGENT_ATTR, None)
         if agent is not None:
-            exc = agent.translate(exc)
             agent.on_fault(exc)
         on_fault(self, exc)
 
@@ -226,6 +228,20 @@ def push_status(self: Any) -> None:
     self.engine.output_queue.put_nowait((0, outputs))
 
 
+def _with_fault_marker(handle: Callable[..., None]) -> Callable[..., None]:
+    from ftengine.integrations.vllm.engine_agent import FAULT_MARK
+
+    @functools.wraps(handle)
+    def handle_or_fault(self: Any, request_type: Any, request: Any) -> None:
+        if isinstance(request_type, str) and request_type == FAULT_MARK:
+            request.raise_pending()  # the agent: raises into the busy loop if still news
+            return
+        handle(self, request_type, request)
+
+    setattr(handle_or_fault, PATCHED_MARK, handle)
+    return handle_or_fault
+
+
 ENGINE_CORE_PATCHES = (
     Patch(
         CORE_SENTINEL_MODULE, "EngineCoreSentinel", "__init__", ("engine", "parallel_config"),
@@ -233,6 +249,10 @@ ENGINE_CORE_PATCHES = (
     ),
     Patch(CORE_SENTINEL_MODULE, "EngineCoreSentinel", "on_fault", ("exc",), _agent_on_fault),
     Patch(CORE_SENTINEL_MODULE, "EngineCoreSentinel", "_push_status", (), _replace(push_status)),
+    Patch(
+        CORE_MODULE, "EngineCoreProc", "_handle_client_request", ("request_type", "request"),
+        _with_fault_marker,
+    ),
 )  # fmt: skip
 
 CPU_PATCHES = (
