@@ -22,7 +22,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from types import TracebackType
 from typing import IO
@@ -67,6 +67,10 @@ def _checkpoint(_instance: object, attribute: attrs.Attribute[Path], value: Path
         )
 
 
+def _strings(values: Iterable[str]) -> tuple[str, ...]:
+    return tuple(str(v) for v in values)
+
+
 @attrs.frozen
 class DeploymentConfig:
     """One external-LB deployment: rank r serves HTTP on ``port + r``.
@@ -92,7 +96,7 @@ class DeploymentConfig:
     gpu_memory_utilization: float = attrs.field(default=0.1, validator=_fraction)
     max_model_len: int = attrs.field(default=256, validator=_at_least_one)
     enforce_eager: bool = True
-    extra_args: tuple[str, ...] = attrs.field(default=(), converter=tuple)
+    extra_args: tuple[str, ...] = attrs.field(default=(), converter=_strings)
     env: Mapping[str, str] = attrs.field(factory=dict)
     log_dir: Path = attrs.field(default=Path("vllm-logs"), converter=Path)
     startup_timeout_s: float = 600.0
