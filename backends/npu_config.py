@@ -13,6 +13,7 @@ import attrs
 
 from ftengine.backends.npu_timeouts import ABORT_TIMEOUT_KEY, validate_abort_timeout
 from ftengine.errors import ConfigError
+from ftengine.policies.import_path import is_import_path, policy_from_import_path
 
 FTENGINE_KEY = "ftengine"
 POLICIES = ("orchestrator", "auto")
@@ -29,8 +30,14 @@ def _optional_seconds(value: object, key: str) -> float | None:
 
 
 def _policy(value: object, key: str) -> str:
+    if isinstance(value, str) and is_import_path(value):
+        policy_from_import_path(value)  # imported and checked now, at start-up
+        return value
     if value not in POLICIES:
-        raise ConfigError(f"{key} must be one of {', '.join(POLICIES)}, found {value!r}")
+        raise ConfigError(
+            f"{key} must be one of {', '.join(POLICIES)} or an import path "
+            f"'package.module:factory', found {value!r}"
+        )
     return str(value)
 
 

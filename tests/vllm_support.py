@@ -130,3 +130,22 @@ def free_port_run(count: int, host: str = "127.0.0.1") -> int:
             continue
         return first
     raise RuntimeError(f"no run of {count} free ports found on {host}")
+
+
+def retry_transient_then_wait() -> Any:
+    """A custom policy factory named by import path in the tests
+    (``tests.vllm_support:retry_transient_then_wait``): retry once, else abstain."""
+    from ftengine.faults import FaultKind
+    from ftengine.policies import Retry, as_policy
+
+    def policy(ctx: Any) -> Any:
+        if ctx.fault.kind is FaultKind.TRANSIENT and ctx.attempts == 0:
+            return Retry(0.0)
+        return None
+
+    return as_policy(policy)
+
+
+def not_a_policy_factory() -> int:
+    """Returns something that is not a policy (the start-up check must refuse it)."""
+    return 7

@@ -13,6 +13,19 @@ from ftengine.errors import ConfigError
 
 PolicyName = Literal["orchestrator", "auto"]
 
+
+def _policy_name(_instance: object, _attribute: object, value: str) -> None:
+    """A registered name, or an import path checked now (``policies.import_path``)."""
+    from ftengine.policies.import_path import is_import_path, policy_from_import_path
+
+    if is_import_path(value):
+        policy_from_import_path(value)
+    elif value not in ("orchestrator", "auto"):
+        raise ConfigError(
+            f"policy must be 'orchestrator', 'auto' or 'package.module:factory', found {value!r}"
+        )
+
+
 # torch.distributed's default process-group timeout (30 min): what a gloo collective waits
 # for a peer in a cluster without ftengine.
 TORCH_DEFAULT_TIMEOUT_S = 1800.0
@@ -66,9 +79,7 @@ class ClusterConfig:
 
     checkpoint: Path = attrs.field(converter=_to_path)
     dp_size: int = attrs.field(default=4, validator=attrs.validators.ge(1))
-    policy: PolicyName = attrs.field(
-        default="orchestrator", validator=attrs.validators.in_(("orchestrator", "auto"))
-    )
+    policy: PolicyName | str = attrs.field(default="orchestrator", validator=_policy_name)
     op_timeout_s: float = attrs.field(default=5.0, validator=_positive)
     heartbeat_s: float = attrs.field(default=0.25, validator=_positive)
     heartbeat_misses: int = attrs.field(default=8, validator=attrs.validators.ge(2))

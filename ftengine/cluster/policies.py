@@ -5,6 +5,7 @@ from __future__ import annotations
 from ftengine.errors import ConfigError
 from ftengine.faults import FaultKind
 from ftengine.policies import AutoRecovery, OrchestratorDriven, Policy
+from ftengine.policies.import_path import is_import_path, policy_from_import_path
 
 
 def build_policy(name: str, recovery_timeout_s: float) -> Policy:
@@ -16,6 +17,8 @@ def build_policy(name: str, recovery_timeout_s: float) -> Policy:
     dead rank, or "transient, everyone is alive" — or a command, up to
     ``recovery_timeout_s``; retrying at once would rebuild a group with a dead member.
     """
+    if is_import_path(name):  # "package.module:factory": the user's policy, else wait
+        return policy_from_import_path(name) | OrchestratorDriven(recovery_timeout_s)
     if name == "orchestrator":
         return OrchestratorDriven(recovery_timeout=recovery_timeout_s)
     if name == "auto":

@@ -22,6 +22,7 @@ from ftengine.errors import ConfigError
 from ftengine.faults import FaultKind
 from ftengine.integrations.vllm.shapes import VllmConfigLike
 from ftengine.policies import AutoRecovery, OrchestratorDriven, Policy
+from ftengine.policies.import_path import is_import_path, policy_from_import_path
 
 FT_CONFIG_FLAG = "--fault-tolerance-config"
 CPU_TIMEOUT_FLAG = "--cpu-distributed-timeout-seconds"
@@ -114,8 +115,11 @@ class VllmFtSettings:
 
     def build_policy(self) -> Policy:
         """``orchestrator``: wait ``recovery_timeout_s`` for a command (vLLM's behaviour).
-        ``auto``: retry local faults, scale down confirmed dead peers, else wait likewise."""
+        ``auto``: retry local faults, scale down confirmed dead peers, else wait likewise.
+        ``package.module:factory``: ``factory()``'s policy, else wait likewise."""
         wait = OrchestratorDriven(recovery_timeout=self.recovery_timeout_s)
+        if is_import_path(self.policy):  # the user's policy; where it abstains, vLLM's wait
+            return policy_from_import_path(self.policy) | wait
         if self.policy == "auto":
             local = frozenset({FaultKind.TRANSIENT, FaultKind.DEVICE_ERROR})
             auto = AutoRecovery(retry_kinds=local)
