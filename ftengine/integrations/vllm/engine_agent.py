@@ -102,6 +102,7 @@ class EngineCoreAgent:
         self.policy: Policy = settings.build_policy()
         self.waits_only = isinstance(self.policy, OrchestratorDriven)
         self.pending: PeerDead | None = None
+        self.generation = 0  # faults handled so far; a marker names the one it was made in
         self.fault: Fault | None = None
         self.episode_start = 0.0
         self.attempts = 0
@@ -110,8 +111,10 @@ class EngineCoreAgent:
         self._store_failures = 0
         self._timed_group: object = None
         self._healthy_since = 0.0
+        self.peers: dict[int, str] = {}  # current-epoch peers' statuses ("dead" if stale)
         self._was_healthy = True
         self._stop = threading.Event()
+        self._retrying = threading.Event()
         self._lock = threading.Lock()
         self.thread = threading.Thread(target=self._run, name="ftengine-agent", daemon=True)
 
@@ -123,14 +126,22 @@ class EngineCoreAgent:
 
     # -- called from the patched EngineCoreSentinel ------------------------------------
 
-    def raise_pending(self) -> None:
-        """In the busy loop (the queued marker of :meth:`_inject`): raise the peer fault if
-        it is still news, so vLLM's own ``on_fault`` runs; a marker left over from a fault
-        handled meanwhile does nothing."""
+    def raise_pending(self, generation: int) -> None:
+        """In the busy loop (the queued marker of :meth:`_inject`, made in ``generation``):
+        raise the peer fault if it is still news, so vLLM's own ``on_fault`` runs; a marker
+        from before a fault that was handled meanwhile does nothing."""
         with self._lock:
+            if generation != self.generation:
+                return
             pending, self.pending = self.pending, None
         if pending is not None and self._own_status() == "healthy":
             raise pending
+
+    def fault_handled(self) -> None:
+        """After vLLM's ``on_fault``: markers queued until now are stale."""
+        with self._lock:
+            self.generation += 1
+            self.pending = None
 
     def on_fault(self, exc: BaseException) -> None:
         """Before vLLM's ``on_fault``: remember the fault for the policy, and hand it to a
@@ -203,9 +214,11 @@ class EngineCoreAgent:
             last = self._seen.get(rank)
             if last is None or last[0] != beat:
                 self._seen[rank] = (beat, now)
+            stale = last is not None and now - self._seen[rank][1] > STALE_S
+            self.peers[rank] = "dead" if stale else status
             if status in ("dead", "unhealthy") and self._current(epoch, now):
                 self._inject(rank, f"engine {rank} is {status}")
-            elif last is not None and now - self._seen[rank][1] > STALE_S:
+            elif stale:
                 self._inject(rank, f"engine {rank}'s beat stopped {STALE_S:.0f} s ago")
 
     def _epoch(self) -> int:
@@ -235,16 +248,33 @@ class EngineCoreAgent:
             if self.pending is not None:
                 return
             self.pending = PeerDead(f"[FT] engine {self.rank}: {why}")
+            marker = FaultMarker(self, self.generation)
         logger.warning("[FT] engine %d: %s; faulting now", self.rank, why)
         # The busy loop hands the marker to the patched _handle_client_request, which calls
         # raise_pending; vLLM's on_fault then sees a live executor: UNHEALTHY, not DEAD.
-        self.engine.input_queue.put_nowait((FAULT_MARK, self))
+        self.engine.input_queue.put_nowait((FAULT_MARK, marker))
+
+    def verdict(self, fault: Fault) -> Fault:
+        """The fault as the policy should see it: a dead peer by name when one is known; a
+        peer-side error (timeout, closed socket) while every peer still beats is a peer's
+        transient fault (everyone is alive: a retry can rebuild the groups)."""
+        dead = sorted(r for r, s in self.peers.items() if s == "dead")
+        if dead:
+            return attrs.evolve(fault, kind=FaultKind.DEAD_PEER, rank=dead[0])
+        if fault.kind in (FaultKind.HUNG_PEER, FaultKind.DEAD_PEER) and self.peers:
+            return attrs.evolve(fault, kind=FaultKind.TRANSIENT)
+        return fault
 
     def _maybe_recover(self) -> None:
-        if self.waits_only or self.fault is None or self._own_status() != "unhealthy":
+        if self.waits_only or self.fault is None or self._retrying.is_set():
             return
+        if self._own_status() != "unhealthy":
+            return
+        if any(status != "unhealthy" for status in self.peers.values()):
+            return  # a retry rebuilds the DP group with every peer: all must be faulted
+        fault = self.verdict(self.fault)
         ctx = RecoveryContext(
-            fault=self.fault,
+            fault=fault,
             phase=Phase.QUARANTINED,
             now=time.monotonic(),
             episode_start=self.episode_start,
@@ -253,8 +283,10 @@ class EngineCoreAgent:
             world_size=self.world,
         )
         decision = decide(self.policy, ctx)
-        if isinstance(decision, Retry) and ctx.now >= self.fault.at + decision.after:
-            self._retry()
+        if isinstance(decision, Retry) and ctx.now >= fault.at + decision.after:
+            # On its own thread: the beats go on while the DP group rendezvous waits.
+            self._retrying.set()
+            threading.Thread(target=self._retry, name="ftengine-retry", daemon=True).start()
         elif isinstance(decision, GiveUp):
             logger.warning("[FT] engine %d: policy gave up: %s", self.rank, decision.reason)
             self.fault = None
@@ -269,8 +301,21 @@ class EngineCoreAgent:
             self.sentinel.retry(request)
         except Exception:
             logger.exception("[FT] engine %d: automatic retry failed", self.rank)
-            assert self.fault is not None
-            self.fault = attrs.evolve(self.fault, at=time.monotonic())
+            if self.fault is not None:
+                self.fault = attrs.evolve(self.fault, at=time.monotonic())
+        finally:
+            self._retrying.clear()
+
+
+@attrs.frozen
+class FaultMarker:
+    """What the agent queues for the busy loop: raise its peer fault if still current."""
+
+    agent: EngineCoreAgent
+    generation: int
+
+    def raise_pending(self) -> None:
+        self.agent.raise_pending(self.generation)
 
 
 def adopt_fault(wrapper: Any, kind: str) -> None:

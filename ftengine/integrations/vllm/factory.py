@@ -27,6 +27,7 @@ from ftengine.integrations.vllm.messages import VllmMessages, import_vllm
 from ftengine.integrations.vllm.sentinel import FtengineWorkerSentinel
 from ftengine.integrations.vllm.shapes import VllmDistributed, WorkerLike
 from ftengine.placement.maps import ExpertPlacement
+from ftengine.policies import OrchestratorDriven
 from ftengine.sentinel import WorkerSentinel
 
 if TYPE_CHECKING:  # the NPU modules are imported only when an NPU backend is built
@@ -152,7 +153,10 @@ def build_worker_sentinel(
     parallel = worker.parallel_config
     tp = parallel.tensor_parallel_size
     sentinel = WorkerSentinel(
-        settings.build_policy(),
+        # vLLM's engine core drives every recovery (its own DP group is rebuilt first and
+        # the worker gets the new ports with the command), so the worker's FSM waits for
+        # that command; the configured policy decides in the engine core's agent.
+        OrchestratorDriven(recovery_timeout=settings.recovery_timeout_s),
         VllmWorkerBackend(device.backend, hooks, tp_size=tp, mask=device.mask),
         hooks,
         rank=parallel.data_parallel_rank,

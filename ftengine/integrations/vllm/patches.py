@@ -207,6 +207,8 @@ def _agent_on_fault(on_fault: Callable[..., None]) -> Callable[..., None]:
         if agent is not None:
             agent.on_fault(exc)
         on_fault(self, exc)
+        if agent is not None:
+            agent.fault_handled()
 
     setattr(agent_on_fault, PATCHED_MARK, on_fault)
     return agent_on_fault
@@ -234,7 +236,7 @@ def _with_fault_marker(handle: Callable[..., None]) -> Callable[..., None]:
     @functools.wraps(handle)
     def handle_or_fault(self: Any, request_type: Any, request: Any) -> None:
         if isinstance(request_type, str) and request_type == FAULT_MARK:
-            request.raise_pending()  # the agent: raises into the busy loop if still news
+            request.raise_pending()  # the agent's marker: raises into the busy loop if news
             return
         handle(self, request_type, request)
 
