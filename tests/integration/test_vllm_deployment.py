@@ -123,6 +123,9 @@ def test_greedy_answers_agree_across_ranks(
         (0, "healthy", "running"),
         (1, "healthy", "running"),
     ]
+    for rank, url in enumerate(deployment.urls):  # ftengine's metrics on vLLM's /metrics
+        metrics = httpx.get(f"{url}/metrics", timeout=10).text
+        assert f'ftengine_engine_phase{{engine="{rank}",phase="running"}} 1.0' in metrics
 
 
 @pytest.mark.timeout(900)

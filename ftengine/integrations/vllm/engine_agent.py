@@ -83,9 +83,18 @@ class StatusFile:
         return loaded if isinstance(loaded, dict) else {}
 
 
+STATUS_FIELDS = ("phase", "epoch", "removed_ranks")
+FILE_FIELDS = (*STATUS_FIELDS, "attempts")
+
+
+def file_fields(status: Mapping[str, object]) -> dict[str, object]:
+    """What a worker writes to its :class:`StatusFile` (``EngineStatus.to_dict()`` subset)."""
+    return {key: status.get(key) for key in FILE_FIELDS}
+
+
 def worker_fields(status: Mapping[str, object]) -> dict[str, object]:
     """The ftengine fields an engine's vLLM status carries, from ``EngineStatus.to_dict()``."""
-    return {key: status.get(key) for key in ("phase", "epoch", "removed_ranks")}
+    return {key: status.get(key) for key in STATUS_FIELDS}
 
 
 class EngineCoreAgent:

@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any
 
 from ftengine.faults import FaultKind
 from ftengine.integrations.vllm.config import VllmFtSettings
-from ftengine.integrations.vllm.engine_agent import StatusFile, worker_fields
+from ftengine.integrations.vllm.engine_agent import StatusFile, file_fields
 from ftengine.integrations.vllm.factory import (
     CPU,
     NPU,
@@ -39,6 +39,7 @@ from ftengine.integrations.vllm.factory import (
 )
 from ftengine.integrations.vllm.logs import route_logs
 from ftengine.integrations.vllm.messages import VllmUnavailable, import_vllm
+from ftengine.integrations.vllm.metrics import register_collector
 from ftengine.integrations.vllm.patches import apply_cpu_patches, apply_engine_core_patches
 from ftengine.integrations.vllm.sentinel import FtengineWorkerSentinel
 from ftengine.integrations.vllm.shapes import WorkerLike
@@ -77,6 +78,7 @@ def register() -> None:
     for module in modules:
         setattr(module, SENTINEL_NAME, worker_sentinel)
     route_logs()
+    register_collector()  # scraped only where vLLM serves /metrics: its API server
     device_type = current_device_type()
     if device_type in SUPPORTED_PLATFORMS:
         apply_engine_core_patches()
@@ -137,7 +139,7 @@ class PluginWorkerSentinel:
         if self.ready is None:
             self.ready = self._build()
             status = StatusFile.for_worker(self.worker.parallel_config.data_parallel_rank)
-            self.ready.status_sink = lambda fields: status.write(worker_fields(fields))
+            self.ready.status_sink = lambda fields: status.write(file_fields(fields))
             self.ready.publish_status()
         return self.ready
 
