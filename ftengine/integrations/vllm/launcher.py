@@ -149,6 +149,8 @@ def _free_port(host: str) -> int:
 
 def _check_free(host: str, port: int) -> None:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        # As uvicorn binds: a port left in TIME_WAIT by a stopped deployment is free.
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             sock.bind((host, port))
         except OSError as exc:
