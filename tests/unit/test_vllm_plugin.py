@@ -27,7 +27,7 @@ from ftengine.integrations.vllm.factory import (
 )
 from ftengine.integrations.vllm.hooks import VllmWorkerHooks
 from ftengine.integrations.vllm.messages import VllmMessages
-from ftengine.integrations.vllm.patches import PATCHES
+from ftengine.integrations.vllm.patches import PATCHES, VllmSeamMoved
 from ftengine.integrations.vllm.plugin import PluginWorkerSentinel
 from tests.unit.test_vllm_standin import Distributed, Worker, make_worker
 
@@ -219,3 +219,16 @@ def test_vllms_engine_core_has_no_scale_down_so_it_never_reaches_workers() -> No
     core.handle_command(0, 11, {"instruction": "scale_down", "params": params, "request_id": "s"})
     result = answer(engine)
     assert result["success"] is False and "scale_down" in result["reason"]
+
+
+def test_a_vllm_whose_seams_moved_keeps_running_without_ftengines_patches(
+    restored: None, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    def moved() -> None:
+        raise VllmSeamMoved("expected vllm.x.Y.z in the installed vLLM, found none")
+
+    monkeypatch.setattr(plugin, "apply_engine_core_patches", moved)
+    monkeypatch.setattr(plugin, "current_device_type", lambda: "cpu")
+    with caplog.at_level("ERROR", logger=plugin.__name__):
+        plugin.register()  # no exception: vLLM starts as it would without ftengine
+    assert any("patches are off" in r.message for r in caplog.records)

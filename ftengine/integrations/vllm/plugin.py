@@ -40,7 +40,11 @@ from ftengine.integrations.vllm.factory import (
 from ftengine.integrations.vllm.logs import route_logs
 from ftengine.integrations.vllm.messages import VllmUnavailable, import_vllm
 from ftengine.integrations.vllm.metrics import register_collector
-from ftengine.integrations.vllm.patches import apply_cpu_patches, apply_engine_core_patches
+from ftengine.integrations.vllm.patches import (
+    VllmSeamMoved,
+    apply_cpu_patches,
+    apply_engine_core_patches,
+)
 from ftengine.integrations.vllm.sentinel import FtengineWorkerSentinel
 from ftengine.integrations.vllm.shapes import WorkerLike
 
@@ -80,10 +84,13 @@ def register() -> None:
     route_logs()
     register_collector()  # scraped only where vLLM serves /metrics: its API server
     device_type = current_device_type()
-    if device_type in SUPPORTED_PLATFORMS:
-        apply_engine_core_patches()
-    if device_type == CPU:
-        apply_cpu_patches()
+    try:
+        if device_type in SUPPORTED_PLATFORMS:
+            apply_engine_core_patches()
+        if device_type == CPU:
+            apply_cpu_patches()
+    except VllmSeamMoved as exc:  # never break a deployment by being installed
+        logger.error("[FT] ftengine's vLLM patches are off for this vLLM version: %s", exc)
 
 
 def worker_sentinel(worker: WorkerLike, **seams: Unpack[SentinelSeams]) -> Any:
