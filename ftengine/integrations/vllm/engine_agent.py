@@ -39,7 +39,7 @@ from ftengine.policies.builtin import OrchestratorDriven
 
 logger = logging.getLogger(__name__)
 
-BEAT_S = 0.05
+BEAT_S = 0.02
 STALE_S = 5.0  # an engine core whose beat stops this long is taken for dead (GIL-starved
 # threads on a loaded 2-core machine were seen to pause ~1 s; a status change is instant)
 SETTLE_S = 2.0  # after a recovery, peers finish theirs: their "unhealthy" is stale this long
@@ -153,8 +153,8 @@ class EngineCoreAgent:
             self.pending = None
 
     def on_fault(self, exc: BaseException) -> None:
-        """Before vLLM's ``on_fault``: remember the fault for the policy, and hand it to a
-        worker that is still serving (its FSM quarantines before the status is pushed)."""
+        """Before vLLM's ``on_fault``: remember the fault for the policy (no I/O, so vLLM's
+        status goes out at once)."""
         from ftengine.sentinel import classify_exception
 
         with self._lock:
@@ -163,13 +163,18 @@ class EngineCoreAgent:
         now = time.monotonic()
         self.fault = Fault(kind=kind, info=type(exc).__name__, at=now)
         self.episode_start, self.attempts = now, 0
+
+    def after_fault(self) -> None:
+        """After vLLM's ``on_fault`` (busy-loop thread, so the executor is ours): hand the
+        fault to a worker still serving (its FSM quarantines), then mark older fault markers
+        stale. The caller pushes the status again, now with the worker's phase."""
         executor = self.engine.model_executor
-        if getattr(executor, "is_failed", False):
-            return
-        try:
-            executor.collective_rpc(adopt_fault, timeout=5.0, args=(kind.value,))
-        except Exception:  # the worker may be gone or hung: vLLM's own path goes on
-            logger.warning("[FT] could not hand the fault to engine %d's worker", self.rank)
+        if self.fault is not None and not getattr(executor, "is_failed", False):
+            try:
+                executor.collective_rpc(adopt_fault, timeout=5.0, args=(self.fault.kind.value,))
+            except Exception:  # the worker may be gone or hung: vLLM's own path goes on
+                logger.warning("[FT] could not hand the fault to engine %d's worker", self.rank)
+        self.fault_handled()
 
     def status_fields(self) -> dict[str, object]:
         """ftengine's fields for the status vLLM pushes (the worker's last written FSM state)."""

@@ -241,7 +241,9 @@ class VllmDeployment:
         return found
 
     def stop(self) -> None:
-        """SIGTERM every rank's process group, SIGKILL what is left after a grace period."""
+        """SIGTERM every rank's process group, SIGKILL what is left after a grace period,
+        and return once every process of those groups has exited."""
+        tree = _tree([rank.process.pid for rank in self.ranks])
         for rank in self.ranks:
             _signal_group(rank.process.pid, signal.SIGTERM)
         deadline = time.monotonic() + STOP_GRACE_S
@@ -253,6 +255,7 @@ class VllmDeployment:
             with contextlib.suppress(subprocess.TimeoutExpired):
                 rank.process.wait(timeout=5.0)
             rank.log.close()
+        _wait_gone(tree, timeout_s=10.0)  # orphans die a moment after SIGKILL
 
     def __enter__(self) -> VllmDeployment:
         return self
@@ -287,6 +290,30 @@ def _with_ftengine(plugins: str) -> str:
     """A ``VLLM_PLUGINS`` list with ftengine's plugin in it."""
     names = [n for n in plugins.split(",") if n]
     return ",".join(names if "ftengine" in names else [*names, "ftengine"])
+
+
+def _tree(pids: Sequence[int]) -> list[psutil.Process]:
+    """The processes ``pids`` and all their descendants, as they are now."""
+    found: list[psutil.Process] = []
+    for pid in pids:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            root = psutil.Process(pid)
+            found += [root, *root.children(recursive=True)]
+    return found
+
+
+def _wait_gone(processes: Sequence[psutil.Process], timeout_s: float) -> None:
+    """Until each process has exited (or is a zombie: an orphan's reaper may never come)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline and any(_running(p) for p in processes):
+        time.sleep(0.05)
+
+
+def _running(process: psutil.Process) -> bool:
+    try:
+        return process.status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
 
 
 def _signal_group(pgid: int, sig: signal.Signals) -> None:

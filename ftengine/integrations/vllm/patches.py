@@ -2,8 +2,8 @@
 
 **Engine core** (any platform ftengine supports): ``EngineCoreSentinel.__init__`` starts
 ftengine's :class:`~ftengine.integrations.vllm.engine_agent.EngineCoreAgent`,
-``on_fault`` hands the fault to it (and so to the worker's FSM), ``_push_status`` adds
-ftengine's phase, epoch and removed ranks to the pushed status, and
+``on_fault`` tells it of the fault (and the worker's FSM, after vLLM's own status push),
+``_push_status`` adds ftengine's phase, epoch and removed ranks to the pushed status, and
 ``EngineCoreProc._handle_client_request`` lets the agent's input-queue marker raise a peer
 fault into the busy loop (vLLM's own fault path then runs).
 
@@ -206,9 +206,10 @@ def _agent_on_fault(on_fault: Callable[..., None]) -> Callable[..., None]:
         agent = getattr(self, AGENT_ATTR, None)
         if agent is not None:
             agent.on_fault(exc)
-        on_fault(self, exc)
+        on_fault(self, exc)  # vLLM's: requests aborted, status pushed, with no delay of ours
         if agent is not None:
-            agent.fault_handled()
+            agent.after_fault()
+            self._push_status()  # the same status, now with the worker's ftengine phase
 
     setattr(agent_on_fault, PATCHED_MARK, on_fault)
     return agent_on_fault
