@@ -172,12 +172,17 @@ def build_worker_sentinel(
         ports=hooks,
         clock=sentinel.clock,
     )
+    _wire(adapter, sentinel, device)
+    return adapter
+
+
+def _wire(adapter: FtengineWorkerSentinel, sentinel: WorkerSentinel, device: DeviceBackend) -> None:
+    """The op timeout once the worker serves; the status published on every phase change."""
     if device.serving_op_timeout_s is not None:
         adapter.on_serving = functools.partial(
             sentinel.backend.set_op_timeout, device.serving_op_timeout_s
         )
     sentinel.subscribe(lambda _change: adapter.publish_status())
-    return adapter
 
 
 def _redundancy(placement: ExpertPlacement, tp_size: int) -> RedundancyFacts:
