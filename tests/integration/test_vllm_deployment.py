@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -65,6 +66,9 @@ def deployment(
         yield started
     for pid in (pid for rank in pids.values() for pid in rank.values()):
         assert not _alive(pid), f"process {pid} outlived the deployment"
+    engine_cores = [rank["engine_core"] for rank in pids.values()]
+    left = [p for pid in engine_cores for p in Path(tempfile.gettempdir()).glob(f"*-{pid}-*.json")]
+    assert not left, f"status files left behind: {left}"
 
 
 @pytest.fixture(scope="module")

@@ -21,6 +21,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
@@ -256,6 +257,7 @@ class VllmDeployment:
                 rank.process.wait(timeout=5.0)
             rank.log.close()
         _wait_gone(tree, timeout_s=10.0)  # orphans die a moment after SIGKILL
+        _remove_status_files(tree)
 
     def __enter__(self) -> VllmDeployment:
         return self
@@ -314,6 +316,14 @@ def _running(process: psutil.Process) -> bool:
         return process.status() != psutil.STATUS_ZOMBIE
     except psutil.NoSuchProcess:
         return False
+
+
+def _remove_status_files(processes: Sequence[psutil.Process]) -> None:
+    """The status files its workers left for their engine cores (engine_agent.StatusFile)."""
+    root = Path(tempfile.gettempdir())
+    for process in processes:
+        for path in root.glob(f"ftengine-status-{process.pid}-*.json"):
+            path.unlink(missing_ok=True)
 
 
 def _signal_group(pgid: int, sig: signal.Signals) -> None:
