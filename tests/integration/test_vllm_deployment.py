@@ -67,7 +67,11 @@ def deployment(
     for pid in (pid for rank in pids.values() for pid in rank.values()):
         assert not _alive(pid), f"process {pid} outlived the deployment"
     engine_cores = [rank["engine_core"] for rank in pids.values()]
-    left = [p for pid in engine_cores for p in Path(tempfile.gettempdir()).glob(f"*-{pid}-*.json")]
+    left = [
+        p
+        for pid in engine_cores
+        for p in Path(tempfile.gettempdir()).glob(f"ftengine-status-{pid}-*.json")
+    ]
     assert not left, f"status files left behind: {left}"
 
 
