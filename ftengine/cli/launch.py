@@ -15,8 +15,6 @@ from typing import TYPE_CHECKING, Literal
 
 import attrs
 
-from ftengine.policies.registry import POLICY_NAMES
-
 if TYPE_CHECKING:
     from ftengine.cluster.config import ClusterConfig
 
@@ -64,9 +62,9 @@ def add_cluster_args(parser: argparse.ArgumentParser, *, policy: str = "orchestr
     group.add_argument("--dp-size", type=int, default=4, help="DP = EP ranks (worker processes)")
     group.add_argument(
         "--policy",
-        choices=POLICY_NAMES,
         default=policy,
-        help="orchestrator: wait for commands (vLLM); auto: recover without commands",
+        help="orchestrator: wait for commands (vLLM); auto: recover without commands; "
+        "package.module:factory: your policy (imported and checked at start-up)",
     )
     group.add_argument(
         "--op-timeout", type=float, default=2.0, help="seconds before a hung collective raises"

@@ -9,12 +9,17 @@ import attrs
 
 from ftengine.cluster.faults_inject import FaultSpec
 from ftengine.errors import ConfigError
-from ftengine.policies.registry import POLICY_NAMES, PolicyName
+from ftengine.policies.registry import PolicyName, check_name
 from ftengine.reinference import DEFAULT_MAX_REINFERENCE, Reinference
 
 # torch.distributed's default process-group timeout (30 min): what a gloo collective waits
 # for a peer in a cluster without ftengine.
 TORCH_DEFAULT_TIMEOUT_S = 1800.0
+
+
+def _policy_name(_instance: object, _attribute: object, value: object) -> None:
+    """A registered policy name or a factory's import path (imported and checked now)."""
+    check_name(value)
 
 
 def _to_path(value: str | Path) -> Path:
@@ -65,9 +70,7 @@ class ClusterConfig:
 
     checkpoint: Path = attrs.field(converter=_to_path)
     dp_size: int = attrs.field(default=4, validator=attrs.validators.ge(1))
-    policy: PolicyName = attrs.field(
-        default="orchestrator", validator=attrs.validators.in_(POLICY_NAMES)
-    )
+    policy: PolicyName | str = attrs.field(default="orchestrator", validator=_policy_name)
     op_timeout_s: float = attrs.field(default=5.0, validator=_positive)
     heartbeat_s: float = attrs.field(default=0.25, validator=_positive)
     heartbeat_misses: int = attrs.field(default=8, validator=attrs.validators.ge(2))

@@ -45,10 +45,16 @@ def test_the_seed_command_maps_to_ftengine_settings() -> None:
     assert policy == OrchestratorDriven(recovery_timeout=32000.0)
 
 
-def test_ftengine_keys_win_over_vllms_flags() -> None:
-    ours = {"ftengine": {"recovery_timeout_sec": 9, "cpu_distributed_timeout_sec": 4}}
+def test_ftengine_keys_win_over_vllms_flags_but_never_disagree_on_the_recovery_wait() -> None:
+    ours = {"ftengine": {"recovery_timeout_sec": 120, "cpu_distributed_timeout_sec": 4}}
     s = settings(ours, recovery=120, cpu=30)
-    assert (s.recovery_timeout_s, s.cpu_distributed_timeout_s) == (9.0, 4.0)
+    assert (s.recovery_timeout_s, s.cpu_distributed_timeout_s) == (120.0, 4.0)
+    with pytest.raises(
+        VllmConfigError,
+        match=r"ftengine\.recovery_timeout_sec \(9\) must equal --fault-tolerance-config's "
+        r"engine_recovery_timeout_sec \(120\)",
+    ):
+        settings({"ftengine": {"recovery_timeout_sec": 9}}, recovery=120)
 
 
 def test_auto_policy_falls_back_to_waiting_for_the_orchestrator() -> None:

@@ -19,9 +19,15 @@ from ftengine.clock import ManualClock
 from ftengine.faults import HealthStatus
 from ftengine.integrations.vllm import plugin
 from ftengine.integrations.vllm.config import VllmConfigError, VllmFtSettings
-from ftengine.integrations.vllm.factory import DeviceBackend, UnsupportedPlatform
+from ftengine.integrations.vllm.factory import (
+    DeviceBackend,
+    UnsupportedPlatform,
+    backend_for_platform,
+    vllm_cpu_backend,
+)
 from ftengine.integrations.vllm.hooks import VllmWorkerHooks
 from ftengine.integrations.vllm.messages import VllmMessages
+from ftengine.integrations.vllm.patches import PATCHES, VllmSeamMoved
 from ftengine.integrations.vllm.plugin import PluginWorkerSentinel
 from tests.unit.test_vllm_standin import Distributed, Worker, make_worker
 
@@ -39,6 +45,9 @@ def restored(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     """Whatever the plugin patches in vLLM is put back after the test."""
     for module in (sentinel_module, gpu_worker):
         monkeypatch.setattr(module, plugin.SENTINEL_NAME, getattr(module, plugin.SENTINEL_NAME))
+    for patch in PATCHES:
+        owner, _ = patch.target()
+        monkeypatch.setattr(owner, patch.name, getattr(owner, patch.name))
     monkeypatch.setattr(vllm_plugins, "plugins_loaded", False)
     yield
 
@@ -64,18 +73,43 @@ def test_vllms_plugin_loader_installs_the_sentinel(
     restored: None, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setenv("VLLM_PLUGINS", "ftengine")
-    assert sentinel_module.WorkerSentinel is not PluginWorkerSentinel
+    upstream = sentinel_module.WorkerSentinel
+    assert upstream is not plugin.worker_sentinel
     vllm_plugins.load_general_plugins()
-    assert sentinel_module.WorkerSentinel is PluginWorkerSentinel
-    assert gpu_worker.WorkerSentinel is PluginWorkerSentinel  # bound at its import
+    assert sentinel_module.WorkerSentinel is plugin.worker_sentinel
+    assert gpu_worker.WorkerSentinel is plugin.worker_sentinel  # bound at its import
     plugin.register()  # vLLM may load plugins again in another code path
-    assert gpu_worker.WorkerSentinel is PluginWorkerSentinel
+    assert gpu_worker.WorkerSentinel is plugin.worker_sentinel
+    assert plugin._upstream[plugin.SENTINEL_NAME] is upstream
 
 
-def test_other_platforms_get_a_clear_start_up_error(restored: None) -> None:
+def test_other_platforms_keep_vllms_own_sentinel_with_one_warning(
+    restored: None, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
     plugin.register()
-    with pytest.raises(UnsupportedPlatform, match=r"needs an Ascend NPU .*CUDA is future work"):
-        gpu_worker.WorkerSentinel(worker=make_worker())
+    built: list[object] = []
+    monkeypatch.setitem(plugin._upstream, plugin.SENTINEL_NAME, lambda worker: built.append(worker))
+    monkeypatch.setattr(plugin, "current_device_type", lambda: "cuda")
+    monkeypatch.setattr(plugin, "_warned", [])
+    workers = [make_worker(), make_worker(dp_rank=1)]
+    with caplog.at_level("WARNING", logger=plugin.__name__):
+        for worker in workers:
+            gpu_worker.WorkerSentinel(worker=worker)
+    assert built == workers  # vLLM's own sentinel, untouched
+    warnings = [r for r in caplog.records if "does not support vLLM platform 'cuda'" in r.message]
+    assert len(warnings) == 1
+
+
+def test_the_cpu_platform_gets_ftengines_sentinel_and_cpu_backend(
+    restored: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    plugin.register()
+    monkeypatch.setattr(plugin, "current_device_type", lambda: "cpu")
+    sentinel = gpu_worker.WorkerSentinel(worker=make_worker())
+    assert isinstance(sentinel, PluginWorkerSentinel)
+    assert backend_for_platform("cpu") is vllm_cpu_backend
+    with pytest.raises(UnsupportedPlatform, match=r"no backend for vLLM platform 'cuda'"):
+        backend_for_platform("cuda")
 
 
 def test_bad_flags_stop_start_up_naming_the_key() -> None:
@@ -185,3 +219,16 @@ def test_vllms_engine_core_has_no_scale_down_so_it_never_reaches_workers() -> No
     core.handle_command(0, 11, {"instruction": "scale_down", "params": params, "request_id": "s"})
     result = answer(engine)
     assert result["success"] is False and "scale_down" in result["reason"]
+
+
+def test_a_vllm_whose_seams_moved_keeps_running_without_ftengines_patches(
+    restored: None, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    def moved() -> None:
+        raise VllmSeamMoved("expected vllm.x.Y.z in the installed vLLM, found none")
+
+    monkeypatch.setattr(plugin, "apply_engine_core_patches", moved)
+    monkeypatch.setattr(plugin, "current_device_type", lambda: "cpu")
+    with caplog.at_level("ERROR", logger=plugin.__name__):
+        plugin.register()  # no exception: vLLM starts as it would without ftengine
+    assert any("patches are off" in r.message for r in caplog.records)

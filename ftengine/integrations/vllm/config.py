@@ -2,7 +2,8 @@
 
 - ``--enable-fault-tolerance``: ftengine runs only when it is on.
 - ``--fault-tolerance-config '{"engine_recovery_timeout_sec": N}'``: how long a faulted
-  worker waits for a command before it is DEAD (``ftengine.recovery_timeout_sec`` wins).
+  worker waits for a command before it is DEAD (``ftengine.recovery_timeout_sec``, if
+  given, must say the same: vLLM's engine core waits N whatever ftengine does).
 - ``--cpu-distributed-timeout-seconds S``: timeout of the gloo DP groups
   (``ftengine.cpu_distributed_timeout_sec`` wins).
 - ``--additional-config '{"ft_communication_abort_timeout": T, "ftengine": {...}}'``: the NPU
@@ -100,8 +101,15 @@ class VllmFtSettings:
             npu = NpuFtConfig.from_additional_config(additional)
         except ConfigError as exc:
             raise VllmConfigError(f"Invalid {ADDITIONAL_FLAG}: {exc}") from exc
-        # ftengine's own keys win over vLLM's flags; absent, the flags apply.
-        if "recovery_timeout_sec" not in sub and recovery is not None:
+        # vLLM's engine core waits engine_recovery_timeout_sec for a command whatever
+        # ftengine does, so ftengine's key may only repeat it: two clocks must not disagree.
+        if "recovery_timeout_sec" in sub and npu.recovery_timeout_s != recovery:
+            raise VllmConfigError(
+                f"Invalid {ADDITIONAL_FLAG}: {FTENGINE_KEY}.recovery_timeout_sec "
+                f"({npu.recovery_timeout_s:g}) must equal {FT_CONFIG_FLAG}'s {RECOVERY_KEY} "
+                f"({recovery:g}), which vLLM's engine core waits for; set only {RECOVERY_KEY}"
+            )
+        if recovery is not None:
             npu = attrs.evolve(npu, recovery_timeout_s=recovery)
         if "cpu_distributed_timeout_sec" not in sub:
             npu = attrs.evolve(npu, cpu_distributed_timeout_s=cpu_timeout)

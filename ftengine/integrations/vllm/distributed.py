@@ -34,3 +34,25 @@ class RealVllmDistributed:
     def destroy_group(self, group: object) -> None:
         """Tear down a group made by :meth:`init_gloo_group`."""
         import_vllm(DISTRIBUTED_MODULE).stateless_destroy_torch_distributed_process_group(group)
+
+
+GROUP_GETTERS = ("get_world_group", "get_dp_group", "get_ep_group", "get_tp_group", "get_pp_group")
+
+
+def real_process_groups() -> list[object]:
+    """Every torch process group of this worker's vLLM groups (CPU and device side, once
+    each), for per-op timeouts; a group vLLM did not build is skipped."""
+    state = import_vllm(DISTRIBUTED_MODULE)
+    found: list[object] = []
+    for getter in GROUP_GETTERS:
+        try:
+            coordinator = getattr(state, getter)()
+        except (AssertionError, AttributeError):  # vLLM asserts a group was initialised
+            continue
+        for pg in (
+            getattr(coordinator, "cpu_group", None),
+            getattr(coordinator, "device_group", None),
+        ):
+            if pg is not None and all(pg is not seen for seen in found):
+                found.append(pg)
+    return found

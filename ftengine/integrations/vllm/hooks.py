@@ -9,6 +9,7 @@ worker is served by ``ftengine.integrations.vllm_ascend.hooks``, a subclass.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections.abc import Mapping, Sequence
 from datetime import timedelta
@@ -77,11 +78,16 @@ class VllmWorkerHooks:
     """What the recovery does to one vLLM worker (the sentinel's ``WorkerHooks``).
 
     ``dist`` reaches vLLM's process groups (``RealVllmDistributed`` in a vLLM process).
+    ``gloo_device_group``: the DP group's device side is gloo too (vLLM's CPU platform), so
+    the rebuilt gloo group replaces it as well. ``group_timeout_s``: per-op timeout of a
+    rebuilt group (None: ``--cpu-distributed-timeout-seconds``).
     """
 
     def __init__(self, worker: WorkerLike, dist: VllmDistributed) -> None:
         self.worker = worker
         self.dist = dist
+        self.gloo_device_group = False
+        self.group_timeout_s: float | None = None
         self._dp_ports: list[int] | None = None
         self._placement: ExpertPlacement | None = None
         self._checkpoint: CheckpointIndex | None = None
@@ -170,16 +176,21 @@ class VllmWorkerHooks:
         port = ports[self.worker.rank % parallel.world_size]
         manager = self.dist.all2all_manager()
         if manager is not None:
-            manager.clean_buffers()
+            with contextlib.suppress(NotImplementedError):  # allgather_reducescatter has none
+                manager.clean_buffers()
         group = self.dist.dp_group()
         self.dist.destroy_group(group.cpu_group)
-        group.cpu_group = self.dist.init_gloo_group(
+        seconds = self.group_timeout_s
+        new = self.dist.init_gloo_group(
             parallel.data_parallel_master_ip,
             port,
             alive.index(parallel.data_parallel_rank),
             len(alive),
-            _timeout(parallel.cpu_distributed_timeout_seconds),
+            _timeout(parallel.cpu_distributed_timeout_seconds if seconds is None else seconds),
         )
+        group.cpu_group = new
+        if self.gloo_device_group:
+            _replace_device_group(group, new)
         logger.info(
             "vLLM DP group rebuilt",
             extra={"rank": parallel.data_parallel_rank, "epoch": epoch, "alive": alive},
@@ -201,6 +212,17 @@ class VllmWorkerHooks:
             main.logical_replica_count,
             ep_size=parallel.data_parallel_size * parallel.tensor_parallel_size,
         )
+
+
+def _replace_device_group(group: object, new: object) -> None:
+    """The DP group's device side (and its communicator's view of both sides) becomes
+    ``new``: on CPU the all2all's all-gatherv runs there, and its old gloo group may hold a
+    half-finished op of the failed step."""
+    setattr(group, "device_group", new)  # noqa: B010 - GroupCoordinatorLike names cpu_group only
+    communicator = getattr(group, "device_communicator", None)
+    if communicator is not None:
+        communicator.device_group = new
+        communicator.cpu_group = new
 
 
 def _timeout(seconds: object) -> timedelta | None:

@@ -2,34 +2,52 @@
 
 vLLM loads ``ftengine.integrations.vllm.plugin:register`` (entry point group
 ``vllm.general_plugins``) in each of its processes before the worker class is imported.
-``register`` puts :class:`PluginWorkerSentinel` where vLLM's GPU worker builds its
-``WorkerSentinel(worker=self)``, which vLLM does only when fault tolerance is on. On
-vLLM-Ascend (platform "npu") it leaves vLLM's GPU modules alone: vLLM-Ascend's ``NPUWorker``
-is no GPU ``Worker`` and builds a sentinel of its own, which ftengine's second entry point
-(``ftengine.integrations.vllm_ascend.plugin:register``) takes over.
-vLLM has no hook for "model loaded" or "model step failed", so the sentinel wraps the
-worker's ``load_model`` (build the engine once the EPLB maps exist) and ``execute_model``
-(report the exception, then re-raise it for vLLM's own fault path).
+``register`` puts :func:`worker_sentinel` where vLLM's GPU worker (and its CPU subclass)
+builds its ``WorkerSentinel(worker=self)``, which vLLM does only when fault tolerance is
+on: on vLLM's CPU platform that is a :class:`PluginWorkerSentinel`, elsewhere vLLM's own
+sentinel (one warning). On vLLM-Ascend (platform "npu") it leaves vLLM's GPU modules alone:
+vLLM-Ascend's ``NPUWorker`` is no GPU ``Worker`` and builds a sentinel of its own, which
+ftengine's second entry point (``ftengine.integrations.vllm_ascend.plugin:register``) takes
+over. It also installs
+the engine-core agent and, on CPU, the DP+EP pieces vLLM lacks (``patches``), and routes
+ftengine's logs through vLLM's logging with the ``[FT]`` prefix.
+vLLM has no hook for "model loaded", "warmed up" or "model step failed", so the sentinel
+wraps the worker's ``load_model`` (build the engine once the model exists),
+``compile_or_warm_up_model`` (op timeouts from then on) and ``execute_model`` (report the
+exception, then re-raise it for vLLM's own fault path).
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
+import os
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
+from ftengine.faults import FaultKind
 from ftengine.integrations.vllm.config import VllmFtSettings
+from ftengine.integrations.vllm.engine_agent import StatusFile, file_fields
 from ftengine.integrations.vllm.factory import (
+    CPU,
     NPU,
+    SUPPORTED_PLATFORMS,
     BackendFactory,
     SentinelSeams,
     backend_for_platform,
     build_worker_sentinel,
     current_device_type,
 )
+from ftengine.integrations.vllm.logs import route_logs
 from ftengine.integrations.vllm.messages import VllmUnavailable, import_vllm
+from ftengine.integrations.vllm.metrics import register_collector
+from ftengine.integrations.vllm.patches import (
+    VllmSeamMoved,
+    apply_cpu_patches,
+    apply_engine_core_patches,
+)
 from ftengine.integrations.vllm.sentinel import FtengineWorkerSentinel
 from ftengine.integrations.vllm.shapes import WorkerLike
 
@@ -39,26 +57,64 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 SENTINEL_MODULE = "vllm.v1.worker.sentinel.gpu_worker_sentinel"
+CONFIG_MODULE = "vllm.config"
 WORKER_MODULE = "vllm.v1.worker.gpu_worker"
 SENTINEL_NAME = "WorkerSentinel"
 WRAPPED_STEPS = ("execute_model", "sample_tokens")
+WARM_UP = "compile_or_warm_up_model"
+FAULT_FILE_ENV = "FTENGINE_VLLM_FAULT_FILE"
+"""Tests' fault injection: a file there holding DP rank R makes R's next model step raise."""
+
+_upstream: dict[str, Any] = {}
+_warned: list[str] = []
 
 
 def register() -> None:
-    """Install :class:`PluginWorkerSentinel` as vLLM's worker sentinel (idempotent)."""
+    """Install :func:`worker_sentinel` as vLLM's worker sentinel, the engine-core agent
+    and, on vLLM's CPU platform, the DP+EP pieces it lacks (``patches``); idempotent."""
     try:
         modules = [import_vllm(SENTINEL_MODULE)]
     except VllmUnavailable as exc:
         logger.warning("ftengine's vLLM plugin is inactive: %s", exc)
         return
-    if current_device_type() == NPU:
-        # Replacing the GPU sentinel here would make vLLM-Ascend's own sentinel, which
-        # subclasses it, a half-initialised subclass of ours; vllm_ascend.plugin acts instead.
-        return
-    if WORKER_MODULE in sys.modules:  # imported already: it bound the name at import
-        modules.append(sys.modules[WORKER_MODULE])
-    for module in modules:
-        setattr(module, SENTINEL_NAME, PluginWorkerSentinel)
+    device_type = current_device_type()
+    # On vLLM-Ascend, replacing the GPU sentinel would make vLLM-Ascend's own sentinel, which
+    # subclasses it, a half-initialised subclass of ours; vllm_ascend.plugin acts instead.
+    if device_type != NPU:
+        if WORKER_MODULE in sys.modules:  # imported already: it bound the name at import
+            modules.append(sys.modules[WORKER_MODULE])
+        original = getattr(modules[0], SENTINEL_NAME)
+        if original is not worker_sentinel:
+            _upstream[SENTINEL_NAME] = original
+        for module in modules:
+            setattr(module, SENTINEL_NAME, worker_sentinel)
+    route_logs()
+    register_collector()  # scraped only where vLLM serves /metrics: its API server
+    try:
+        if device_type in SUPPORTED_PLATFORMS:
+            apply_engine_core_patches()
+        if device_type == CPU:
+            apply_cpu_patches()
+    except VllmSeamMoved as exc:  # never break a deployment by being installed
+        logger.error("[FT] ftengine's vLLM patches are off for this vLLM version: %s", exc)
+
+
+def worker_sentinel(worker: WorkerLike, **seams: Unpack[SentinelSeams]) -> Any:
+    """What vLLM's ``Worker.__init__`` builds as ``WorkerSentinel(worker=self)``: ftengine's
+    on a platform it supports (or with a test's ``backend_factory``), else vLLM's own."""
+    if seams.get("backend_factory") is None:
+        device_type = current_device_type()
+        if device_type not in SUPPORTED_PLATFORMS:
+            if not _warned:
+                _warned.append(device_type)
+                logger.warning(
+                    "[FT] ftengine does not support vLLM platform %r yet (it supports %s): "
+                    "vLLM's own worker sentinel runs",
+                    device_type,
+                    ", ".join(SUPPORTED_PLATFORMS),
+                )
+            return _upstream[SENTINEL_NAME](worker=worker)
+    return PluginWorkerSentinel(worker, **seams)
 
 
 class PluginWorkerSentinel:
@@ -90,15 +146,30 @@ class PluginWorkerSentinel:
         """Build the ftengine sentinel (once; the model and its EPLB maps must be loaded)."""
         if self.ready is None:
             self.ready = self._build()
+            status = StatusFile.for_worker(self.worker.parallel_config.data_parallel_rank)
+            self.ready.status_sink = lambda fields: status.write(file_fields(fields))
+            self.ready.publish_status()
         return self.ready
 
+    def serving_started(self) -> None:
+        """After ``compile_or_warm_up_model``: the worker serves from now on."""
+        self._attached().serving_started()
+
+    def adopt_engine_fault(self, kind: FaultKind) -> None:
+        """The engine core's fault (``engine_agent.adopt_fault``), see the adapter's."""
+        if self.ready is not None:
+            self.ready.adopt_engine_fault(kind)
+
     def handle_command(self, ft_request: object) -> Any:
-        """vLLM's ``Worker.handle_ft_command`` entry; see ``FtengineWorkerSentinel``."""
-        return self._attached().handle_command(ft_request)
+        """vLLM's ``Worker.handle_ft_command`` entry, inside ``set_current_vllm_config`` (the
+        dummy batch runs the model); see ``FtengineWorkerSentinel``."""
+        with _current_config(self.worker):
+            return self._attached().handle_command(ft_request)
 
     def handle_ft_command(self, ft_request: object) -> Any:
         """``FaultToleranceRequest`` -> ``FaultToleranceResult``; see ``FtengineWorkerSentinel``."""
-        return self._attached().handle_ft_command(ft_request)
+        with _current_config(self.worker):
+            return self._attached().handle_ft_command(ft_request)
 
     def on_fault(self, exc: BaseException) -> None:
         """Report an exception from a model step (ignored before the model is loaded)."""
@@ -123,19 +194,57 @@ def _wrap_worker(worker: WorkerLike, sentinel: PluginWorkerSentinel) -> None:
             return out
 
         setattr(worker, "load_model", load_then_attach)  # noqa: B010 - an instance attribute
+    warm_up = getattr(worker, WARM_UP, None)
+    if callable(warm_up):
+
+        @functools.wraps(warm_up)
+        def warm_up_then_serve(*args: Any, **kwargs: Any) -> Any:
+            out = warm_up(*args, **kwargs)
+            sentinel.serving_started()
+            return out
+
+        setattr(worker, WARM_UP, warm_up_then_serve)
+    rank = worker.parallel_config.data_parallel_rank
     for name in WRAPPED_STEPS:
         step = getattr(worker, name, None)
         if callable(step):
-            setattr(worker, name, _reporting(step, sentinel))
+            setattr(worker, name, _reporting(step, sentinel, rank))
 
 
-def _reporting(step: Callable[..., Any], sentinel: PluginWorkerSentinel) -> Callable[..., Any]:
+def _reporting(
+    step: Callable[..., Any], sentinel: PluginWorkerSentinel, rank: int
+) -> Callable[..., Any]:
     @functools.wraps(step)
     def run(*args: Any, **kwargs: Any) -> Any:
         try:
+            _maybe_inject(rank)
             return step(*args, **kwargs)
         except Exception as exc:
             sentinel.on_fault(exc)
             raise
 
     return run
+
+
+def _maybe_inject(rank: int) -> None:
+    """Raise once if ``$FTENGINE_VLLM_FAULT_FILE`` exists and names this DP rank (tests)."""
+    path = os.environ.get(FAULT_FILE_ENV)
+    if not path or not os.path.exists(path):
+        return
+    try:
+        with open(path) as handle:
+            target = handle.read().strip()
+        if target != str(rank):
+            return
+        os.unlink(path)
+    except OSError:
+        return  # another step raced us to it
+    raise RuntimeError(f"[FT] fault injected on DP rank {rank} ({FAULT_FILE_ENV}={path})")
+
+
+@contextlib.contextmanager
+def _current_config(worker: WorkerLike) -> Iterator[None]:
+    """vLLM's ``set_current_vllm_config(worker.vllm_config)``, as vLLM's own sentinel does."""
+    with import_vllm(CONFIG_MODULE).set_current_vllm_config(worker.vllm_config):
+        yield
+

