@@ -22,6 +22,7 @@ import ftengine
 from ftengine.backends.npu_runtime import TorchNpuUnavailable
 from ftengine.integrations.vllm import plugin as vllm_plugin
 from ftengine.integrations.vllm.config import VllmConfigError
+from ftengine.integrations.vllm.patches import PATCHES
 from ftengine.integrations.vllm_ascend import names
 from ftengine.integrations.vllm_ascend import plugin as ascend_plugin
 from ftengine.integrations.vllm_ascend.plugin import prepare_worker, unregister
@@ -76,6 +77,9 @@ def test_on_npu_only_the_ascend_entry_point_acts_and_the_gpu_sentinel_stays_vllm
     monkeypatch.setattr(platforms, "current_platform", SimpleNamespace(device_type=device_type))
     for module in (gpu_sentinel, gpu_worker):  # what the generic plugin patches off an NPU
         monkeypatch.setattr(module, "WorkerSentinel", module.WorkerSentinel)
+    for patch in PATCHES:  # and the engine-core / CPU seams it patches on every platform
+        owner, _ = patch.target()
+        monkeypatch.setattr(owner, patch.name, getattr(owner, patch.name))
     gpu_class = gpu_sentinel.WorkerSentinel
     vllm_init_device = worker_base.WorkerWrapperBase.init_device
     vllm_plugin.register()
@@ -89,7 +93,7 @@ def test_on_npu_only_the_ascend_entry_point_acts_and_the_gpu_sentinel_stays_vllm
         ascend = importlib.import_module(names.SENTINEL_MODULE).WorkerSentinel
         assert gpu_class in ascend.__mro__ and ftengine_classes(ascend) == []
     else:
-        assert gpu_sentinel.WorkerSentinel is vllm_plugin.PluginWorkerSentinel
+        assert gpu_sentinel.WorkerSentinel is vllm_plugin.worker_sentinel
         assert wrapped is vllm_init_device
 
 

@@ -71,7 +71,8 @@ def test_an_unknown_policy_lists_the_registered_names() -> None:
     with pytest.raises(ConfigError) as raised:
         NpuFtConfig.from_options({"policy": "eager"})
     assert str(raised.value) == (
-        "ftengine.policy: unknown policy 'eager': expected one of 'auto', 'orchestrator'"
+        "ftengine.policy: unknown policy 'eager': expected one of 'auto', 'orchestrator' "
+        "or an import path 'package.module:factory'"
     )
     assert isinstance(raised.value.__cause__, ConfigError)
 

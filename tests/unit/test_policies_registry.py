@@ -101,8 +101,8 @@ def test_every_surface_accepts_every_registered_name(name: PolicyName, tmp_path:
 def test_the_cluster_config_names_the_registered_policies() -> None:
     # ClusterConfig's field takes its type and its allowed names from the registry.
     field = attrs.fields(ClusterConfig).policy
-    assert str(field.type) in ("PolicyName", str(PolicyName))
+    assert "PolicyName" in str(field.type)
     for name in POLICY_NAMES:
         assert ClusterConfig(Path("ckpt"), policy=name).policy == name
     with pytest.raises(ValueError, match="policy"):
-        ClusterConfig(Path("ckpt"), policy="eager")  # type: ignore[arg-type]
+        ClusterConfig(Path("ckpt"), policy="eager")

@@ -247,4 +247,3 @@ def _current_config(worker: WorkerLike) -> Iterator[None]:
     """vLLM's ``set_current_vllm_config(worker.vllm_config)``, as vLLM's own sentinel does."""
     with import_vllm(CONFIG_MODULE).set_current_vllm_config(worker.vllm_config):
         yield
-
