@@ -14,6 +14,7 @@ from types import FrameType
 from ftengine.cli import launch
 from ftengine.control.auth import API_KEY_ENV, check_bind
 from ftengine.errors import ConfigError
+from ftengine.policies.registry import check_name
 
 COMMAND = "serve"
 logger = logging.getLogger(__name__)
@@ -64,6 +65,7 @@ def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(message)s")
     api_key = args.api_key if args.api_key is not None else os.environ.get(API_KEY_ENV) or None
     try:
+        check_name(args.policy)  # a bad policy or import path fails before anything starts
         check_bind(args.host, api_key)
         sock = _bind(args.host, args.port)
     except ConfigError as exc:
