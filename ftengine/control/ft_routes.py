@@ -10,7 +10,8 @@ import msgspec
 from fastapi import Depends, FastAPI, HTTPException, Request, Response
 from starlette.concurrency import run_in_threadpool
 
-from ftengine.control.errors import ErrorResponse, check_json_request
+from ftengine.control.bodies import read_json_body
+from ftengine.control.errors import ErrorResponse
 from ftengine.control.messages import (
     APPLY_PATH,
     REQUESTS_PATH,
@@ -25,6 +26,7 @@ from ftengine.control.openapi import json_body, responses
 from ftengine.control.plane import ControlPlane
 from ftengine.control.routing import (
     BAD_INPUT,
+    TOO_LARGE,
     UNAUTHORIZED,
     UNAVAILABLE,
     RequireKey,
@@ -63,13 +65,13 @@ def _add_apply_route(app: FastAPI, plane: ControlPlane, require_key: RequireKey)
                 ),
                 UNAUTHORIZED[0]: UNAUTHORIZED[1],
                 BAD_INPUT[0]: BAD_INPUT[1],
+                TOO_LARGE[0]: TOO_LARGE[1],
                 UNAVAILABLE[0]: UNAVAILABLE[1],
             }
         ),
     )
     async def apply(request: Request) -> Response:
-        body = await request.body()
-        check_json_request(request.headers.get("content-type"), body)
+        body = await read_json_body(request)
         status, answer = await run_in_threadpool(plane.submit, body)
         return json_response(status, answer)
 
