@@ -99,12 +99,29 @@ json_values = st.recursive(
 """Any JSON value (what a careless client or an attacker can send)."""
 
 
-def json_objects(fields: tuple[str, ...]) -> st.SearchStrategy[dict[str, object]]:
+def json_objects(
+    fields: tuple[str, ...], near: tuple[object, ...] = ()
+) -> st.SearchStrategy[dict[str, object]]:
     """Objects with some of ``fields`` (the route's own names: deeper checks get reached),
-    each holding any JSON value, plus maybe some unknown fields."""
-    known = st.dictionaries(st.sampled_from(fields), json_values, max_size=len(fields))
+    each holding any JSON value or one of ``near`` (values right for some field), plus
+    maybe some unknown fields."""
+    values = json_values | st.sampled_from(near) if near else json_values
+    known = st.dictionaries(st.sampled_from(fields), values, max_size=len(fields))
     unknown = st.dictionaries(st.text(max_size=8), json_values, max_size=2)
     return st.builds(lambda k, u: {**u, **k}, known, unknown)
+
+
+def mutations(
+    base: dict[str, object], fields: tuple[str, ...], near: tuple[object, ...] = ()
+) -> st.SearchStrategy[dict[str, object]]:
+    """``base`` (a good body) with up to two of ``fields`` set to any JSON value or one of
+    ``near``, or dropped: each field's own check gets reached, one field at a time."""
+    values = json_values | st.sampled_from(near) if near else json_values
+    changed = st.dictionaries(st.sampled_from(fields), values, max_size=2)
+    dropped = st.sets(st.sampled_from(fields), max_size=1)
+    return st.builds(
+        lambda c, d: {k: v for k, v in {**base, **c}.items() if k not in d}, changed, dropped
+    )
 
 
 APPLY_FIELDS = ("instruction", "params", "request_id")
