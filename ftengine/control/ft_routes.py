@@ -11,7 +11,7 @@ from fastapi import Depends, FastAPI, HTTPException, Request, Response
 from starlette.concurrency import run_in_threadpool
 
 from ftengine.control.bodies import read_json_body
-from ftengine.control.errors import ErrorResponse
+from ftengine.control.errors import ErrorResponse, clip
 from ftengine.control.messages import (
     APPLY_PATH,
     REQUESTS_PATH,
@@ -98,5 +98,5 @@ def _add_status_routes(app: FastAPI, plane: ControlPlane) -> None:
     def command_record(request_id: str) -> Response:
         record = plane.record(request_id)
         if record is None:
-            raise HTTPException(404, f"no command with request_id {request_id!r}")
+            raise HTTPException(404, f"no command with request_id {clip(request_id)}")
         return json_response(200, record)

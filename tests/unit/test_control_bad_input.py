@@ -293,3 +293,11 @@ def test_a_declared_length_is_judged_before_one_byte_is_read(
     code, body = anyio.run(_asgi_post, api, path, headers)
     assert code == status and needle in msgspec.json.decode(body)["error"]["message"]
     assert api.state() == before
+
+
+def test_an_unknown_record_id_is_404_with_the_id_clipped(api: Api) -> None:
+    answer = api.client.get(f"{REQUESTS}/{'z' * 20_000}")
+    assert answer.status_code == 404
+    message = error_object(answer)["message"]
+    assert message.startswith("no command with request_id 'zzz") and "more chars]" in message
+    assert len(message) < MAX_ECHO_CHARS + 100
