@@ -8,12 +8,25 @@ from __future__ import annotations
 
 from http import HTTPStatus
 
+import anyio
 from fastapi import Request
 
 from ftengine.control.errors import ApiError, InvalidRequest, clip
 
 MAX_BODY_BYTES = 4 * 1024 * 1024
 """The largest POST body accepted: 64 prompts of a few thousand token ids fit with room."""
+
+
+BODY_TIMEOUT_S = 30.0
+"""How long a client may take to send a whole body: a stalled one must not hold a request
+(and its connection) forever."""
+
+
+class BodyTimeout(ApiError):
+    """A POST body that did not arrive in time (HTTP 408); nothing was parsed or changed."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message, status=HTTPStatus.REQUEST_TIMEOUT)
 
 
 class BodyTooLarge(ApiError):
@@ -33,13 +46,26 @@ def check_media_type(content_type: str | None) -> None:
         )
 
 
-async def read_json_body(request: Request, limit: int = MAX_BODY_BYTES) -> bytes:
-    """The body of a JSON POST, read only as far as ``limit`` bytes; raises InvalidRequest
-    (wrong media type, bad ``Content-Length``) or BodyTooLarge."""
+async def read_json_body(
+    request: Request, limit: int = MAX_BODY_BYTES, timeout_s: float = BODY_TIMEOUT_S
+) -> bytes:
+    """The body of a JSON POST, read only as far as ``limit`` bytes and for ``timeout_s``
+    seconds; raises InvalidRequest (wrong media type, bad ``Content-Length``), BodyTooLarge
+    or BodyTimeout."""
     check_media_type(request.headers.get("content-type"))
     declared = _declared_length(request.headers.get("content-length"))
     if declared is not None and declared > limit:
         raise BodyTooLarge(_too_large(f"declared as {declared} bytes", limit))
+    try:
+        with anyio.fail_after(timeout_s):
+            return await _read_bounded(request, limit)
+    except TimeoutError as exc:
+        raise BodyTimeout(
+            f"the request body did not arrive within {timeout_s:g} s; send it whole"
+        ) from exc
+
+
+async def _read_bounded(request: Request, limit: int) -> bytes:
     chunks: list[bytes] = []
     size = 0
     # Counted as it streams: a chunked body has no Content-Length to trust.

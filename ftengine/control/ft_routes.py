@@ -27,6 +27,7 @@ from ftengine.control.plane import ControlPlane
 from ftengine.control.routing import (
     BAD_INPUT,
     TOO_LARGE,
+    TOO_SLOW,
     UNAUTHORIZED,
     UNAVAILABLE,
     RequireKey,
@@ -66,6 +67,7 @@ def _add_apply_route(app: FastAPI, plane: ControlPlane, require_key: RequireKey)
                 UNAUTHORIZED[0]: UNAUTHORIZED[1],
                 BAD_INPUT[0]: BAD_INPUT[1],
                 TOO_LARGE[0]: TOO_LARGE[1],
+                TOO_SLOW[0]: TOO_SLOW[1],
                 UNAVAILABLE[0]: UNAVAILABLE[1],
             }
         ),

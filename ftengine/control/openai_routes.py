@@ -29,6 +29,7 @@ from ftengine.control.protocol import GenerationService
 from ftengine.control.routing import (
     BAD_INPUT,
     TOO_LARGE,
+    TOO_SLOW,
     UNAUTHORIZED,
     UNAVAILABLE,
     RequireKey,
@@ -77,6 +78,7 @@ def _add_completions_route(
                 UNAUTHORIZED[0]: UNAUTHORIZED[1],
                 BAD_INPUT[0]: BAD_INPUT[1],
                 TOO_LARGE[0]: TOO_LARGE[1],
+                TOO_SLOW[0]: TOO_SLOW[1],
                 UNAVAILABLE[0]: UNAVAILABLE[1],
             }
         ),

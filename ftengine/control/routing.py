@@ -25,6 +25,7 @@ TOO_LARGE = (
         ErrorResponse,
     ),
 )
+TOO_SLOW = (408, ("the body did not arrive in time; nothing changed", ErrorResponse))
 UNAVAILABLE = (503, ("the cluster cannot serve this now (recovering, or shut down)", ErrorResponse))
 
 

@@ -12,8 +12,9 @@ from typing import Any
 import anyio
 import msgspec
 import pytest
+from starlette.requests import Request
 
-from ftengine.control.bodies import MAX_BODY_BYTES
+from ftengine.control.bodies import MAX_BODY_BYTES, BodyTimeout, BodyTooLarge, read_json_body
 from ftengine.control.errors import MAX_ECHO_CHARS
 from tests.unit.control_harness import APPLY, JSON, REQUESTS, Api, error_object
 
@@ -301,3 +302,38 @@ def test_an_unknown_record_id_is_404_with_the_id_clipped(api: Api) -> None:
     message = error_object(answer)["message"]
     assert message.startswith("no command with request_id 'zzz") and "more chars]" in message
     assert len(message) < MAX_ECHO_CHARS + 100
+
+
+def _request(chunks: list[bytes], stall: bool) -> Request:
+    """A JSON POST whose body arrives as ``chunks`` and then, with ``stall``, never ends."""
+    scope = {"type": "http", "method": "POST", "path": APPLY, "query_string": b"",
+             "headers": [(b"content-type", b"application/json")]}  # fmt: skip
+    pending = list(chunks)
+
+    async def receive() -> MutableMapping[str, Any]:
+        if pending:
+            return {"type": "http.request", "body": pending.pop(0), "more_body": True}
+        if stall:
+            await anyio.sleep_forever()
+        return {"type": "http.request", "body": b"", "more_body": False}
+
+    return Request(scope, receive)
+
+
+def test_a_stalled_body_is_a_408_not_a_hung_request() -> None:
+    async def read() -> None:
+        with pytest.raises(BodyTimeout, match=r"did not arrive within 0\.05 s") as info:
+            await read_json_body(_request([b'{"instruction": '], stall=True), timeout_s=0.05)
+        assert info.value.status == 408
+
+    anyio.run(read)
+
+
+def test_a_body_in_many_chunks_is_read_whole_up_to_the_bound() -> None:
+    async def read() -> None:
+        body = await read_json_body(_request([b"[1,", b" 2", b"]"], stall=False), limit=7)
+        assert body == b"[1, 2]"
+        with pytest.raises(BodyTooLarge, match="over 5 bytes so far"):
+            await read_json_body(_request([b"[1,", b" 2", b"]"], stall=False), limit=5)
+
+    anyio.run(read)
