@@ -78,3 +78,69 @@ class Constant(Composable):
 
 
 constant_policies = st.builds(Constant, st.none() | decisions)
+
+
+# -- request bodies for the control API (tests/unit/test_control_fuzz.py, ..._concurrency.py)
+
+json_scalars = st.one_of(
+    st.none(),
+    st.booleans(),
+    st.integers(min_value=-(2**70), max_value=2**70),
+    st.floats(allow_nan=False, allow_infinity=False),
+    st.text(max_size=12),
+)
+json_values = st.recursive(
+    json_scalars,
+    lambda inner: (
+        st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4)
+    ),
+    max_leaves=12,
+)
+"""Any JSON value (what a careless client or an attacker can send)."""
+
+
+def json_objects(
+    fields: tuple[str, ...], near: tuple[object, ...] = ()
+) -> st.SearchStrategy[dict[str, object]]:
+    """Objects with some of ``fields`` (the route's own names: deeper checks get reached),
+    each holding any JSON value or one of ``near`` (values right for some field), plus
+    maybe some unknown fields."""
+    values = json_values | st.sampled_from(near) if near else json_values
+    known = st.dictionaries(st.sampled_from(fields), values, max_size=len(fields))
+    unknown = st.dictionaries(st.text(max_size=8), json_values, max_size=2)
+    return st.builds(lambda k, u: {**u, **k}, known, unknown)
+
+
+def mutations(
+    base: dict[str, object], fields: tuple[str, ...], near: tuple[object, ...] = ()
+) -> st.SearchStrategy[dict[str, object]]:
+    """``base`` (a good body) with up to two of ``fields`` set to any JSON value or one of
+    ``near``, or dropped: each field's own check gets reached, one field at a time."""
+    values = json_values | st.sampled_from(near) if near else json_values
+    changed = st.dictionaries(st.sampled_from(fields), values, max_size=2)
+    dropped = st.sets(st.sampled_from(fields), max_size=1)
+    return st.builds(
+        lambda c, d: {k: v for k, v in {**base, **c}.items() if k not in d}, changed, dropped
+    )
+
+
+APPLY_FIELDS = ("instruction", "params", "request_id")
+COMPLETION_FIELDS = (
+    "model", "prompt", "max_tokens", "temperature", "n", "stream", "stream_options", "stop",
+    "stop_token_ids", "ignore_eos", "logprobs", "echo", "return_token_ids", "request_id",
+)  # fmt: skip
+
+commands = st.fixed_dictionaries(
+    {"instruction": st.sampled_from(["retry", "scale_down"])},
+    optional={"request_id": st.sampled_from(["a", "b", "c"])},
+).flatmap(
+    lambda body: (
+        st.just({**body, "params": {}})
+        if body["instruction"] == "retry"
+        else st.lists(ranks, min_size=1, max_size=WORLD, unique=True).map(
+            lambda chosen: {**body, "params": {"removed_dp_ranks": chosen}}
+        )
+    )
+)
+"""Well-shaped apply bodies (retry, or scale_down of 1..4 distinct ranks: all 4 is a 400),
+some sharing a request_id."""

@@ -18,8 +18,7 @@ class ApiKeyGuard:
     """Checks ``Authorization`` headers against ``key``; with no key every request passes."""
 
     def __init__(self, key: str | None) -> None:
-        if key is not None and not key.strip():
-            raise ConfigError("the API key is empty; pass a non-empty --api-key or leave it unset")
+        check_key(key)
         self._key = key
 
     @property
@@ -41,6 +40,20 @@ class ApiKeyGuard:
             raise Unauthorized("wrong API key")
 
 
+def check_key(key: str | None) -> None:
+    """Refuse a key no client could send: empty, or with whitespace at either end (HTTP
+    strips it from the header, so the comparison could never succeed)."""
+    if key is None:
+        return
+    if not key.strip():
+        raise ConfigError("the API key is empty; pass a non-empty --api-key or leave it unset")
+    if key != key.strip():
+        raise ConfigError(
+            "the API key starts or ends with whitespace, which no Authorization header can "
+            "carry; pass the key without it"
+        )
+
+
 def is_loopback(host: str) -> bool:
     """True for ``localhost`` and loopback addresses (127.0.0.0/8, ::1)."""
     if host == "localhost":
@@ -52,7 +65,9 @@ def is_loopback(host: str) -> bool:
 
 
 def check_bind(host: str, api_key: str | None) -> None:
-    """Refuse to serve the control API beyond loopback without an API key."""
+    """Refuse a key no client could send, and serving the control API beyond loopback
+    without an API key."""
+    check_key(api_key)
     if api_key is None and not is_loopback(host):
         raise ConfigError(
             f"refusing to bind {host!r} without an API key: the control API can kill and "

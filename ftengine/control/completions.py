@@ -15,7 +15,7 @@ from typing import Any
 import attrs
 import msgspec
 
-from ftengine.control.errors import InvalidCompletion, ModelNotFound, decode_json
+from ftengine.control.errors import InvalidCompletion, ModelNotFound, clip, decode_json
 from ftengine.control.openai_messages import MAX_PROMPTS, CompletionRequest
 from ftengine.control.served_model import ServedModel
 from ftengine.model_limits import ModelLimits
@@ -113,7 +113,7 @@ def check_sampling(request: CompletionRequest) -> None:
         value = getattr(request, field)
         if value not in allowed:
             raise InvalidCompletion(
-                f"{field}={value!r} is not supported: {why}", param=field, value=value
+                f"{field}={clip(value)} is not supported: {why}", param=field, value=value
             )
 
 

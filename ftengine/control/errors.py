@@ -15,7 +15,7 @@ from ftengine.errors import FTEngineError
 # status phrase; its OpenAI routes raise VLLMValidationError ("BadRequestError").
 FT_BAD_REQUEST = HTTPStatus.BAD_REQUEST.phrase
 OPENAI_BAD_REQUEST = "BadRequestError"
-MAX_BODY_BYTES = 4 * 1024 * 1024
+MAX_ECHO_CHARS = 200
 
 
 class ErrorInfo(msgspec.Struct, kw_only=True):
@@ -78,7 +78,7 @@ class InvalidCompletion(InvalidRequest):
         # vLLM appends "(parameter=..., value=...)" to the message of a validation error.
         extras = [f"parameter={param}"] if param is not None else []
         if value is not None:
-            extras.append(f"value={value}")
+            extras.append(f"value={shorten(str(value))}")
         text = f"{message} ({', '.join(extras)})" if extras else message
         super().__init__(text, param=param, err_type=OPENAI_BAD_REQUEST)
 
@@ -88,24 +88,10 @@ class ModelNotFound(ApiError, LookupError):
 
     def __init__(self, model: str, served: str) -> None:
         super().__init__(
-            f"The model `{model}` does not exist. Valid aliases: {served}.",
+            f"The model `{shorten(model)}` does not exist. Valid aliases: {served}.",
             status=HTTPStatus.NOT_FOUND,
             err_type="NotFoundError",
             param="model",
-        )
-
-
-def check_json_request(content_type: str | None, body: bytes) -> None:
-    """vLLM's ``validate_json_request`` plus a size bound: a POST body must be JSON."""
-    media = (content_type or "").lower().split(";", maxsplit=1)[0].strip()
-    if media != "application/json":
-        raise InvalidRequest(
-            "Unsupported Media Type: Only 'application/json' is allowed "
-            f"(found content-type {content_type!r})"
-        )
-    if len(body) > MAX_BODY_BYTES:
-        raise InvalidRequest(
-            f"request body is {len(body)} bytes; the limit is {MAX_BODY_BYTES} bytes"
         )
 
 
@@ -115,3 +101,20 @@ def decode_json(body: bytes) -> object:
         return msgspec.json.decode(body)
     except msgspec.DecodeError as exc:
         raise InvalidRequest(f"Invalid JSON format: {exc}") from exc
+    except RecursionError as exc:
+        # msgspec's decoder bounds nesting by the interpreter's recursion limit.
+        raise InvalidRequest(
+            f"Invalid JSON format: nested too deeply ({exc}); a request body needs at most "
+            "a few levels of arrays and objects"
+        ) from exc
+
+
+def clip(value: object, limit: int = MAX_ECHO_CHARS) -> str:
+    """``repr(value)`` cut to ``limit`` characters: an error message that echoes a client's
+    value must not grow with the body (vLLM bounds its validation messages the same way)."""
+    return shorten(repr(value), limit)
+
+
+def shorten(text: str, limit: int = MAX_ECHO_CHARS) -> str:
+    """``text`` cut to ``limit`` characters, saying how many were cut."""
+    return text if len(text) <= limit else f"{text[:limit]}...[{len(text) - limit} more chars]"

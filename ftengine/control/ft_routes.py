@@ -10,7 +10,8 @@ import msgspec
 from fastapi import Depends, FastAPI, HTTPException, Request, Response
 from starlette.concurrency import run_in_threadpool
 
-from ftengine.control.errors import ErrorResponse, check_json_request
+from ftengine.control.bodies import read_json_body
+from ftengine.control.errors import ErrorResponse, clip
 from ftengine.control.messages import (
     APPLY_PATH,
     REQUESTS_PATH,
@@ -25,6 +26,8 @@ from ftengine.control.openapi import json_body, responses
 from ftengine.control.plane import ControlPlane
 from ftengine.control.routing import (
     BAD_INPUT,
+    TOO_LARGE,
+    TOO_SLOW,
     UNAUTHORIZED,
     UNAVAILABLE,
     RequireKey,
@@ -63,13 +66,14 @@ def _add_apply_route(app: FastAPI, plane: ControlPlane, require_key: RequireKey)
                 ),
                 UNAUTHORIZED[0]: UNAUTHORIZED[1],
                 BAD_INPUT[0]: BAD_INPUT[1],
+                TOO_LARGE[0]: TOO_LARGE[1],
+                TOO_SLOW[0]: TOO_SLOW[1],
                 UNAVAILABLE[0]: UNAVAILABLE[1],
             }
         ),
     )
     async def apply(request: Request) -> Response:
-        body = await request.body()
-        check_json_request(request.headers.get("content-type"), body)
+        body = await read_json_body(request)
         status, answer = await run_in_threadpool(plane.submit, body)
         return json_response(status, answer)
 
@@ -96,5 +100,5 @@ def _add_status_routes(app: FastAPI, plane: ControlPlane) -> None:
     def command_record(request_id: str) -> Response:
         record = plane.record(request_id)
         if record is None:
-            raise HTTPException(404, f"no command with request_id {request_id!r}")
+            raise HTTPException(404, f"no command with request_id {clip(request_id)}")
         return json_response(200, record)

@@ -87,6 +87,11 @@ class CommandLedger:
         with self._lock:
             return self._last
 
+    def entries(self) -> tuple[Submission, ...]:
+        """Every remembered submission, oldest first (a consistent copy)."""
+        with self._lock:
+            return tuple(self._entries.values())
+
     def lookup(self, request_id: str) -> Submission | None:
         """The recorded submission for ``request_id``, or None if unknown (or forgotten)."""
         with self._lock:

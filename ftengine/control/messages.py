@@ -10,13 +10,14 @@ msgspec struct per body both documents it (OpenAPI) and checks what the server s
 from __future__ import annotations
 
 import logging
+import re
 from collections.abc import Mapping
 from typing import Annotated, Any, Literal
 
 import attrs
 import msgspec
 
-from ftengine.control.errors import ErrorResponse, InvalidCommand, decode_json
+from ftengine.control.errors import ErrorResponse, InvalidCommand, clip, decode_json, shorten
 from ftengine.faults import HealthStatus
 
 logger = logging.getLogger(__name__)
@@ -29,7 +30,14 @@ STATUS_PATH = "/fault_tolerance/status"
 REQUESTS_PATH = "/fault_tolerance/requests"  # ftengine's: one command's record
 BODY_FIELDS = frozenset({"instruction", "params", "request_id"})
 
-RequestId = Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_REQUEST_ID_LEN)]
+REQUEST_ID_CHARS = r"[A-Za-z0-9._~:-]"
+REQUEST_ID_PATTERN = re.compile(f"{REQUEST_ID_CHARS}{{1,{MAX_REQUEST_ID_LEN}}}")
+RequestId = Annotated[
+    str,
+    msgspec.Meta(
+        min_length=1, max_length=MAX_REQUEST_ID_LEN, pattern=f"^{REQUEST_ID_PATTERN.pattern}$"
+    ),
+]
 HealthName = Literal["healthy", "unhealthy", "dead"]
 
 
@@ -167,33 +175,40 @@ def decode_request(body: bytes) -> FaultToleranceRequest:
             f"Request body must be a JSON object. Found {type(raw).__name__}: send "
             '{"instruction": "retry"|"scale_down", "params": {...}}'
         )
-    instruction = raw.get("instruction")
-    if not instruction:
-        raise InvalidCommand("'instruction' is required.", param="instruction")
-    if instruction not in INSTRUCTIONS:
-        raise InvalidCommand(
-            f"Invalid instruction: '{instruction}'. Expected one of "
-            + ", ".join(repr(name) for name in INSTRUCTIONS),
-            param="instruction",
-        )
+    instruction = _instruction(raw.get("instruction"))
     params = raw.get("params", {})
     if not isinstance(params, dict):
         raise InvalidCommand(
             f"'params' must be an object. Found {type(params).__name__}.", param="params"
         )
-    request_id = raw.get("request_id")
-    if request_id is not None and not (
-        isinstance(request_id, str) and 1 <= len(request_id) <= MAX_REQUEST_ID_LEN
-    ):
-        raise InvalidCommand(
-            f"'request_id' must be a string of 1 to {MAX_REQUEST_ID_LEN} characters (or "
-            f"absent: the server then makes one); found {request_id!r}",
-            param="request_id",
-        )
+    request_id = _request_id(raw.get("request_id"))
     ignored = sorted(set(raw) - BODY_FIELDS)
     if ignored:
-        logger.warning("apply body fields %s are ignored (as vLLM ignores them)", ignored)
+        logger.warning("apply body fields %s are ignored (as vLLM ignores them)", clip(ignored))
     return FaultToleranceRequest(instruction=instruction, params=params, request_id=request_id)
+
+
+def _instruction(value: object) -> Literal["retry", "scale_down"]:
+    expected = "Expected one of " + ", ".join(repr(name) for name in INSTRUCTIONS)
+    if not value:
+        found = "" if value is None else f" Found {clip(value)}; {expected}"
+        raise InvalidCommand(f"'instruction' is required.{found}", param="instruction")
+    if value in INSTRUCTIONS:
+        return "retry" if value == "retry" else "scale_down"
+    shown = shorten(value) if isinstance(value, str) else clip(value)
+    raise InvalidCommand(f"Invalid instruction: '{shown}'. {expected}", param="instruction")
+
+
+def _request_id(value: object) -> str | None:
+    # The id travels in a URL path (result_url) and in log lines: only URL-safe characters,
+    # so that every accepted command's record can be fetched and no id forges a log line.
+    if value is None or (isinstance(value, str) and REQUEST_ID_PATTERN.fullmatch(value)):
+        return value
+    raise InvalidCommand(
+        f"'request_id' must be a string of 1 to {MAX_REQUEST_ID_LEN} characters from "
+        f"A-Z a-z 0-9 . _ ~ : - (or absent: the server then makes one); found {clip(value)}",
+        param="request_id",
+    )
 
 
 def validate_request(
@@ -211,7 +226,7 @@ def validate_request(
     if request.instruction == "retry":
         if request.params:
             raise InvalidCommand(
-                f'retry takes no params; found {sorted(request.params)}: send "params": {{}}',
+                f'retry takes no params; found {clip(sorted(request.params))}: send "params": {{}}',
                 param="params",
             )
         return Command("retry", request_id)
@@ -232,7 +247,7 @@ def _removed_ranks(params: Mapping[str, Any], world_size: int) -> tuple[int, ...
     extra = sorted(set(params) - {"removed_dp_ranks"})
     if extra:
         raise InvalidCommand(
-            f"scale_down takes only 'removed_dp_ranks'; found unexpected params {extra}",
+            f"scale_down takes only 'removed_dp_ranks'; found unexpected params {clip(extra)}",
             param="params",
         )
     value = params.get("removed_dp_ranks")
@@ -240,7 +255,7 @@ def _removed_ranks(params: Mapping[str, Any], world_size: int) -> tuple[int, ...
     if not isinstance(value, list) or not all(type(rank) is int for rank in value):
         raise InvalidCommand(
             "scale_down needs params.removed_dp_ranks as a list of integer DP ranks, "
-            f"e.g. [3]; found {value!r}",
+            f"e.g. [3]; found {clip(value)}",
             param=RANKS_PARAM,
         )
     if not value:
@@ -249,12 +264,12 @@ def _removed_ranks(params: Mapping[str, Any], world_size: int) -> tuple[int, ...
         )
     if len(set(value)) != len(value):
         raise InvalidCommand(
-            f"removed_dp_ranks {value} repeats a rank; list each rank once", param=RANKS_PARAM
+            f"removed_dp_ranks {clip(value)} repeats a rank; list each rank once", param=RANKS_PARAM
         )
     outside = sorted(rank for rank in value if not 0 <= rank < world_size)
     if outside:
         raise InvalidCommand(
-            f"removed_dp_ranks {outside} are out of range: this cluster has DP ranks "
+            f"removed_dp_ranks {clip(outside)} are out of range: this cluster has DP ranks "
             f"0..{world_size - 1} (original rank ids)",
             param=RANKS_PARAM,
         )

@@ -12,9 +12,10 @@ import msgspec
 from fastapi import Depends, FastAPI, Request, Response
 from fastapi.responses import StreamingResponse
 
+from ftengine.control.bodies import read_json_body
 from ftengine.control.completion_run import CompletionRun
 from ftengine.control.completions import plan_completion
-from ftengine.control.errors import ApiError, ErrorResponse, check_json_request
+from ftengine.control.errors import ApiError, ErrorResponse
 from ftengine.control.metrics import ControlMetrics
 from ftengine.control.openai_messages import (
     CompletionRequest,
@@ -27,6 +28,8 @@ from ftengine.control.openapi import json_body, responses
 from ftengine.control.protocol import GenerationService
 from ftengine.control.routing import (
     BAD_INPUT,
+    TOO_LARGE,
+    TOO_SLOW,
     UNAUTHORIZED,
     UNAVAILABLE,
     RequireKey,
@@ -74,14 +77,15 @@ def _add_completions_route(
                 500: ("a prompt could not be computed (it alone failed)", ErrorResponse),
                 UNAUTHORIZED[0]: UNAUTHORIZED[1],
                 BAD_INPUT[0]: BAD_INPUT[1],
+                TOO_LARGE[0]: TOO_LARGE[1],
+                TOO_SLOW[0]: TOO_SLOW[1],
                 UNAVAILABLE[0]: UNAVAILABLE[1],
             }
         ),
     )
     async def create_completion(request: Request) -> Response:
-        body = await request.body()
         try:
-            check_json_request(request.headers.get("content-type"), body)
+            body = await read_json_body(request)
             plan = plan_completion(body, completions.model)
         except ApiError:
             metrics.record_completion_request("rejected")

@@ -18,6 +18,14 @@ UNAUTHORIZED = (
     ("missing or wrong bearer key (only when the server has a key)", ErrorResponse),
 )
 BAD_INPUT = (400, ("bad input, naming the field at fault; nothing changed", ErrorResponse))
+TOO_LARGE = (
+    413,
+    (
+        "the body is over the size bound (refused before it is parsed); nothing changed",
+        ErrorResponse,
+    ),
+)
+TOO_SLOW = (408, ("the body did not arrive in time; nothing changed", ErrorResponse))
 UNAVAILABLE = (503, ("the cluster cannot serve this now (recovering, or shut down)", ErrorResponse))
 
 
