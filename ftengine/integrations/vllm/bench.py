@@ -36,7 +36,8 @@ FAULT_FILE_ENV = "FTENGINE_VLLM_FAULT_FILE"
 
 @attrs.frozen
 class BenchConfig:
-    """``trials`` kills of each kind (idle, busy); ``off_launches`` FT-off baselines."""
+    """``trials`` kills of each kind (idle, busy); ``off_launches`` FT-off baselines;
+    ``dtype`` is vLLM's ``--dtype`` (float32: what the tests compare with transformers in)."""
 
     checkpoint: Path
     dp_size: int = 2
@@ -44,6 +45,7 @@ class BenchConfig:
     off_launches: int = 2
     port: int = 8700
     log_dir: Path = Path("vllm-bench-logs")
+    dtype: str = "float32"
 
 
 def vllm_version() -> str:
@@ -158,6 +160,7 @@ def _launch(config: BenchConfig, index: int, ft: bool, env: dict[str, str]) -> V
             dp_size=config.dp_size,
             port=config.port,
             fault_tolerance=ft,
+            dtype=config.dtype,
             additional_config=additional,
             env=env,
             log_dir=config.log_dir / f"launch{index}-{'ft' if ft else 'off'}",

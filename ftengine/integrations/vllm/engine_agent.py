@@ -14,9 +14,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
+import re
 import tempfile
 import threading
 import time
@@ -27,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 import attrs
+import psutil
 
 from ftengine.context import RecoveryContext
 from ftengine.errors import PeerDead
@@ -51,8 +54,35 @@ KEY = "ftengine/engine_status/{rank}"
 UTILS_MODULE = "vllm.v1.fault_tolerance.utils"
 
 
+ENGINE_CORE_TITLE = "VLLM::EngineCore"
+"""How vLLM titles an engine-core process (setproctitle); its workers are "VLLM::Worker"."""
+STATUS_NAME = re.compile(r"ftengine-status-(?P<pid>\d+)-(?P<rank>\d+)\.(?:json|\d+\.partial)$")
+"""A status file's name (or its half-written ``.partial``), keyed by its engine core's pid."""
+
+
 def _status_path(engine_core_pid: int, dp_rank: int) -> Path:
     return Path(tempfile.gettempdir()) / f"ftengine-status-{engine_core_pid}-{dp_rank}.json"
+
+
+def _is_engine_core(pid: int) -> bool:
+    try:
+        return " ".join(psutil.Process(pid).cmdline()).startswith(ENGINE_CORE_TITLE)
+    except psutil.Error:
+        return False
+
+
+def remove_dead_status_files() -> list[Path]:
+    """Remove the status files (and half-written ones) whose engine core no longer runs (a
+    SIGKILLed deployment cannot clean up after itself); returns what was removed."""
+    removed: list[Path] = []
+    for path in Path(tempfile.gettempdir()).glob("ftengine-status-*"):
+        match = STATUS_NAME.fullmatch(path.name)
+        if match is None or psutil.pid_exists(int(match["pid"])):
+            continue
+        with contextlib.suppress(FileNotFoundError):  # a peer's agent was quicker
+            path.unlink()
+            removed.append(path)
+    return removed
 
 
 @attrs.frozen
@@ -63,8 +93,11 @@ class StatusFile:
     path: Path
 
     @classmethod
-    def for_worker(cls, dp_rank: int) -> StatusFile:
-        return cls(_status_path(os.getppid(), dp_rank))
+    def for_worker(cls, dp_rank: int) -> StatusFile | None:
+        """The file of this worker's engine core, or None where the parent is no vLLM
+        engine core (a stand-in in tests): nobody would read that file, nor remove it."""
+        parent = os.getppid()
+        return cls(_status_path(parent, dp_rank)) if _is_engine_core(parent) else None
 
     @classmethod
     def for_engine_core(cls, dp_rank: int) -> StatusFile:
@@ -128,6 +161,11 @@ class EngineCoreAgent:
         self.thread = threading.Thread(target=self._run, name="ftengine-agent", daemon=True)
 
     def start(self) -> None:
+        removed = remove_dead_status_files()
+        if removed:
+            logger.info(
+                "[FT] removed %d status files of engine cores that no longer run", len(removed)
+            )
         self.thread.start()
 
     def stop(self) -> None:

@@ -147,7 +147,8 @@ class PluginWorkerSentinel:
         if self.ready is None:
             self.ready = self._build()
             status = StatusFile.for_worker(self.worker.parallel_config.data_parallel_rank)
-            self.ready.status_sink = lambda fields: status.write(file_fields(fields))
+            if status is not None:
+                self.ready.status_sink = lambda fields: status.write(file_fields(fields))
             self.ready.publish_status()
         return self.ready
 
