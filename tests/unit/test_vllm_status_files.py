@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from ftengine.integrations.vllm import engine_agent
-from ftengine.integrations.vllm.engine_agent import StatusFile, remove_dead_status_files
+from ftengine.integrations.vllm import status_file
 from ftengine.integrations.vllm.launcher import DeploymentConfig, VllmDeployment
+from ftengine.integrations.vllm.status_file import StatusFile, remove_dead_status_files
 
 
 @pytest.fixture
@@ -43,7 +43,7 @@ def test_a_worker_under_an_engine_core_writes_its_parents_file(
         seen.append(pid)
         return True
 
-    monkeypatch.setattr(engine_agent, "_is_engine_core", is_engine_core)
+    monkeypatch.setattr(status_file, "_is_engine_core", is_engine_core)
     assert StatusFile.for_worker(1) == StatusFile(
         tmp_dir / f"ftengine-status-{os.getppid()}-1.json"
     )
@@ -51,8 +51,8 @@ def test_a_worker_under_an_engine_core_writes_its_parents_file(
 
 
 def test_the_engine_core_title_check_reads_the_process_title() -> None:
-    assert not engine_agent._is_engine_core(_dead_pid())
-    assert not engine_agent._is_engine_core(os.getpid())
+    assert not status_file._is_engine_core(_dead_pid())
+    assert not status_file._is_engine_core(os.getpid())
 
 
 def test_files_of_dead_engine_cores_are_removed_and_live_ones_kept(tmp_dir: Path) -> None:

@@ -34,7 +34,7 @@ import psutil
 
 from ftengine.backends.npu_config import NpuFtConfig
 from ftengine.errors import ConfigError, FTEngineError
-from ftengine.integrations.vllm.engine_agent import ENGINE_CORE_TITLE, remove_dead_status_files
+from ftengine.integrations.vllm.status_file import ENGINE_CORE_TITLE, remove_dead_status_files
 
 API_SERVER_MODULE = "vllm.entrypoints.openai.api_server"
 # vLLM names its processes (setproctitle); the worker of rank r's engine is "VLLM::Worker".
