@@ -8,6 +8,7 @@ import json
 import os
 import subprocess
 import sys
+import threading
 import time
 from types import SimpleNamespace
 from typing import Any
@@ -82,3 +83,30 @@ def test_a_survivor_reports_unhealthy_before_vllms_on_fault_runs() -> None:
     assert (early["status"], early["fault_info"]) == ("unhealthy", "PeerDead")
     agent.fault_handled()  # vLLM's on_fault ran: its own status says it from now on
     assert "status" not in agent.status_fields()
+
+
+def test_a_command_after_the_early_report_waits_for_vllms_on_fault() -> None:
+    sentinel = PushingSentinel()
+    agent = agent_for(sentinel)
+    sentinel.agent = agent
+    sentinel.engine.dp_store.peer(1, "dead")
+    agent._watch_peers()
+    waiter = threading.Thread(target=agent.await_fault)  # vLLM's input thread, a command
+    waiter.start()
+    waiter.join(0.3)
+    assert waiter.is_alive(), "the command did not wait for on_fault"
+    agent.fault_handled()
+    waiter.join(5.0)
+    assert not waiter.is_alive()
+
+
+def test_an_unhealthy_peer_gets_no_early_report_and_commands_do_not_wait() -> None:
+    sentinel = PushingSentinel()
+    agent = agent_for(sentinel)
+    sentinel.agent = agent
+    sentinel.engine.dp_store.peer(1, "unhealthy")  # alive: a retry may include it
+    agent._watch_peers()
+    assert len(markers(sentinel)) == 1 and sentinel.pushed == []
+    start = time.monotonic()
+    agent.await_fault()
+    assert time.monotonic() - start < 0.1

@@ -47,6 +47,7 @@ STALE_S = 5.0  # an engine core whose beat stops this long is taken for dead (GI
 # threads on a loaded 2-core machine were seen to pause ~1 s; a status change is instant)
 SETTLE_S = 2.0  # after a recovery, peers finish theirs: their "unhealthy" is stale this long
 STORE_FAILURES = 5
+HOLD_S = 5.0  # a command waits at most this (plus the op timeout) for on_fault to catch up
 FAULT_MARK = "ftengine-peer-fault"
 """Request type of the agent's input-queue marker (no vLLM request type has this value)."""
 EPOCH_ATTR = "_dp_reinit_epoch"  # EngineCoreSentinel's count of DP-group rebuilds (retries)
@@ -118,6 +119,8 @@ class EngineCoreAgent:
         self._was_healthy = True
         self._workers: dict[int, psutil.Process] = {}
         self.anticipated: str | None = None  # status reported ahead of vLLM's on_fault
+        self._faulted = threading.Event()  # cleared while an early report runs ahead
+        self._faulted.set()
         self._stop = threading.Event()
         self._retrying = threading.Event()
         self._lock = threading.Lock()
@@ -154,6 +157,7 @@ class EngineCoreAgent:
             self.generation += 1
             self.pending = None
             self.anticipated = None  # vLLM's own status says it now
+        self._faulted.set()
 
     def on_fault(self, exc: BaseException) -> None:
         """Before vLLM's ``on_fault``: remember the fault for the policy (no I/O, so vLLM's
@@ -240,7 +244,8 @@ class EngineCoreAgent:
         except Exception as exc:
             self._store_failures += 1
             if self._store_failures >= STORE_FAILURES:
-                self._inject(0, f"the DP store (hosted by DP rank 0) stopped answering: {exc}")
+                why = f"the DP store (hosted by DP rank 0) stopped answering: {exc}"
+                self._inject(0, why, early=True)
             return
         for rank, (status, beat, epoch) in peers.items():
             last = self._seen.get(rank)
@@ -249,9 +254,9 @@ class EngineCoreAgent:
             stale = last is not None and now - self._seen[rank][1] > STALE_S
             self.peers[rank] = "dead" if stale else status
             if status in ("dead", "unhealthy") and self._current(epoch, now):
-                self._inject(rank, f"engine {rank} is {status}")
+                self._inject(rank, f"engine {rank} is {status}", early=status == "dead")
             elif stale:
-                self._inject(rank, f"engine {rank}'s beat stopped {STALE_S:.0f} s ago")
+                self._inject(rank, f"engine {rank}'s beat stopped {STALE_S:.0f} s ago", early=True)
 
     def _epoch(self) -> int:
         return int(getattr(self.sentinel, EPOCH_ATTR, 0))
@@ -272,8 +277,9 @@ class EngineCoreAgent:
             peers[rank] = (str(value["status"]), int(value["beat"]), int(value["epoch"]))
         return peers
 
-    def _inject(self, rank: int, why: str) -> None:
-        """Fault this engine through vLLM's own path, if it is healthy and not faulting yet."""
+    def _inject(self, rank: int, why: str, *, early: bool = False) -> None:
+        """Fault this engine through vLLM's own path, if it is healthy and not faulting yet;
+        ``early`` (a dead peer: no retry can include it) reports ``unhealthy`` at once."""
         if self._own_status() != "healthy":
             return
         with self._lock:
@@ -286,7 +292,16 @@ class EngineCoreAgent:
         # raise_pending; vLLM's on_fault then sees a live executor: UNHEALTHY, not DEAD.
         # Queued before the early report, so a command it prompts finds the engine faulted.
         self.engine.input_queue.put_nowait((FAULT_MARK, marker))
-        self._anticipate("unhealthy")
+        if early:
+            self._faulted.clear()  # commands wait for vLLM's on_fault (await_fault)
+            self._anticipate("unhealthy")
+
+    def await_fault(self) -> None:
+        """Before vLLM handles a command (its input thread): after an early ``unhealthy``
+        report, wait until vLLM's ``on_fault`` has made it true, so the command is judged
+        on the status the orchestrator saw (bounded: the per-op timeout ends any step)."""
+        if self.anticipated == "unhealthy":
+            self._faulted.wait(HOLD_S + (self.settings.cpu_distributed_timeout_s or 0.0))
 
     def verdict(self, fault: Fault) -> Fault:
         """The fault as the policy should see it: a dead peer by name when one is known; a
