@@ -16,6 +16,7 @@ from typing import Any
 import psutil
 import pytest
 
+from ftengine.integrations.vllm import engine_agent
 from ftengine.integrations.vllm.engine_agent import KEY, worker_dying
 from tests.unit.test_vllm_engine_agent import Sentinel, agent_for, markers
 
@@ -51,13 +52,23 @@ def zombie() -> Any:
 
 
 def test_a_zombie_or_vanished_worker_is_dying_a_live_one_is_not(zombie: int) -> None:
-    assert worker_dying({}, executor(zombie))
-    assert not worker_dying({}, executor(os.getpid()))
-    assert not worker_dying({}, executor(zombie, shutting_down=True))  # stopping on purpose
-    assert not worker_dying({}, SimpleNamespace())  # an executor without worker processes
+    assert worker_dying(executor(zombie))
+    assert not worker_dying(executor(os.getpid()))
+    assert not worker_dying(executor(zombie, shutting_down=True))  # stopping on purpose
+    assert not worker_dying(SimpleNamespace())  # an executor without worker processes
     gone = subprocess.Popen([sys.executable, "-c", "pass"])
     gone.wait()  # reaped: no such process any more
-    assert worker_dying({}, executor(gone.pid))
+    assert worker_dying(executor(gone.pid))
+
+
+def test_a_leader_that_has_begun_to_exit_counts_as_dying(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The leader thread that unmaps a big process's memory is no zombie yet, but carries
+    PF_EXITING from the start of its exit."""
+    running = ["R", "1", "1", "1", "0", "-1", str(0x400000)]
+    monkeypatch.setattr(engine_agent, "_proc_stat", lambda pid: running)
+    assert not engine_agent.exiting(1)
+    running[6] = str(0x400000 | engine_agent.PF_EXITING)
+    assert engine_agent.exiting(1)
 
 
 def test_an_engine_whose_worker_is_dying_publishes_dead_at_once(zombie: int) -> None:

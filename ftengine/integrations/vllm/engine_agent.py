@@ -25,10 +25,10 @@ import time
 import uuid
 from collections.abc import Mapping
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 import attrs
-import psutil
 
 from ftengine.context import RecoveryContext
 from ftengine.errors import PeerDead
@@ -55,25 +55,40 @@ KEY = "ftengine/engine_status/{rank}"
 UTILS_MODULE = "vllm.v1.fault_tolerance.utils"
 
 
-def worker_dying(processes: dict[int, psutil.Process], executor: Any) -> bool:
-    """Whether a worker of ``executor`` (vLLM's ``MultiprocExecutor``) was killed.
+PF_EXITING = 0x4  # Linux task flag, set as a task starts to exit (include/linux/sched.h)
+HAS_PROC = Path("/proc/self/stat").exists()
 
-    A SIGKILLed worker's thread-group leader is a zombie within a millisecond, but the
-    kernel closes its sockets and pipes only once the last thread has unmapped its memory
-    (1.6 GB here): measured 0.3-1 s on a loaded 2-core machine, and that close is when
-    vLLM's worker monitor and the survivors' collectives first notice. ``processes`` caches
-    the psutil handles (one ``/proc/PID/stat`` read per worker and beat)."""
-    if getattr(executor, "shutting_down", False):
+
+def _proc_stat(pid: int) -> list[str] | None:
+    """The fields of ``/proc/PID/stat`` after the command name (state first), None if gone."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+    except OSError:
+        return None
+
+
+def exiting(pid: int) -> bool:
+    """Whether process ``pid`` is gone, a zombie, or has begun to exit.
+
+    A SIGKILLed worker's thread-group leader shows the kill at once: it is a zombie, or,
+    if it is the thread that tears the process down, it carries ``PF_EXITING``. The kernel
+    closes the process's sockets and pipes only after its memory is unmapped (1.6 GB here:
+    0.3-2 s on a loaded 2-core machine), and that close is when vLLM's worker monitor and
+    the survivors' collectives first notice."""
+    fields = _proc_stat(pid)
+    if fields is None:
+        return True
+    return fields[0] in ("Z", "X") or bool(int(fields[6]) & PF_EXITING)
+
+
+def worker_dying(executor: Any) -> bool:
+    """Whether a worker process of ``executor`` (vLLM's ``MultiprocExecutor``) was killed
+    (one ``/proc/PID/stat`` read per worker and beat; never on a system without /proc)."""
+    if not HAS_PROC or getattr(executor, "shutting_down", False):
         return False  # a deployment that is stopping: its workers exit on purpose
     for handle in getattr(executor, "workers", None) or ():
         pid = getattr(getattr(handle, "proc", None), "pid", None)
-        if pid is None:
-            continue
-        try:
-            process = processes.setdefault(pid, psutil.Process(pid))
-            if process.status() in (psutil.STATUS_ZOMBIE, psutil.STATUS_DEAD):
-                return True
-        except psutil.NoSuchProcess:
+        if pid is not None and exiting(int(pid)):
             return True
     return False
 
@@ -117,7 +132,6 @@ class EngineCoreAgent:
         self._healthy_since = 0.0
         self.peers: dict[int, str] = {}  # current-epoch peers' statuses ("dead" if stale)
         self._was_healthy = True
-        self._workers: dict[int, psutil.Process] = {}
         self.anticipated: str | None = None  # status reported ahead of vLLM's on_fault
         self._faulted = threading.Event()  # cleared while an early report runs ahead
         self._faulted.set()
@@ -233,7 +247,7 @@ class EngineCoreAgent:
         if own == "healthy" and not self._was_healthy:
             self._healthy_since = now
         self._was_healthy = own == "healthy"
-        dying = own != "dead" and worker_dying(self._workers, self.engine.model_executor)
+        dying = own != "dead" and worker_dying(self.engine.model_executor)
         if dying and self.anticipated != "dead":
             self._anticipate("dead")
         mine = {"status": "dead" if dying else own, "beat": self._beat, "epoch": self._epoch()}
