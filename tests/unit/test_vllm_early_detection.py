@@ -81,6 +81,9 @@ def test_an_engine_whose_worker_is_dying_publishes_dead_at_once(zombie: int) -> 
     assert [p.get("status") for p in sentinel.pushed] == ["dead"]
     agent._watch_peers()
     assert len(sentinel.pushed) == 1  # reported once
+    sentinel.engine.dp_store.peer(0, "unhealthy")  # a survivor faulted on our news
+    agent._watch_peers()
+    assert markers(sentinel) == []  # this engine goes DEAD by vLLM's monitor, not UNHEALTHY
 
 
 def test_a_survivor_reports_unhealthy_before_vllms_on_fault_runs() -> None:

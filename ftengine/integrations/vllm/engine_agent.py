@@ -132,6 +132,7 @@ class EngineCoreAgent:
         self._healthy_since = 0.0
         self.peers: dict[int, str] = {}  # current-epoch peers' statuses ("dead" if stale)
         self._was_healthy = True
+        self._dying = False  # this engine's own worker has begun to exit
         self.anticipated: str | None = None  # status reported ahead of vLLM's on_fault
         self._faulted = threading.Event()  # cleared while an early report runs ahead
         self._faulted.set()
@@ -162,8 +163,8 @@ class EngineCoreAgent:
             if generation != self.generation:
                 return
             pending, self.pending = self.pending, None
-        if pending is not None and self._own_status() == "healthy":
-            raise pending
+        if pending is not None and self._own_status() == "healthy" and not self._dying:
+            raise pending  # (an engine whose worker is dying is DEAD, not a peer's victim)
 
     def fault_handled(self) -> None:
         """After vLLM's ``on_fault``: markers queued until now are stale."""
@@ -247,7 +248,7 @@ class EngineCoreAgent:
         if own == "healthy" and not self._was_healthy:
             self._healthy_since = now
         self._was_healthy = own == "healthy"
-        dying = own != "dead" and worker_dying(self.engine.model_executor)
+        dying = self._dying = own != "dead" and worker_dying(self.engine.model_executor)
         if dying and self.anticipated != "dead":
             self._anticipate("dead")
         mine = {"status": "dead" if dying else own, "beat": self._beat, "epoch": self._epoch()}
@@ -294,8 +295,8 @@ class EngineCoreAgent:
     def _inject(self, rank: int, why: str, *, early: bool = False) -> None:
         """Fault this engine through vLLM's own path, if it is healthy and not faulting yet;
         ``early`` (a dead peer: no retry can include it) reports ``unhealthy`` at once."""
-        if self._own_status() != "healthy":
-            return
+        if self._own_status() != "healthy" or self._dying:
+            return  # dying: vLLM's worker monitor makes this engine DEAD, not UNHEALTHY
         with self._lock:
             if self.pending is not None:
                 return
