@@ -84,6 +84,13 @@ def test_an_engine_whose_worker_is_dying_publishes_dead_at_once(zombie: int) -> 
     sentinel.engine.dp_store.peer(0, "unhealthy")  # a survivor faulted on our news
     agent._watch_peers()
     assert markers(sentinel) == []  # this engine goes DEAD by vLLM's monitor, not UNHEALTHY
+    waiter = threading.Thread(target=agent.await_fault)  # a retry to this engine
+    waiter.start()
+    waiter.join(0.3)
+    assert waiter.is_alive(), "a command must wait for vLLM's own DEAD"
+    agent.fault_handled()
+    waiter.join(5.0)
+    assert not waiter.is_alive()
 
 
 def test_a_survivor_reports_unhealthy_before_vllms_on_fault_runs() -> None:

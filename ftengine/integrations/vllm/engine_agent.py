@@ -211,7 +211,9 @@ class EngineCoreAgent:
         return fields
 
     def _anticipate(self, status: str) -> None:
-        """Report ``status`` now (vLLM's own status follows when its busy loop gets there)."""
+        """Report ``status`` now (vLLM's own status follows when its busy loop gets there);
+        commands wait for that (:meth:`await_fault`)."""
+        self._faulted.clear()
         self.anticipated = status
         push = getattr(self.sentinel, "_push_status", None)
         if callable(push):
@@ -248,7 +250,10 @@ class EngineCoreAgent:
         if own == "healthy" and not self._was_healthy:
             self._healthy_since = now
         self._was_healthy = own == "healthy"
-        dying = self._dying = own != "dead" and worker_dying(self.engine.model_executor)
+        # Sticky: once vLLM's monitor has seen the exit it shuts the executor down, after
+        # which worker_dying says no; a dead worker never comes back.
+        self._dying = self._dying or worker_dying(self.engine.model_executor)
+        dying = own != "dead" and self._dying
         if dying and self.anticipated != "dead":
             self._anticipate("dead")
         mine = {"status": "dead" if dying else own, "beat": self._beat, "epoch": self._epoch()}
@@ -308,14 +313,13 @@ class EngineCoreAgent:
         # Queued before the early report, so a command it prompts finds the engine faulted.
         self.engine.input_queue.put_nowait((FAULT_MARK, marker))
         if early:
-            self._faulted.clear()  # commands wait for vLLM's on_fault (await_fault)
             self._anticipate("unhealthy")
 
     def await_fault(self) -> None:
-        """Before vLLM handles a command (its input thread): after an early ``unhealthy``
-        report, wait until vLLM's ``on_fault`` has made it true, so the command is judged
-        on the status the orchestrator saw (bounded: the per-op timeout ends any step)."""
-        if self.anticipated == "unhealthy":
+        """Before vLLM handles a command (its input thread): after an early report, wait
+        until vLLM's ``on_fault`` has made it true, so the command is judged on the status
+        the orchestrator saw (bounded: the per-op timeout ends any step)."""
+        if self.anticipated is not None:
             self._faulted.wait(HOLD_S + (self.settings.cpu_distributed_timeout_s or 0.0))
 
     def verdict(self, fault: Fault) -> Fault:
