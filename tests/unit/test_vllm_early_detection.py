@@ -89,6 +89,9 @@ def test_an_engine_whose_worker_is_dying_publishes_dead_at_once(zombie: int) -> 
     waiter.join(0.3)
     assert waiter.is_alive(), "a command must wait for vLLM's own DEAD"
     agent.fault_handled()
+    waiter.join(0.3)
+    assert waiter.is_alive(), "released before the patched on_fault's last status push"
+    agent.release_commands()
     waiter.join(5.0)
     assert not waiter.is_alive()
 
@@ -117,6 +120,9 @@ def test_a_command_after_the_early_report_waits_for_vllms_on_fault() -> None:
     waiter.join(0.3)
     assert waiter.is_alive(), "the command did not wait for on_fault"
     agent.fault_handled()
+    waiter.join(0.3)
+    assert waiter.is_alive(), "released before the patched on_fault's last status push"
+    agent.release_commands()
     waiter.join(5.0)
     assert not waiter.is_alive()
 

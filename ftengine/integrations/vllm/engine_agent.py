@@ -172,6 +172,10 @@ class EngineCoreAgent:
             self.generation += 1
             self.pending = None
             self.anticipated = None  # vLLM's own status says it now
+
+    def release_commands(self) -> None:
+        """After the patched ``on_fault`` pushed its last status: a held command may run (its
+        result then reaches the API server after that status, which would replace it)."""
         self._faulted.set()
 
     def on_fault(self, exc: BaseException) -> None:

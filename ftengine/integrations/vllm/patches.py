@@ -211,6 +211,7 @@ def _agent_on_fault(on_fault: Callable[..., None]) -> Callable[..., None]:
         if agent is not None:
             agent.after_fault()
             self._push_status()  # the same status, now with the worker's ftengine phase
+            agent.release_commands()  # held commands answer after that status, not before
 
     setattr(agent_on_fault, PATCHED_MARK, on_fault)
     return agent_on_fault
