@@ -1,7 +1,14 @@
 """Writing a custom recovery policy: retry a transient fault once on our own, leave
-everything else to the orchestrator. Runs on the fake backend with a manual clock.
+everything else to the orchestrator. Runs on the fake backend with a manual clock:
 
     .venv/bin/python examples/custom_policy.py
+
+and, named by its import path, inside a real vLLM deployment (repository root on
+``PYTHONPATH``; ``tests/integration/test_vllm_custom_policy.py`` does it):
+
+    --additional-config '{"ftengine": {"policy": "examples.custom_policy:policy"}}'
+
+The part between the ``readme`` marks is the README's example, verbatim (a test checks).
 """
 
 from __future__ import annotations
@@ -16,6 +23,7 @@ from ftengine.faults import Fault, FaultKind
 from ftengine.policies import Composable, Decision, GiveUp, OrchestratorDriven, Retry
 
 
+# readme:begin
 @attrs.frozen
 class RetryTransientOnce(Composable):
     """Retry a transient fault once, ``delay`` seconds after it; otherwise abstain (None)."""
@@ -35,11 +43,20 @@ def give_up_if_this_rank_flaps(ctx: RecoveryContext) -> Decision | None:
     return None
 
 
+def policy() -> Composable:
+    """The factory configuration names: ``"policy": "examples.custom_policy:policy"``.
+
+    The first opinion wins: the flap check, our retry rule, then vLLM's default behaviour.
+    """
+    return give_up_if_this_rank_flaps | RetryTransientOnce(0.5) | OrchestratorDriven(60.0)
+
+
+# readme:end
+
+
 def main() -> None:
-    # The first opinion wins: the flap check, our retry rule, then vLLM's default behaviour.
-    policy = give_up_if_this_rank_flaps | RetryTransientOnce(0.5) | OrchestratorDriven(60.0)
     clock = ManualClock()
-    engine = RecoveryEngine(policy, FakeBackend(), rank=0, world_size=4, clock=clock)
+    engine = RecoveryEngine(policy(), FakeBackend(), rank=0, world_size=4, clock=clock)
     engine.subscribe(lambda c: print(f"t={c.at:g}s {c.source.value} -> {c.dest.value}: {c.reason}"))
 
     engine.report_fault(Fault(FaultKind.TRANSIENT, rank=0, info="RuntimeError"))

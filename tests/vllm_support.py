@@ -1,84 +1,65 @@
-"""Shared set-up of the real-vLLM tests: a tiny Hugging Face Qwen3-MoE checkpoint.
+"""Shared set-up of the real-vLLM tests: the tiny Hugging Face Qwen3-MoE checkpoint they
+serve, transformers' greedy answers on it, ports, and the policies named by import path.
 
-``write_tiny_qwen3_moe`` is the one place that writes it (transformers' ``Qwen3MoeConfig`` +
-``save_pretrained`` and a ``tokenizers`` WordLevel tokenizer, REFERENCE.md section 9); when
-``ftengine make-checkpoint`` writes real HF Qwen3-MoE checkpoints this is swapped for it.
+The checkpoint is ``ftengine make-checkpoint``'s (``make_checkpoint``: the one writer of
+checkpoints in this project, which the cluster, transformers and vLLM all load). It is
+written in bfloat16 (the generator's default, as real checkpoints ship) and served with
+``--dtype float32`` (``TEST_DTYPE``), the dtype transformers computes in here, so vLLM's
+greedy tokens can be compared with transformers' token for token (docs/vllm-dev-notes.md,
+"One checkpoint": served in bfloat16 they differ).
 """
 
 from __future__ import annotations
 
-import json
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import attrs
 
+from ftengine.weights.checkpoint_gen import make_checkpoint
+
 VOCAB = 512
-WORDS = tuple(f"w{i}" for i in range(VOCAB - 2))
-UNK, EOS = "<unk>", "<eos>"
+TEST_DTYPE = "float32"
+"""vLLM's ``--dtype`` in the tests: what transformers computes in (``load_hf``)."""
+TINY_SHAPE: dict[str, Any] = dict(
+    layers=2, experts=8, hidden=128, intermediate=64, vocab=VOCAB, heads=4, kv_heads=2, head_dim=32
+)
 
 
 def write_tiny_qwen3_moe(path: Path, *, experts: int = 8, seed: int = 0) -> Path:
-    """A random-weight float32 Qwen3-MoE (vocab 512, hidden 128, 2 layers, ``experts``
-    experts, top-2, moe_intermediate 64) and its tokenizer at ``path``; returns ``path``.
+    """``make_checkpoint`` of a tiny Qwen3-MoE (vocab 512, hidden 128, 2 layers,
+    ``experts`` experts, top-2, expert intermediate 64, bfloat16) at ``path``; returns it.
 
-    Prompts are words ``w0 .. w509`` separated by spaces. Same ``seed``, same weights.
+    Prompts are words ``w0 ..`` separated by spaces. Same ``seed``, same weights.
     """
+    return make_checkpoint(path, **{**TINY_SHAPE, "experts": experts}, seed=seed)
+
+
+def transformers_greedy(
+    checkpoint: Path, prompts: Sequence[str], max_tokens: int
+) -> list[list[int]]:
+    """transformers' ``generate(do_sample=False)`` token ids of each prompt (float32, eager,
+    one prompt at a time, ``max_tokens`` tokens: EOS does not stop it, as ``ignore_eos``)."""
     import torch
-    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+    from transformers import AutoTokenizer
 
-    settings: dict[str, Any] = dict(
-        vocab_size=VOCAB,
-        hidden_size=128,
-        intermediate_size=256,
-        moe_intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=32,
-        num_experts=experts,
-        num_experts_per_tok=2,
-        decoder_sparse_step=1,
-        norm_topk_prob=True,
-        max_position_embeddings=512,
-        # Wider than the default 0.02, so greedy picks are not near-ties that a different
-        # float summation order (EP vs one process) could flip.
-        initializer_range=0.1,
-        tie_word_embeddings=False,
-        bos_token_id=None,
-        eos_token_id=VOCAB - 1,
-        pad_token_id=None,
-        dtype="float32",
-    )
-    config = Qwen3MoeConfig(**settings)
-    torch.manual_seed(seed)
-    build: Any = Qwen3MoeForCausalLM  # transformers' stubs type its wrapped constructor oddly
-    model = build(config).to(torch.float32).eval()
-    path.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(path, safe_serialization=True)
-    _write_tokenizer(path)
-    return path
+    from tests.integration.test_transformers_anchor import load_hf
 
-
-def _write_tokenizer(path: Path) -> None:
-    from tokenizers import Tokenizer
-    from tokenizers.models import WordLevel
-    from tokenizers.pre_tokenizers import WhitespaceSplit
-
-    vocab = {word: i for i, word in enumerate(WORDS)}
-    vocab[UNK] = VOCAB - 2
-    vocab[EOS] = VOCAB - 1
-    tokenizer = Tokenizer(WordLevel(vocab, unk_token=UNK))
-    tokenizer.pre_tokenizer = WhitespaceSplit()
-    tokenizer.save(str(path / "tokenizer.json"))
-    settings = {
-        "tokenizer_class": "PreTrainedTokenizerFast",
-        "unk_token": UNK,
-        "eos_token": EOS,
-        "model_max_length": 512,
-        "clean_up_tokenization_spaces": False,
-    }
-    (path / "tokenizer_config.json").write_text(json.dumps(settings, indent=2))
+    model: Any = load_hf(checkpoint)
+    tokenizer: Any = AutoTokenizer.from_pretrained(checkpoint)
+    out: list[list[int]] = []
+    for prompt in prompts:
+        ids = torch.tensor([tokenizer(prompt)["input_ids"]])
+        result = model.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=max_tokens,
+            do_sample=False,
+            eos_token_id=None,
+        )
+        out.append([int(t) for t in result[0, ids.shape[1] :]])
+    return out
 
 
 @attrs.define

@@ -16,7 +16,9 @@ def register(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--checkpoint", type=Path, required=True, help="HF Qwen3-MoE directory")
     parser.add_argument("--dp", type=int, default=2, help="data-parallel ranks (default 2)")
     parser.add_argument("--trials", type=int, default=5, help="SIGKILLs of each kind (>= 5)")
-    parser.add_argument("--off-launches", type=int, default=2, help="FT-off baseline launches")
+    parser.add_argument(
+        "--overhead-rounds", type=int, default=16, help="FT on/off interleaved rounds (>= 2)"
+    )
     parser.add_argument("--port", type=int, default=8700, help="rank r serves on PORT + r")
     parser.add_argument("--log-dir", type=Path, default=Path("vllm-bench-logs"))
     parser.add_argument("--json", action="store_true", help="print only the JSON object")
@@ -27,15 +29,15 @@ def run(args: argparse.Namespace) -> int:
     from ftengine.integrations.vllm.bench import BenchConfig
     from ftengine.integrations.vllm.bench import run as run_bench
 
-    if args.trials < 1 or args.off_launches < 1 or args.dp < 2:
-        print("ftengine bench vllm: expected --trials >= 1, --off-launches >= 1, --dp >= 2",
+    if args.trials < 1 or args.overhead_rounds < 2 or args.dp < 2:
+        print("ftengine bench vllm: expected --trials >= 1, --overhead-rounds >= 2, --dp >= 2",
               file=sys.stderr)  # fmt: skip
         return 2
     config = BenchConfig(
         args.checkpoint,
         dp_size=args.dp,
         trials=args.trials,
-        off_launches=args.off_launches,
+        overhead_rounds=args.overhead_rounds,
         port=args.port,
         log_dir=args.log_dir,
     )

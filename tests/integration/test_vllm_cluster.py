@@ -11,8 +11,11 @@ experts, the survivors answer exactly as the fault-free reference.
 
 from __future__ import annotations
 
+import os
 import signal
+import tempfile
 import time
+from pathlib import Path
 from typing import Any
 
 import msgspec
@@ -74,6 +77,10 @@ def test_seed_scale_down_through_the_vllm_adapter(
     assert state[3]["status"] == DEAD
     check = compare_outputs(cluster.generate_batch(PROMPTS, MAX_TOKENS), reference)
     assert check.match, check
+    # The cluster's workers are no vLLM workers: their parent (this process, the
+    # supervisor) is no engine core, so the adapter must leave no status file for it.
+    left = list(Path(tempfile.gettempdir()).glob(f"ftengine-status-{os.getpid()}-*"))
+    assert not left, f"the vLLM adapter left status files in a CPU cluster: {left}"
     TIMINGS["vllm adapter: kill rank 3"] = {
         "detect": detect,
         "recover": recover,

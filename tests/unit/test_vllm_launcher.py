@@ -27,6 +27,7 @@ def test_each_rank_is_an_external_lb_api_server_with_fault_tolerance(checkpoint:
         recovery_timeout_s=60,
         additional_config={"ftengine": {"policy": "auto"}},
         extra_args=("--seed", "1"),
+        dtype="float32",
     )
     argv = config.argv(2, rpc_port=29555)
     assert argv[1:3] == ["-m", API_SERVER_MODULE]
@@ -40,6 +41,7 @@ def test_each_rank_is_an_external_lb_api_server_with_fault_tolerance(checkpoint:
         "--enable-fault-tolerance",
         "--gpu-memory-utilization 0.1",
         "--enforce-eager",
+        "--dtype float32",
     ):
         assert flag in text
     assert json.loads(argv[argv.index("--fault-tolerance-config") + 1]) == {
@@ -55,6 +57,7 @@ def test_each_rank_is_an_external_lb_api_server_with_fault_tolerance(checkpoint:
 def test_without_fault_tolerance_no_ft_flags(checkpoint: Path) -> None:
     argv = DeploymentConfig(checkpoint, fault_tolerance=False).argv(0, rpc_port=1)
     assert "--enable-fault-tolerance" not in argv and "--fault-tolerance-config" not in argv
+    assert "--dtype" not in argv  # "auto": vLLM's own default, the checkpoint's dtype
 
 
 @pytest.mark.parametrize(
@@ -64,6 +67,7 @@ def test_without_fault_tolerance_no_ft_flags(checkpoint: Path) -> None:
         ({"port": 70000}, "port must be a TCP port"),
         ({"port": 65535, "dp_size": 2}, "exceed 65535"),
         ({"gpu_memory_utilization": 0.0}, r"gpu_memory_utilization must be in \(0, 1\]"),
+        ({"dtype": "fp32"}, r"dtype must be one of .*'float32'.*, found 'fp32'"),
         ({"additional_config": {"ftengine": {"polcy": "auto"}}}, "unknown option ftengine.polcy"),
         ({"additional_config": {"ftengine": {"policy": "nowhere:x"}}}, "cannot import nowhere"),
     ],

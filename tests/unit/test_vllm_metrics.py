@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 
-from ftengine.integrations.vllm.engine_agent import StatusFile
 from ftengine.integrations.vllm.metrics import EngineStateCollector, engine_states
+from ftengine.integrations.vllm.status_file import StatusFile
 
 
 @pytest.fixture

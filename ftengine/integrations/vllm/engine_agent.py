@@ -5,6 +5,10 @@
   stops for ``STALE_S``, or a DP store that stops answering) makes this engine fault at
   once through vLLM's own path (requests aborted, UNHEALTHY, status pushed), so an idle
   survivor knows within a beat instead of sacrificing the next request to find out.
+- **Early word.** An engine whose worker is dying publishes ``dead`` at once, and a
+  survivor reports ``unhealthy`` as soon as it has the news, before its own busy loop gets
+  to vLLM's ``on_fault`` (a busy one waits in a collective until the dead worker's sockets
+  close): see :func:`worker_dying`.
 - **Policy.** With ``"auto"`` or a custom policy the agent asks the policy what to do and,
   for ``Retry``, runs the engine core's own retry, exactly what an orchestrator's
   ``retry`` would run; anything else waits for the orchestrator as vLLM does.
@@ -16,8 +20,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
-import tempfile
 import threading
 import time
 import uuid
@@ -33,6 +35,7 @@ from ftengine.errors import PeerDead
 from ftengine.faults import Fault, FaultKind, Phase
 from ftengine.integrations.vllm.config import VllmFtSettings
 from ftengine.integrations.vllm.messages import import_vllm
+from ftengine.integrations.vllm.status_file import StatusFile, remove_dead_status_files
 from ftengine.policies import GiveUp, Retry, decide
 from ftengine.policies.algebra import Policy
 from ftengine.policies.builtin import OrchestratorDriven
@@ -44,6 +47,7 @@ STALE_S = 5.0  # an engine core whose beat stops this long is taken for dead (GI
 # threads on a loaded 2-core machine were seen to pause ~1 s; a status change is instant)
 SETTLE_S = 2.0  # after a recovery, peers finish theirs: their "unhealthy" is stale this long
 STORE_FAILURES = 5
+HOLD_S = 5.0  # a command waits at most this (plus the op timeout) for on_fault to catch up
 FAULT_MARK = "ftengine-peer-fault"
 """Request type of the agent's input-queue marker (no vLLM request type has this value)."""
 EPOCH_ATTR = "_dp_reinit_epoch"  # EngineCoreSentinel's count of DP-group rebuilds (retries)
@@ -51,36 +55,42 @@ KEY = "ftengine/engine_status/{rank}"
 UTILS_MODULE = "vllm.v1.fault_tolerance.utils"
 
 
-def _status_path(engine_core_pid: int, dp_rank: int) -> Path:
-    return Path(tempfile.gettempdir()) / f"ftengine-status-{engine_core_pid}-{dp_rank}.json"
+PF_EXITING = 0x4  # Linux task flag, set as a task starts to exit (include/linux/sched.h)
+HAS_PROC = Path("/proc/self/stat").exists()
 
 
-@attrs.frozen
-class StatusFile:
-    """Where a worker's FSM leaves its phase, epoch and removed ranks for its engine core
-    (same host, parent process): written whole and renamed, so a reader never sees half."""
+def _proc_stat(pid: int) -> list[str] | None:
+    """The fields of ``/proc/PID/stat`` after the command name (state first), None if gone."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+    except OSError:
+        return None
 
-    path: Path
 
-    @classmethod
-    def for_worker(cls, dp_rank: int) -> StatusFile:
-        return cls(_status_path(os.getppid(), dp_rank))
+def exiting(pid: int) -> bool:
+    """Whether process ``pid`` is gone, a zombie, or has begun to exit.
 
-    @classmethod
-    def for_engine_core(cls, dp_rank: int) -> StatusFile:
-        return cls(_status_path(os.getpid(), dp_rank))
+    A SIGKILLed worker's thread-group leader shows the kill at once: it is a zombie, or,
+    if it is the thread that tears the process down, it carries ``PF_EXITING``. The kernel
+    closes the process's sockets and pipes only after its memory is unmapped (1.6 GB here:
+    0.3-2 s on a loaded 2-core machine), and that close is when vLLM's worker monitor and
+    the survivors' collectives first notice."""
+    fields = _proc_stat(pid)
+    if fields is None:
+        return True
+    return fields[0] in ("Z", "X") or bool(int(fields[6]) & PF_EXITING)
 
-    def write(self, fields: Mapping[str, object]) -> None:
-        partial = self.path.with_suffix(f".{os.getpid()}.partial")
-        partial.write_text(json.dumps(dict(fields)))
-        partial.replace(self.path)
 
-    def read(self) -> dict[str, object]:
-        try:
-            loaded = json.loads(self.path.read_text())
-        except (OSError, ValueError):
-            return {}
-        return loaded if isinstance(loaded, dict) else {}
+def worker_dying(executor: Any) -> bool:
+    """Whether a worker process of ``executor`` (vLLM's ``MultiprocExecutor``) was killed
+    (one ``/proc/PID/stat`` read per worker and beat; never on a system without /proc)."""
+    if not HAS_PROC or getattr(executor, "shutting_down", False):
+        return False  # a deployment that is stopping: its workers exit on purpose
+    for handle in getattr(executor, "workers", None) or ():
+        pid = getattr(getattr(handle, "proc", None), "pid", None)
+        if pid is not None and exiting(int(pid)):
+            return True
+    return False
 
 
 STATUS_FIELDS = ("phase", "epoch", "removed_ranks")
@@ -122,12 +132,22 @@ class EngineCoreAgent:
         self._healthy_since = 0.0
         self.peers: dict[int, str] = {}  # current-epoch peers' statuses ("dead" if stale)
         self._was_healthy = True
+        self._dying = False  # this engine's own worker has begun to exit
+        self.anticipated: str | None = None  # status reported ahead of vLLM's on_fault
+        self._faulted = threading.Event()  # cleared while an early report runs ahead
+        self._faulted.set()
         self._stop = threading.Event()
         self._retrying = threading.Event()
         self._lock = threading.Lock()
         self.thread = threading.Thread(target=self._run, name="ftengine-agent", daemon=True)
 
     def start(self) -> None:
+        logger.info("[FT] engine %d: policy %r", self.rank, self.policy)
+        removed = remove_dead_status_files()
+        if removed:
+            logger.info(
+                "[FT] removed %d status files of engine cores that no longer run", len(removed)
+            )
         self.thread.start()
 
     def stop(self) -> None:
@@ -143,14 +163,20 @@ class EngineCoreAgent:
             if generation != self.generation:
                 return
             pending, self.pending = self.pending, None
-        if pending is not None and self._own_status() == "healthy":
-            raise pending
+        if pending is not None and self._own_status() == "healthy" and not self._dying:
+            raise pending  # (an engine whose worker is dying is DEAD, not a peer's victim)
 
     def fault_handled(self) -> None:
         """After vLLM's ``on_fault``: markers queued until now are stale."""
         with self._lock:
             self.generation += 1
             self.pending = None
+            self.anticipated = None  # vLLM's own status says it now
+
+    def release_commands(self) -> None:
+        """After the patched ``on_fault`` pushed its last status: a held command may run (its
+        result then reaches the API server after that status, which would replace it)."""
+        self._faulted.set()
 
     def on_fault(self, exc: BaseException) -> None:
         """Before vLLM's ``on_fault``: remember the fault for the policy (no I/O, so vLLM's
@@ -181,7 +207,21 @@ class EngineCoreAgent:
         fields = worker_fields(self.status_file.read())
         if getattr(self.engine.model_executor, "is_failed", False):
             fields["phase"] = Phase.DEAD.value  # the worker and its FSM are gone
+        anticipated = self.anticipated
+        if anticipated is not None and self._own_status() == "healthy":
+            fields["status"] = anticipated
+            if anticipated == "unhealthy":
+                fields["fault_info"] = PeerDead.__name__
         return fields
+
+    def _anticipate(self, status: str) -> None:
+        """Report ``status`` now (vLLM's own status follows when its busy loop gets there);
+        commands wait for that (:meth:`await_fault`)."""
+        self._faulted.clear()
+        self.anticipated = status
+        push = getattr(self.sentinel, "_push_status", None)
+        if callable(push):
+            push()  # output_queue.put_nowait: safe from this thread
 
     # -- the agent thread -------------------------------------------------------------
 
@@ -214,7 +254,13 @@ class EngineCoreAgent:
         if own == "healthy" and not self._was_healthy:
             self._healthy_since = now
         self._was_healthy = own == "healthy"
-        mine = {"status": own, "beat": self._beat, "epoch": self._epoch()}
+        # Sticky: once vLLM's monitor has seen the exit it shuts the executor down, after
+        # which worker_dying says no; a dead worker never comes back.
+        self._dying = self._dying or worker_dying(self.engine.model_executor)
+        dying = own != "dead" and self._dying
+        if dying and self.anticipated != "dead":
+            self._anticipate("dead")
+        mine = {"status": "dead" if dying else own, "beat": self._beat, "epoch": self._epoch()}
         try:
             store.set(KEY.format(rank=self.rank), json.dumps(mine))
             peers = self._read_peers(store)
@@ -222,7 +268,8 @@ class EngineCoreAgent:
         except Exception as exc:
             self._store_failures += 1
             if self._store_failures >= STORE_FAILURES:
-                self._inject(0, f"the DP store (hosted by DP rank 0) stopped answering: {exc}")
+                why = f"the DP store (hosted by DP rank 0) stopped answering: {exc}"
+                self._inject(0, why, early=True)
             return
         for rank, (status, beat, epoch) in peers.items():
             last = self._seen.get(rank)
@@ -231,9 +278,9 @@ class EngineCoreAgent:
             stale = last is not None and now - self._seen[rank][1] > STALE_S
             self.peers[rank] = "dead" if stale else status
             if status in ("dead", "unhealthy") and self._current(epoch, now):
-                self._inject(rank, f"engine {rank} is {status}")
+                self._inject(rank, f"engine {rank} is {status}", early=status == "dead")
             elif stale:
-                self._inject(rank, f"engine {rank}'s beat stopped {STALE_S:.0f} s ago")
+                self._inject(rank, f"engine {rank}'s beat stopped {STALE_S:.0f} s ago", early=True)
 
     def _epoch(self) -> int:
         return int(getattr(self.sentinel, EPOCH_ATTR, 0))
@@ -254,10 +301,11 @@ class EngineCoreAgent:
             peers[rank] = (str(value["status"]), int(value["beat"]), int(value["epoch"]))
         return peers
 
-    def _inject(self, rank: int, why: str) -> None:
-        """Fault this engine through vLLM's own path, if it is healthy and not faulting yet."""
-        if self._own_status() != "healthy":
-            return
+    def _inject(self, rank: int, why: str, *, early: bool = False) -> None:
+        """Fault this engine through vLLM's own path, if it is healthy and not faulting yet;
+        ``early`` (a dead peer: no retry can include it) reports ``unhealthy`` at once."""
+        if self._own_status() != "healthy" or self._dying:
+            return  # dying: vLLM's worker monitor makes this engine DEAD, not UNHEALTHY
         with self._lock:
             if self.pending is not None:
                 return
@@ -266,7 +314,17 @@ class EngineCoreAgent:
         logger.warning("[FT] engine %d: %s; faulting now", self.rank, why)
         # The busy loop hands the marker to the patched _handle_client_request, which calls
         # raise_pending; vLLM's on_fault then sees a live executor: UNHEALTHY, not DEAD.
+        # Queued before the early report, so a command it prompts finds the engine faulted.
         self.engine.input_queue.put_nowait((FAULT_MARK, marker))
+        if early:
+            self._anticipate("unhealthy")
+
+    def await_fault(self) -> None:
+        """Before vLLM handles a command (its input thread): after an early report, wait
+        until vLLM's ``on_fault`` has made it true, so the command is judged on the status
+        the orchestrator saw (bounded: the per-op timeout ends any step)."""
+        if self.anticipated is not None:
+            self._faulted.wait(HOLD_S + (self.settings.cpu_distributed_timeout_s or 0.0))
 
     def verdict(self, fault: Fault) -> Fault:
         """The fault as the policy should see it: a dead peer by name when one is known; a

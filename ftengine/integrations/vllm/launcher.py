@@ -34,10 +34,11 @@ import psutil
 
 from ftengine.backends.npu_config import NpuFtConfig
 from ftengine.errors import ConfigError, FTEngineError
+from ftengine.integrations.vllm.status_file import ENGINE_CORE_TITLE, remove_dead_status_files
 
 API_SERVER_MODULE = "vllm.entrypoints.openai.api_server"
 # vLLM names its processes (setproctitle); the worker of rank r's engine is "VLLM::Worker".
-PROCESS_TITLES = {"engine_core": "VLLM::EngineCore", "worker": "VLLM::Worker"}
+PROCESS_TITLES = {"engine_core": ENGINE_CORE_TITLE, "worker": "VLLM::Worker"}
 STOP_GRACE_S = 10.0
 
 
@@ -68,6 +69,15 @@ def _checkpoint(_instance: object, attribute: attrs.Attribute[Path], value: Path
         )
 
 
+DTYPES = ("auto", "bfloat16", "float16", "float32")
+"""vLLM's ``--dtype`` values the launcher passes on ("auto": the checkpoint's dtype)."""
+
+
+def _dtype(_instance: object, attribute: attrs.Attribute[str], value: str) -> None:
+    if value not in DTYPES:
+        raise ConfigError(f"{attribute.name} must be one of {DTYPES}, found {value!r}")
+
+
 def _strings(values: Iterable[str]) -> tuple[str, ...]:
     return tuple(str(v) for v in values)
 
@@ -81,6 +91,9 @@ class DeploymentConfig:
     ``--enable-fault-tolerance`` with ``recovery_timeout_s`` as vLLM's
     ``engine_recovery_timeout_sec``. ``extra_args`` go to every server unchanged;
     ``log_dir`` receives ``rank{r}.log`` (default: the working directory's ``vllm-logs``).
+    ``dtype`` is vLLM's ``--dtype`` ("auto", vLLM's default, passes none): the tests and the
+    benchmark serve in float32, as transformers computes here, so greedy tokens can be
+    compared with transformers' (bfloat16 serving differs, docs/vllm-dev-notes.md).
     ``enforce_eager`` (default on): torch.compile's full-graph capture cannot trace the CPU
     all-gatherv's per-rank sizes (data-dependent shapes), and compiling costs minutes of
     start-up on 2 cores.
@@ -96,6 +109,7 @@ class DeploymentConfig:
     additional_config: Mapping[str, object] = attrs.field(factory=dict)
     gpu_memory_utilization: float = attrs.field(default=0.1, validator=_fraction)
     max_model_len: int = attrs.field(default=256, validator=_at_least_one)
+    dtype: str = attrs.field(default="auto", validator=_dtype)
     enforce_eager: bool = True
     extra_args: tuple[str, ...] = attrs.field(default=(), converter=_strings)
     env: Mapping[str, str] = attrs.field(factory=dict)
@@ -124,6 +138,8 @@ class DeploymentConfig:
             "--gpu-memory-utilization", str(self.gpu_memory_utilization),
             "--max-model-len", str(self.max_model_len),
         ]  # fmt: skip
+        if self.dtype != "auto":
+            args += ["--dtype", self.dtype]
         if self.enforce_eager:
             args.append("--enforce-eager")
         if self.dp_size > 1:
@@ -178,6 +194,7 @@ class VllmDeployment:
     def __init__(self, config: DeploymentConfig, ranks: list[Rank]) -> None:
         self.config = config
         self.ranks = ranks
+        self.started_pids: set[int] = set()  # every pid seen in its tree (status files)
 
     @property
     def urls(self) -> list[str]:
@@ -197,6 +214,7 @@ class VllmDeployment:
             for rank in range(config.dp_size):
                 deployment.ranks.append(_spawn(config, rank, rpc_port))
             deployment.wait_healthy(config.startup_timeout_s)
+            deployment.pids()  # remembers the engine cores, should they die before stop()
         except BaseException:
             deployment.stop()
             raise
@@ -239,6 +257,7 @@ class VllmDeployment:
                             if title.startswith(prefix):
                                 entry.setdefault(role, child.pid)
             found[rank.rank] = entry
+        self.started_pids |= {pid for entry in found.values() for pid in entry.values()}
         return found
 
     def stop(self) -> None:
@@ -257,7 +276,8 @@ class VllmDeployment:
                 rank.process.wait(timeout=5.0)
             rank.log.close()
         _wait_gone(tree, timeout_s=10.0)  # orphans die a moment after SIGKILL
-        _remove_status_files(tree)
+        _remove_status_files({p.pid for p in tree} | self.started_pids)
+        remove_dead_status_files()  # and those of earlier deployments that were SIGKILLed
 
     def __enter__(self) -> VllmDeployment:
         return self
@@ -318,11 +338,11 @@ def _running(process: psutil.Process) -> bool:
         return False
 
 
-def _remove_status_files(processes: Sequence[psutil.Process]) -> None:
+def _remove_status_files(pids: Iterable[int]) -> None:
     """The status files its workers left for their engine cores (engine_agent.StatusFile)."""
     root = Path(tempfile.gettempdir())
-    for process in processes:
-        for path in root.glob(f"ftengine-status-{process.pid}-*.json"):
+    for pid in pids:
+        for path in root.glob(f"ftengine-status-{pid}-*.json"):
             path.unlink(missing_ok=True)
 
 

@@ -3,9 +3,10 @@
 **Engine core** (any platform ftengine supports): ``EngineCoreSentinel.__init__`` starts
 ftengine's :class:`~ftengine.integrations.vllm.engine_agent.EngineCoreAgent`,
 ``on_fault`` tells it of the fault (and the worker's FSM, after vLLM's own status push),
-``_push_status`` adds ftengine's phase, epoch and removed ranks to the pushed status, and
-``EngineCoreProc._handle_client_request`` lets the agent's input-queue marker raise a peer
-fault into the busy loop (vLLM's own fault path then runs).
+``_push_status`` adds ftengine's phase, epoch and removed ranks to the pushed status,
+``handle_command`` (vLLM's input thread) waits for ``on_fault`` after the agent's early
+``unhealthy`` report, and ``EngineCoreProc._handle_client_request`` lets the agent's
+input-queue marker raise a peer fault into the busy loop (vLLM's own fault path then runs).
 
 **CPU platform** (what it lacks for DP+EP MoE):
 With ``--enable-expert-parallel`` and DP > 1, vLLM on CPU picks the
@@ -210,6 +211,7 @@ def _agent_on_fault(on_fault: Callable[..., None]) -> Callable[..., None]:
         if agent is not None:
             agent.after_fault()
             self._push_status()  # the same status, now with the worker's ftengine phase
+            agent.release_commands()  # held commands answer after that status, not before
 
     setattr(agent_on_fault, PATCHED_MARK, on_fault)
     return agent_on_fault
@@ -245,6 +247,18 @@ def _with_fault_marker(handle: Callable[..., None]) -> Callable[..., None]:
     return handle_or_fault
 
 
+def _after_fault(handle: Callable[..., None]) -> Callable[..., None]:
+    @functools.wraps(handle)
+    def handle_when_faulted(self: Any, client_idx: int, call_id: int, ft_args: Any) -> None:
+        agent = getattr(self, AGENT_ATTR, None)
+        if agent is not None:
+            agent.await_fault()  # the status the orchestrator saw is true before vLLM judges
+        handle(self, client_idx, call_id, ft_args)
+
+    setattr(handle_when_faulted, PATCHED_MARK, handle)
+    return handle_when_faulted
+
+
 ENGINE_CORE_PATCHES = (
     Patch(
         CORE_SENTINEL_MODULE, "EngineCoreSentinel", "__init__", ("engine", "parallel_config"),
@@ -252,6 +266,10 @@ ENGINE_CORE_PATCHES = (
     ),
     Patch(CORE_SENTINEL_MODULE, "EngineCoreSentinel", "on_fault", ("exc",), _agent_on_fault),
     Patch(CORE_SENTINEL_MODULE, "EngineCoreSentinel", "_push_status", (), _replace(push_status)),
+    Patch(
+        CORE_SENTINEL_MODULE, "EngineCoreSentinel", "handle_command",
+        ("client_idx", "call_id", "ft_args"), _after_fault,
+    ),
     Patch(
         CORE_MODULE, "EngineCoreProc", "_handle_client_request", ("request_type", "request"),
         _with_fault_marker,

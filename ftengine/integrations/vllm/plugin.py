@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any
 
 from ftengine.faults import FaultKind
 from ftengine.integrations.vllm.config import VllmFtSettings
-from ftengine.integrations.vllm.engine_agent import StatusFile, file_fields
+from ftengine.integrations.vllm.engine_agent import file_fields
 from ftengine.integrations.vllm.factory import (
     CPU,
     NPU,
@@ -50,6 +50,7 @@ from ftengine.integrations.vllm.patches import (
 )
 from ftengine.integrations.vllm.sentinel import FtengineWorkerSentinel
 from ftengine.integrations.vllm.shapes import WorkerLike
+from ftengine.integrations.vllm.status_file import StatusFile
 
 if TYPE_CHECKING:
     from typing import Unpack  # 3.11+; annotations are never evaluated at run time
@@ -147,7 +148,8 @@ class PluginWorkerSentinel:
         if self.ready is None:
             self.ready = self._build()
             status = StatusFile.for_worker(self.worker.parallel_config.data_parallel_rank)
-            self.ready.status_sink = lambda fields: status.write(file_fields(fields))
+            if status is not None:
+                self.ready.status_sink = lambda fields: status.write(file_fields(fields))
             self.ready.publish_status()
         return self.ready
 

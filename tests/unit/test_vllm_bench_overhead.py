@@ -1,0 +1,58 @@
+"""The vLLM benchmark's overhead arithmetic: interleaved order, ratios, same-mode noise and
+the verdict (the deployments themselves are measured by ``ftengine bench vllm``)."""
+
+from __future__ import annotations
+
+import pytest
+
+from ftengine.integrations.vllm.bench_overhead import (
+    Sample,
+    compare,
+    interleaved,
+    overhead,
+    verdict,
+)
+
+
+def test_rounds_alternate_which_side_goes_first_after_one_warm_up_each() -> None:
+    calls: list[str] = []
+
+    def side(name: str) -> Sample:
+        calls.append(name)
+        return Sample(1.0, 1.0)
+
+    on, off = interleaved(lambda: side("on"), lambda: side("off"), 3)
+    assert calls == ["on", "off", "on", "off", "off", "on", "on", "off"]
+    assert len(on) == len(off) == 3
+
+
+def test_ratio_of_medians_and_same_mode_noise_of_even_over_odd_rounds() -> None:
+    found = compare([1.1, 1.0, 1.3, 1.0], [1.0, 1.0, 1.0, 1.0])
+    assert found["ratio"] == pytest.approx(1.05)
+    assert found["same_mode_ratio"] == {"on": pytest.approx(1.2), "off": pytest.approx(1.0)}
+    assert found["same_mode_spread"] == {"on": pytest.approx(1.3), "off": pytest.approx(1.0)}
+    assert str(found["verdict"]).startswith("within measured noise")
+
+
+@pytest.mark.parametrize(
+    ("ratio", "noise", "expected"),
+    [
+        (1.005, [1.5, 1.0], "met"),
+        (0.9, [1.0, 1.0], "met"),
+        (1.04, [0.95, 1.0], "within measured noise"),
+        (1.04, [1.01, 1.02], "not met"),
+    ],
+)
+def test_verdict(ratio: float, noise: list[float], expected: str) -> None:
+    assert verdict(ratio, noise).startswith(expected)
+
+
+def test_overhead_compares_wall_and_cpu_time_and_needs_two_rounds() -> None:
+    on = [Sample(2.0, 1.0), Sample(2.0, 1.0)]
+    off = [Sample(1.0, 1.0), Sample(1.0, 1.0)]
+    found = overhead(on, off)
+    assert found["rounds"] == 2
+    assert found["wall"]["ratio"] == pytest.approx(2.0)  # type: ignore[index]
+    assert found["cpu"]["ratio"] == pytest.approx(1.0)  # type: ignore[index]
+    with pytest.raises(ValueError, match="need >= 2 rounds per side, found 1 on, 2 off"):
+        overhead(on[:1], off)

@@ -1,0 +1,139 @@
+"""The agent's early word on a SIGKILLed worker: its engine publishes ``dead`` as soon as the
+worker's process is a zombie (before the kernel closes its sockets), and a survivor reports
+``unhealthy`` as soon as it reads that, ahead of vLLM's own ``on_fault``."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+from types import SimpleNamespace
+from typing import Any
+
+import psutil
+import pytest
+
+from ftengine.integrations.vllm import engine_agent
+from ftengine.integrations.vllm.engine_agent import KEY, worker_dying
+from tests.unit.test_vllm_engine_agent import Sentinel, agent_for, markers
+
+
+class PushingSentinel(Sentinel):
+    """The stand-in with vLLM's ``_push_status()`` (no arguments), recording each push as
+    the agent's fields would be pushed."""
+
+    def __init__(self, rank: int = 0) -> None:
+        super().__init__(rank=rank)
+        self.pushed: list[dict[str, object]] = []
+        self.agent: Any = None
+
+    def _push_status(self) -> None:
+        self.pushed.append(self.agent.status_fields())
+
+
+def executor(*pids: int, shutting_down: bool = False) -> SimpleNamespace:
+    workers = [SimpleNamespace(proc=SimpleNamespace(pid=pid)) for pid in pids]
+    return SimpleNamespace(workers=workers, shutting_down=shutting_down, is_failed=False)
+
+
+@pytest.fixture
+def zombie() -> Any:
+    """A child that has exited and that nobody has reaped yet."""
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    deadline = time.monotonic() + 30
+    while psutil.Process(child.pid).status() != psutil.STATUS_ZOMBIE:
+        assert time.monotonic() < deadline, "the child never exited"
+        time.sleep(0.01)
+    yield child.pid
+    child.wait()
+
+
+def test_a_zombie_or_vanished_worker_is_dying_a_live_one_is_not(zombie: int) -> None:
+    assert worker_dying(executor(zombie))
+    assert not worker_dying(executor(os.getpid()))
+    assert not worker_dying(executor(zombie, shutting_down=True))  # stopping on purpose
+    assert not worker_dying(SimpleNamespace())  # an executor without worker processes
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()  # reaped: no such process any more
+    assert worker_dying(executor(gone.pid))
+
+
+def test_a_leader_that_has_begun_to_exit_counts_as_dying(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The leader thread that unmaps a big process's memory is no zombie yet, but carries
+    PF_EXITING from the start of its exit."""
+    running = ["R", "1", "1", "1", "0", "-1", str(0x400000)]
+    monkeypatch.setattr(engine_agent, "_proc_stat", lambda pid: running)
+    assert not engine_agent.exiting(1)
+    running[6] = str(0x400000 | engine_agent.PF_EXITING)
+    assert engine_agent.exiting(1)
+
+
+def test_an_engine_whose_worker_is_dying_publishes_dead_at_once(zombie: int) -> None:
+    sentinel = PushingSentinel(rank=1)
+    agent = agent_for(sentinel)
+    sentinel.agent = agent
+    sentinel.engine.model_executor = executor(zombie)
+    agent._watch_peers()
+    assert json.loads(sentinel.engine.dp_store.data[KEY.format(rank=1)])["status"] == "dead"
+    assert [p.get("status") for p in sentinel.pushed] == ["dead"]
+    agent._watch_peers()
+    assert len(sentinel.pushed) == 1  # reported once
+    sentinel.engine.dp_store.peer(0, "unhealthy")  # a survivor faulted on our news
+    agent._watch_peers()
+    assert markers(sentinel) == []  # this engine goes DEAD by vLLM's monitor, not UNHEALTHY
+    waiter = threading.Thread(target=agent.await_fault)  # a retry to this engine
+    waiter.start()
+    waiter.join(0.3)
+    assert waiter.is_alive(), "a command must wait for vLLM's own DEAD"
+    agent.fault_handled()
+    waiter.join(0.3)
+    assert waiter.is_alive(), "released before the patched on_fault's last status push"
+    agent.release_commands()
+    waiter.join(5.0)
+    assert not waiter.is_alive()
+
+
+def test_a_survivor_reports_unhealthy_before_vllms_on_fault_runs() -> None:
+    sentinel = PushingSentinel()
+    agent = agent_for(sentinel)
+    sentinel.agent = agent
+    sentinel.engine.dp_store.peer(1, "dead")
+    agent._watch_peers()
+    assert len(markers(sentinel)) == 1  # vLLM's own fault path still runs
+    (early,) = sentinel.pushed
+    assert (early["status"], early["fault_info"]) == ("unhealthy", "PeerDead")
+    agent.fault_handled()  # vLLM's on_fault ran: its own status says it from now on
+    assert "status" not in agent.status_fields()
+
+
+def test_a_command_after_the_early_report_waits_for_vllms_on_fault() -> None:
+    sentinel = PushingSentinel()
+    agent = agent_for(sentinel)
+    sentinel.agent = agent
+    sentinel.engine.dp_store.peer(1, "dead")
+    agent._watch_peers()
+    waiter = threading.Thread(target=agent.await_fault)  # vLLM's input thread, a command
+    waiter.start()
+    waiter.join(0.3)
+    assert waiter.is_alive(), "the command did not wait for on_fault"
+    agent.fault_handled()
+    waiter.join(0.3)
+    assert waiter.is_alive(), "released before the patched on_fault's last status push"
+    agent.release_commands()
+    waiter.join(5.0)
+    assert not waiter.is_alive()
+
+
+def test_an_unhealthy_peer_gets_no_early_report_and_commands_do_not_wait() -> None:
+    sentinel = PushingSentinel()
+    agent = agent_for(sentinel)
+    sentinel.agent = agent
+    sentinel.engine.dp_store.peer(1, "unhealthy")  # alive: a retry may include it
+    agent._watch_peers()
+    assert len(markers(sentinel)) == 1 and sentinel.pushed == []
+    start = time.monotonic()
+    agent.await_fault()
+    assert time.monotonic() - start < 0.1
