@@ -5,7 +5,9 @@ ftengine's :class:`~ftengine.integrations.vllm.engine_agent.EngineCoreAgent`,
 ``on_fault`` tells it of the fault (and the worker's FSM, after vLLM's own status push),
 ``_push_status`` adds ftengine's phase, epoch and removed ranks to the pushed status, and
 ``EngineCoreProc._handle_client_request`` lets the agent's input-queue marker raise a peer
-fault into the busy loop (vLLM's own fault path then runs).
+fault into the busy loop (vLLM's own fault path then runs). ``scale_down`` (vLLM 0.32 has only
+``retry``): the router's ``_validate_payload`` passes it (400 when malformed) and
+``EngineCoreSentinel.scale_down`` is added for vLLM's own dispatch (``scale_down.py``).
 
 **CPU platform** (what it lacks for DP+EP MoE):
 With ``--enable-expert-parallel`` and DP > 1, vLLM on CPU picks the
@@ -334,6 +336,10 @@ def _engine_scale_down(self: Any, ft_request: Any) -> Any:
     return scale_down(self, ft_request)
 
 
+def _checked_only(original: Callable[..., Any]) -> Callable[..., Any]:
+    return original  # a NewMethod's dispatch is checked, never replaced
+
+
 @attrs.frozen
 class NewMethod:
     """``module.owner.name`` added (vLLM has none: it must still have none, or be ours);
@@ -367,7 +373,7 @@ SCALE_DOWN_METHOD = NewMethod(
     _engine_scale_down,
     Patch(
         CORE_SENTINEL_MODULE, "EngineCoreSentinel", "handle_command",
-        ("client_idx", "call_id", "ft_args"), _replace(_engine_scale_down),
+        ("client_idx", "call_id", "ft_args"), _checked_only,
     ),
 )  # fmt: skip
 
