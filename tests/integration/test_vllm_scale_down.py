@@ -38,20 +38,24 @@ def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return write_tiny_qwen3_moe(tmp_path_factory.mktemp("vllm-sd") / "qwen3-moe")
 
 
+def deploy(checkpoint: Path, logs: Path, dp_size: int) -> VllmDeployment:
+    config = DeploymentConfig(
+        checkpoint,
+        dp_size=dp_size,
+        port=free_port_run(dp_size),
+        additional_config={"ftengine": {"cpu_distributed_timeout_sec": OP_TIMEOUT_S}},
+        log_dir=logs,
+        recovery_timeout_s=300.0,
+        startup_timeout_s=600.0,
+    )
+    return VllmDeployment.start(config)
+
+
 @pytest.fixture
 def deployment(
     checkpoint: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[VllmDeployment]:
-    config = DeploymentConfig(
-        checkpoint,
-        dp_size=2,
-        port=free_port_run(2),
-        additional_config={"ftengine": {"cpu_distributed_timeout_sec": OP_TIMEOUT_S}},
-        log_dir=tmp_path_factory.mktemp("logs"),
-        recovery_timeout_s=300.0,
-        startup_timeout_s=400.0,
-    )
-    with VllmDeployment.start(config) as started:
+    with deploy(checkpoint, tmp_path_factory.mktemp("logs"), 2) as started:
         yield started
 
 
@@ -81,19 +85,22 @@ def traffic(url: str, checkpoint: Path, stop: threading.Event) -> None:
             time.sleep(0.05)
 
 
-def kill_mid_traffic(deployment: VllmDeployment, checkpoint: Path, victim: int) -> None:
-    """SIGKILL ``victim``'s worker while both ranks stream requests; wait for the verdict."""
+def kill_mid_traffic(
+    deployment: VllmDeployment, checkpoint: Path, victim: int, survivors: list[int]
+) -> None:
+    """SIGKILL ``victim``'s worker while the live ranks stream requests; wait for the verdict."""
     stop = threading.Event()
     streams = [
-        threading.Thread(target=traffic, args=(url, checkpoint, stop), daemon=True)
-        for url in deployment.urls
+        threading.Thread(target=traffic, args=(deployment.urls[r], checkpoint, stop), daemon=True)
+        for r in [victim, *survivors]
     ]
     for stream in streams:
         stream.start()
     time.sleep(1.0)
     os.kill(deployment.pids()[victim]["worker"], signal.SIGKILL)
     try:
-        wait_for(deployment, {victim: "dead", 1 - victim: "unhealthy"}, OP_TIMEOUT_S + 25)
+        want = {victim: "dead", **{r: "unhealthy" for r in survivors}}
+        wait_for(deployment, want, OP_TIMEOUT_S + 25)
     finally:
         stop.set()
         for stream in streams:
@@ -110,17 +117,24 @@ def victim_refuses(deployment: VllmDeployment, victim: int) -> None:
 
 
 def scale_down_answers_as_before(
-    deployment: VllmDeployment, checkpoint: Path, victim: int, before: list[str]
+    deployment: VllmDeployment,
+    checkpoint: Path,
+    removed: list[int],
+    before: dict[int, list[str]],
+    epoch: int = 1,
 ) -> float:
-    survivor = 1 - victim
+    """``scale_down`` of ``removed`` (cumulative) to every survivor (``before``'s ranks):
+    healthy, with ftengine's fields, answering as before. Seconds from the first command."""
     started = time.monotonic()
-    reply = apply(deployment.urls[survivor], scale_down_body([victim]))
-    assert reply.status_code == 202, reply.text
-    wait_for(deployment, {survivor: "healthy"}, 60)
-    status = next(e for e in engines(deployment) if e["id"] == survivor)
-    assert (status["phase"], status["epoch"], status["removed_ranks"]) == ("healthy", 1, [victim])
-    after = complete(deployment.urls[survivor], checkpoint)
-    assert after == before
+    for rank in before:
+        reply = apply(deployment.urls[rank], scale_down_body(sorted(removed)))
+        assert reply.status_code == 202, reply.text
+    wait_for(deployment, dict.fromkeys(before, "healthy"), 60)
+    for engine in (e for e in engines(deployment) if e["id"] in before):
+        fields = (engine["phase"], engine["epoch"], engine["removed_ranks"])
+        assert fields == ("healthy", epoch, sorted(removed)), engine
+    for rank, expected in before.items():
+        assert complete(deployment.urls[rank], checkpoint) == expected, rank
     return time.monotonic() - started
 
 
@@ -137,7 +151,7 @@ def test_sigkill_mid_traffic_then_scale_down_answers_as_before(
 ) -> None:
     before = [complete(url, checkpoint) for url in deployment.urls]
     assert before[0] == before[1]
-    kill_mid_traffic(deployment, checkpoint, victim=1)
+    kill_mid_traffic(deployment, checkpoint, victim=1, survivors=[0])
     victim_refuses(deployment, victim=1)
     survivor_url = deployment.urls[0]
     malformed = apply(survivor_url, scale_down_body("1"))
@@ -147,7 +161,7 @@ def test_sigkill_mid_traffic_then_scale_down_answers_as_before(
     assert refused.status_code == 202
     reason = str(answer(deployment, 0, refused.json()["request_id"], 30)["ft_error"])
     assert "Rejecting scale_down on engine 0" in reason and "own rank 0" in reason, reason
-    seconds = scale_down_answers_as_before(deployment, checkpoint, 1, before[0])
+    seconds = scale_down_answers_as_before(deployment, checkpoint, [1], {0: before[0]})
     print(f"scale_down of rank 1: healthy and answering {seconds:.3f} s after the command")
 
 
@@ -156,7 +170,27 @@ def test_rank0_the_wave_leader_and_store_host_can_be_scaled_down(
     deployment: VllmDeployment, checkpoint: Path
 ) -> None:
     before = [complete(url, checkpoint) for url in deployment.urls]
-    kill_mid_traffic(deployment, checkpoint, victim=0)
+    kill_mid_traffic(deployment, checkpoint, victim=0, survivors=[1])
     victim_refuses(deployment, victim=0)
-    seconds = scale_down_answers_as_before(deployment, checkpoint, 0, before[1])
+    seconds = scale_down_answers_as_before(deployment, checkpoint, [0], {1: before[1]})
     print(f"scale_down of rank 0: healthy and answering {seconds:.3f} s after the command")
+
+
+@pytest.mark.timeout(1500)
+def test_two_successive_scale_downs_4_to_3_to_2(
+    checkpoint: Path, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    """DP=4 (~7.6 GB here): rank 3, then rank 2; the second command names both."""
+    with deploy(checkpoint, tmp_path_factory.mktemp("logs4"), 4) as deployment:
+        before = {r: complete(url, checkpoint) for r, url in enumerate(deployment.urls)}
+        assert len({tuple(v) for v in before.values()}) == 1
+        kill_mid_traffic(deployment, checkpoint, victim=3, survivors=[0, 1, 2])
+        first = {r: before[r] for r in (0, 1, 2)}
+        seconds = scale_down_answers_as_before(deployment, checkpoint, [3], first)
+        kill_mid_traffic(deployment, checkpoint, victim=2, survivors=[0, 1])
+        refused = apply(deployment.urls[0], scale_down_body([2]))
+        reason = str(answer(deployment, 0, refused.json()["request_id"], 30)["ft_error"])
+        assert "must include the ranks already removed [3]" in reason, reason
+        second = {r: before[r] for r in (0, 1)}
+        seconds2 = scale_down_answers_as_before(deployment, checkpoint, [3, 2], second, epoch=2)
+    print(f"4 -> 3 -> 2: healthy and answering {seconds:.3f} s, then {seconds2:.3f} s")

@@ -245,3 +245,15 @@ def test_the_cpu_backend_scales_down_through_its_rehoster() -> None:
     assert backend.repair_experts(frozenset({2})).reloads == 4
     assert (backend.dead, rehoster.calls) == (frozenset({2}), [frozenset({2})])
     assert backend.repair_experts(frozenset()) == RepairReport()  # a retry re-hosts nothing
+
+
+def test_the_bench_reads_the_reloads_from_the_survivors_log(tmp_path: Path) -> None:
+    from ftengine.integrations.vllm.bench_scale_down import adopted
+
+    log = tmp_path / "rank0.log"
+    log.write_text(
+        "(Worker_DP0_EP0 pid=1) INFO [experts_rehost.py:198] [FT] EP rank 0 adopted 8 experts "
+        "(786432 bytes); lower bound 8 cluster-wide\n"
+    )
+    assert adopted(log) == (8, 786432, 8)
+    assert adopted(tmp_path / "missing.log") == (0, 0, 0)
