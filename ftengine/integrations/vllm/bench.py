@@ -24,6 +24,7 @@ from pathlib import Path
 import attrs
 import httpx
 
+from ftengine.integrations.vllm.bench_scale_down import scale_down_figures
 from ftengine.integrations.vllm.launcher import DeploymentConfig, VllmDeployment
 
 PROMPT = "w1 w2 w3 w4"
@@ -171,12 +172,19 @@ def _launch(config: BenchConfig, index: int, ft: bool, env: dict[str, str]) -> V
 
 def run(config: BenchConfig) -> dict[str, object]:
     """Every launch, measured; one JSON-able object."""
-    from ftengine.integrations.vllm.bench_scale_down import scale_down_figures
-
     head: dict[str, object] = {"vllm_version": vllm_version(), "dp_size": config.dp_size}
-    if config.scale_down_only:
-        return {**head, **scale_down_figures(config)}
-    return {**run_kills(config), **scale_down_figures(config)}
+    kills = head if config.scale_down_only else run_kills(config)
+    return {**kills, **_scale_down(config)}
+
+
+def _scale_down(config: BenchConfig) -> dict[str, object]:
+    def launch(index: int) -> VllmDeployment:
+        return _launch(config, 200 + index, True, {})
+
+    def client(deployment: VllmDeployment) -> Client:
+        return Client(deployment, str(config.checkpoint))
+
+    return scale_down_figures(launch, client, config.scale_down_trials)
 
 
 def run_kills(config: BenchConfig) -> dict[str, object]:

@@ -17,15 +17,30 @@ import signal
 import statistics
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import attrs
 import httpx
 
-if TYPE_CHECKING:
-    from ftengine.integrations.vllm.bench import BenchConfig, Client
+from ftengine.integrations.vllm.launcher import VllmDeployment
+
+
+class Client(Protocol):
+    """What the trials use of ``bench.Client``."""
+
+    deployment: VllmDeployment
+    http: httpx.Client
+
+    def complete(self, rank: int, tokens: int = ..., timeout: float = ...) -> dict[str, object]: ...
+
+    def wait(self, want: Callable[[dict[int, str]], bool], timeout_s: float) -> float: ...
+
+
+Launch = Callable[[int], VllmDeployment]
+"""Start launch number ``i`` of the benchmark's FT-on deployment (``bench._launch``)."""
+MakeClient = Callable[[VllmDeployment], Client]
 
 ADOPTED = re.compile(r"EP rank (\d+) adopted (\d+) experts \((\d+) bytes\); lower bound (\d+)")
 STREAM_TOKENS = 8
@@ -100,16 +115,14 @@ def kill_and_scale_down(client: Client, victim: int) -> tuple[float, bool]:
     return last - killed, all(answers[r][1] == before[r] for r in survivors)
 
 
-def trial(config: BenchConfig, index: int) -> Trial:
+def trial(launch: Launch, make_client: MakeClient, index: int) -> Trial:
     """One launch of the deployment, one fault, one scale-down."""
-    from ftengine.integrations.vllm.bench import Client, _launch
-
     started = time.monotonic()
-    with _launch(config, 200 + index, True, {}) as deployment:
-        client = Client(deployment, str(config.checkpoint))
+    with launch(index) as deployment:
+        client = make_client(deployment)
         client.complete(0)
         cold = time.monotonic() - started
-        victim = config.dp_size - 1
+        victim = deployment.config.dp_size - 1
         interruption, match = kill_and_scale_down(client, victim)
         logs = [rank.log_path for rank in deployment.ranks if rank.rank != victim]
         counts = [adopted(log) for log in logs]
@@ -127,9 +140,9 @@ def _summary(values: Sequence[float]) -> dict[str, float]:
     return {"median": statistics.median(values), "max": max(values), "n": len(values)}
 
 
-def scale_down_figures(config: BenchConfig) -> dict[str, object]:
-    """``scale_down_trials`` launches, measured: the figures ``bench vllm`` reports."""
-    trials = [trial(config, i) for i in range(config.scale_down_trials)]
+def scale_down_figures(launch: Launch, make_client: MakeClient, count: int) -> dict[str, object]:
+    """``count`` launches, measured: the figures ``bench vllm`` reports."""
+    trials = [trial(launch, make_client, i) for i in range(count)]
     interruption = _summary([t.interruption_s for t in trials])
     cold = _summary([t.cold_restart_s for t in trials])
     return {
