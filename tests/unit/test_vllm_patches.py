@@ -41,7 +41,7 @@ def restored(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
 @pytest.mark.parametrize("patch", PATCHES, ids=lambda p: f"{p.owner}.{p.name}")
 def test_every_patched_name_exists_with_the_expected_parameters(patch: Patch) -> None:
     owner, original = patch.target()
-    assert owner.__name__ == patch.owner
+    assert owner.__name__ == (patch.owner or patch.module)  # "": a module-level function
     assert getattr(original, PATCHED_MARK, None) is None  # the original, never a wrapper
 
 
@@ -131,3 +131,24 @@ def test_gatherv_checks_this_ranks_size() -> None:
         all_gatherv(Comm(2, 0), torch.zeros(2, 1), dim=0, sizes=[3, 1])
     with pytest.raises(NotImplementedError, match="only dim 0"):
         all_gatherv(Comm(2, 0), torch.zeros(2, 1), dim=1)
+
+
+def test_the_added_scale_down_fails_loudly_once_vllm_has_its_own(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from ftengine.integrations.vllm.patches import SCALE_DOWN_METHOD
+
+    owner, _ = SCALE_DOWN_METHOD.dispatch.target()  # vLLM's handle_command, checked
+    monkeypatch.setattr(owner, "scale_down", lambda self, request: None, raising=False)
+    with pytest.raises(VllmSeamMoved, match=r"EngineCoreSentinel\.scale_down .* its own"):
+        SCALE_DOWN_METHOD.install()
+    monkeypatch.delattr(owner, "scale_down")
+    SCALE_DOWN_METHOD.install()
+    SCALE_DOWN_METHOD.install()  # idempotent
+    assert owner.scale_down is SCALE_DOWN_METHOD.function
+    moved = attrs.evolve(
+        SCALE_DOWN_METHOD,
+        dispatch=attrs.evolve(SCALE_DOWN_METHOD.dispatch, params=("ft_args",)),
+    )
+    with pytest.raises(VllmSeamMoved, match="expected parameters"):
+        moved.install()

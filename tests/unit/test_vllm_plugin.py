@@ -208,9 +208,13 @@ def test_a_worker_failure_reaches_the_orchestrator_through_vllms_engine_core() -
     assert "new_stateless_dp_group_ports" in result["reason"]
 
 
-def test_vllms_engine_core_has_no_scale_down_so_it_never_reaches_workers() -> None:
+def test_vllms_engine_core_has_no_scale_down_so_it_never_reaches_workers(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     """vLLM 0.33.0's EngineCoreSentinel has only ``retry``; scale_down needs an engine core
-    that relays it (vLLM-Ascend's), which then reaches ``handle_ft_command`` as retry does."""
+    that relays it (vLLM-Ascend's, or ftengine's ``scale_down`` patch: tests/unit/
+    test_vllm_scale_down.py), which then reaches ``handle_ft_command`` as retry does."""
+    monkeypatch.delattr(core_sentinel.EngineCoreSentinel, "scale_down", raising=False)
     workers = [make_worker()]
     plugged(workers[0]).attach()
     core, engine = engine_core(workers)

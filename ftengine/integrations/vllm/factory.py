@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
-from typing import TypedDict
+from typing import TYPE_CHECKING, TypedDict
 
 import attrs
 import torch
@@ -31,6 +31,9 @@ from ftengine.integrations.vllm.shapes import VllmDistributed, WorkerLike
 from ftengine.placement.maps import ExpertPlacement
 from ftengine.policies import OrchestratorDriven
 from ftengine.sentinel import WorkerSentinel
+
+if TYPE_CHECKING:
+    from ftengine.integrations.vllm.cpu_backend import Rehost
 
 PLATFORMS_MODULE = "vllm.platforms"
 NPU = "npu"
@@ -71,8 +74,26 @@ def vllm_cpu_backend(
     timeout = settings.cpu_distributed_timeout_s or DEFAULT_OP_TIMEOUT_S
     hooks.gloo_device_group = True  # on CPU the DP group's device side is gloo as well
     hooks.group_timeout_s = timeout
-    backend = VllmCpuBackend(real_process_groups, rank=worker.parallel_config.data_parallel_rank)
+    parallel = worker.parallel_config
+    backend = VllmCpuBackend(
+        real_process_groups, rank=parallel.data_parallel_rank, rehost=cpu_rehoster(worker, hooks)
+    )
     return DeviceBackend(backend, serving_op_timeout_s=timeout)
+
+
+def cpu_rehoster(worker: WorkerLike, hooks: VllmWorkerHooks) -> Rehost | None:
+    """Scale-down's expert re-hosting on CPU (TP = 1: one EP rank per DP rank), else None."""
+    from ftengine.integrations.vllm.experts_rehost import CpuExpertRehoster
+
+    parallel = worker.parallel_config
+    if parallel.tensor_parallel_size != 1:
+        return None
+    return CpuExpertRehoster(
+        hooks.expert_layers,
+        hooks.checkpoint,
+        ep_rank=parallel.data_parallel_rank,
+        ep_size=parallel.data_parallel_size,
+    )
 
 
 def backend_for_platform(device_type: str) -> BackendFactory:

@@ -18,6 +18,7 @@ from typing import Protocol, cast
 import torch
 
 from ftengine.errors import BackendError, PlacementError
+from ftengine.integrations.vllm.distributed import ALIVE_ATTR
 from ftengine.integrations.vllm.shapes import (
     EplbStateLike,
     ModuleTree,
@@ -191,6 +192,7 @@ class VllmWorkerHooks:
         group.cpu_group = new
         if self.gloo_device_group:
             _replace_device_group(group, new)
+            mark_members(group, alive)
         logger.info(
             "vLLM DP group rebuilt",
             extra={"rank": parallel.data_parallel_rank, "epoch": epoch, "alive": alive},
@@ -223,6 +225,17 @@ def _replace_device_group(group: object, new: object) -> None:
     if communicator is not None:
         communicator.device_group = new
         communicator.cpu_group = new
+
+
+def mark_members(group: object, alive: Sequence[int]) -> None:
+    """Tell the DP communicator which original ranks its rebuilt group holds (the CPU
+    all-gatherv drops the removed ranks' empty pieces by it); all ranks: no mark."""
+    communicator = getattr(group, "device_communicator", None)
+    if communicator is None:
+        return
+    world = int(getattr(communicator, "world_size", len(alive)))
+    members = tuple(sorted(alive))
+    setattr(communicator, ALIVE_ATTR, None if members == tuple(range(world)) else members)
 
 
 def _timeout(seconds: object) -> timedelta | None:

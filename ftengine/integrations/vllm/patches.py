@@ -7,6 +7,9 @@ ftengine's :class:`~ftengine.integrations.vllm.engine_agent.EngineCoreAgent`,
 ``handle_command`` (vLLM's input thread) waits for ``on_fault`` after the agent's early
 ``unhealthy`` report, and ``EngineCoreProc._handle_client_request`` lets the agent's
 input-queue marker raise a peer fault into the busy loop (vLLM's own fault path then runs).
+``scale_down`` (vLLM 0.32 has only ``retry``): the router's ``_validate_payload`` passes it
+(400 when malformed) and ``EngineCoreSentinel.scale_down`` is added for vLLM's own dispatch
+(``scale_down.py``).
 
 **CPU platform** (what it lacks for DP+EP MoE):
 With ``--enable-expert-parallel`` and DP > 1, vLLM on CPU picks the
@@ -33,7 +36,8 @@ import attrs
 import torch
 import torch.distributed as dist
 
-from ftengine.errors import ConfigError
+from ftengine.errors import CommandRejected, ConfigError
+from ftengine.integrations.vllm.distributed import ALIVE_ATTR
 from ftengine.integrations.vllm.messages import import_vllm
 
 logger = logging.getLogger(__name__)
@@ -64,15 +68,33 @@ def _pieces(comm: Any, tensor: torch.Tensor, sizes: Sequence[int] | None) -> lis
     return counts
 
 
+def alive_members(comm: Any, counts: Sequence[int]) -> list[int]:
+    """The original ranks behind ``comm``'s device group, ascending (a scale-down's rebuilt
+    group has only the survivors, marked :data:`ALIVE_ATTR`; their dense rank is their index
+    here). A dead rank's piece must be empty: its column of the DP padding all-reduce is 0."""
+    alive = getattr(comm, ALIVE_ATTR, None)
+    if alive is None:
+        return list(range(len(counts)))
+    members = sorted(int(r) for r in alive)
+    dead_rows = [(r, n) for r, n in enumerate(counts) if n and r not in members]
+    if dead_rows:
+        raise ValueError(
+            f"all_gatherv: expected no rows from removed ranks (group members {members}), "
+            f"found (rank, rows) {dead_rows}"
+        )
+    return members
+
+
 def _gatherv_one(comm: Any, tensor: torch.Tensor, sizes: Sequence[int] | None) -> torch.Tensor:
     counts = _pieces(comm, tensor, sizes)
-    most = max(counts)
+    members = alive_members(comm, counts)
+    most = max(counts[r] for r in members)
     # Gloo's all_gather needs equal shapes: pad every rank's rows to the largest count.
     padded = tensor.new_zeros((most, *tensor.shape[1:]))
     padded[: tensor.shape[0]] = tensor
-    gathered = tensor.new_empty((len(counts) * most, *tensor.shape[1:]))
+    gathered = tensor.new_empty((len(members) * most, *tensor.shape[1:]))
     dist.all_gather_into_tensor(gathered, padded, group=comm.device_group)
-    return torch.cat([gathered[r * most : r * most + n] for r, n in enumerate(counts)])
+    return torch.cat([gathered[i * most : i * most + counts[r]] for i, r in enumerate(members)])
 
 
 def all_gatherv(
@@ -158,17 +180,19 @@ class Patch:
     params: tuple[str, ...]
     make: Callable[[Callable[..., Any]], Callable[..., Any]]
 
-    def target(self) -> tuple[type, Callable[..., Any]]:
-        """The owning class and its current attribute, checked against ``params``."""
-        owner = getattr(import_vllm(self.module), self.owner, None)
+    def target(self) -> tuple[Any, Callable[..., Any]]:
+        """The owning class (the module itself when ``owner`` is "") and its current
+        attribute, checked against ``params``."""
+        module = import_vllm(self.module)
+        owner = module if not self.owner else getattr(module, self.owner, None)
         original = getattr(owner, self.name, None)
-        if not isinstance(owner, type) or not callable(original):
+        if not (isinstance(owner, type) or owner is module) or not callable(original):
             raise VllmSeamMoved(
                 f"expected {self.module}.{self.owner}.{self.name} in the installed vLLM, "
                 "found none: ftengine's CPU patches need updating for this vLLM version"
             )
         original = getattr(original, PATCHED_MARK, original)
-        found = tuple(inspect.signature(original).parameters)[1:]
+        found = tuple(inspect.signature(original).parameters)[1 if self.owner else 0 :]
         if found != self.params:
             raise VllmSeamMoved(
                 f"{self.module}.{self.owner}.{self.name}: expected parameters "
@@ -299,7 +323,87 @@ CPU_PATCHES = (
 )  # fmt: skip
 
 
-PATCHES = ENGINE_CORE_PATCHES + CPU_PATCHES
+# -- scale_down through vLLM's own path (``scale_down.py``) -------------------------------
+
+ROUTER_MODULE = "vllm.entrypoints.serve.fault_tolerance.api_router"
+SCALE_DOWN = "scale_down"
+
+
+def _checking_scale_down(validate: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(validate)
+    def validate_or_scale_down(body: Any) -> Any:
+        if not isinstance(body, dict) or body.get("instruction") != SCALE_DOWN:
+            return validate(body)  # vLLM's own checks and messages
+        from ftengine.integrations.vllm.scale_down import check_payload
+
+        params = body.get("params", {})
+        try:
+            if not isinstance(params, dict):
+                raise CommandRejected("'params' must be an object.")
+            check_payload(SCALE_DOWN, params)
+        except CommandRejected as exc:  # vLLM's own answer to a malformed command: 400
+            raise import_vllm("fastapi").HTTPException(400, str(exc)) from exc
+        return SCALE_DOWN, params
+
+    setattr(validate_or_scale_down, PATCHED_MARK, validate)
+    return validate_or_scale_down
+
+
+def _engine_scale_down(self: Any, ft_request: Any) -> Any:
+    from ftengine.integrations.vllm.scale_down import scale_down
+
+    return scale_down(self, ft_request)
+
+
+def _checked_only(original: Callable[..., Any]) -> Callable[..., Any]:
+    return original  # a NewMethod's dispatch is checked, never replaced
+
+
+@attrs.frozen
+class NewMethod:
+    """``module.owner.name`` added (vLLM has none: it must still have none, or be ours);
+    ``dispatch`` is the owner's method that reaches it by name, with its parameters."""
+
+    module: str
+    owner: str
+    name: str
+    function: Callable[..., Any]
+    dispatch: Patch
+
+    def install(self) -> None:
+        owner, _dispatch = self.dispatch.target()
+        current = getattr(owner, self.name, None)
+        if current is not None and current is not self.function:
+            raise VllmSeamMoved(
+                f"expected no {self.module}.{self.owner}.{self.name} in the installed vLLM "
+                "(ftengine adds it), found one: vLLM now has its own; ftengine's "
+                "scale_down needs updating"
+            )
+        setattr(owner, self.name, self.function)
+
+
+SCALE_DOWN_PATCHES = (
+    Patch(ROUTER_MODULE, "", "_validate_payload", ("body",), _checking_scale_down),
+)
+SCALE_DOWN_METHOD = NewMethod(
+    CORE_SENTINEL_MODULE,
+    "EngineCoreSentinel",
+    "scale_down",
+    _engine_scale_down,
+    Patch(
+        CORE_SENTINEL_MODULE, "EngineCoreSentinel", "handle_command",
+        ("client_idx", "call_id", "ft_args"), _checked_only,
+    ),
+)  # fmt: skip
+
+
+PATCHES = ENGINE_CORE_PATCHES + CPU_PATCHES + SCALE_DOWN_PATCHES
+
+
+def apply_scale_down_patches() -> None:
+    """``scale_down`` in vLLM's router and engine-core sentinel (idempotent)."""
+    apply_patches(SCALE_DOWN_PATCHES)
+    SCALE_DOWN_METHOD.install()
 
 
 def apply_patches(patches: Sequence[Patch]) -> None:
@@ -319,5 +423,6 @@ def apply_cpu_patches() -> None:
 
 
 def apply_engine_core_patches() -> None:
-    """ftengine's engine-core agent (:data:`ENGINE_CORE_PATCHES`)."""
+    """ftengine's engine-core agent (:data:`ENGINE_CORE_PATCHES`) and ``scale_down``."""
     apply_patches(ENGINE_CORE_PATCHES)
+    apply_scale_down_patches()

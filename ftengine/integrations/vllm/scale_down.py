@@ -1,0 +1,156 @@
+"""``scale_down`` through vLLM's own fault-tolerance path (vLLM 0.32 accepts only ``retry``).
+
+- **Router** (each API server): ``scale_down`` joins ``_ALLOWED_INSTRUCTIONS``, and its
+  ``params`` are checked there for shape (``{"removed_dp_ranks": [int, ...]}``): a malformed
+  command is a 400 with vLLM's error object, as vLLM answers a malformed ``retry``.
+- **Engine core** (``EngineCoreSentinel.scale_down``, reached by vLLM's own ``run_method``
+  dispatch after its "status is DEAD / HEALTHY" check): every precondition ftengine's engine
+  checks (original ranks, cumulative, not all, not itself, a newly dead rank), then the DP
+  group rebuilt among the survivors with a fresh epoch (ports through vLLM's DP store under
+  its epoch-numbered keys, published by the lowest survivor), then the command relayed to
+  the workers with the ports (their FSM masks, rebuilds, re-hosts experts, runs a dummy
+  batch), then HEALTHY. A refused command answers ``FaultToleranceResult(success=False,
+  reason)`` (vLLM's client puts it in ``ft_error``); a failure while scaling down leaves the
+  engine DEAD with the reason there too.
+
+DP rank 0 in external-LB mode: its engine core leads the DP wave (``DPEngineCoreProc`` sends
+"wave complete" / "wave started" to the DP coordinator only where ``dp_rank == 0``), its
+engine core hosts the DP store and its API server runs the DP coordinator. When only rank
+0's *worker* dies, its engine core (DEAD, waiting for a command) still serves the store the
+survivors publish their new ports on, and its API server still runs the coordinator. So a
+scale-down that removes rank 0 gives the wave lead to the lowest survivor (``dp_rank`` becomes
+each survivor's dense rank; vLLM reads it for nothing else) and the new DP group's store is
+hosted by that survivor. The limit: the coordinator lives only as long as rank 0's API server,
+which vLLM stops once rank 0's engine core gives up (``engine_recovery_timeout_sec`` after
+the fault). A single survivor needs no coordinator (it starts its own waves); two or more
+then stop waking each other for new waves: restart the deployment before that timeout.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from typing import Any
+
+from ftengine.commands import REMOVED_KEY, parse_command, scale_down_problems
+from ftengine.errors import CommandRejected
+from ftengine.integrations.vllm.messages import DP_PORTS_KEY, import_vllm
+
+logger = logging.getLogger(__name__)
+
+INSTRUCTION = "scale_down"
+REMOVED_ATTR = "_ftengine_removed_dp_ranks"
+"""On ``EngineCoreSentinel``: the original DP ranks removed so far (cumulative)."""
+EPOCH_ATTR = "_dp_reinit_epoch"
+UTILS_MODULE = "vllm.v1.fault_tolerance.utils"
+ENGINE_MODULE = "vllm.v1.engine"
+DISTRIBUTED_MODULE = "vllm.distributed"
+NETWORK_MODULE = "vllm.utils.network_utils"
+WAVE_LEAD_ATTR = "dp_rank"
+"""``DPEngineCoreProc.dp_rank``: read only to pick the DP rank that leads the wave (0)."""
+
+
+def check_payload(instruction: str, params: dict[str, Any]) -> None:
+    """The router's shape check of a ``scale_down``; raises ``CommandRejected`` saying what
+    was expected (the router turns it into a 400)."""
+    if instruction == INSTRUCTION:
+        parse_command(instruction, params)
+
+
+def problems(sentinel: Any, params: dict[str, Any]) -> tuple[frozenset[int], list[str]]:
+    """The cumulative removed set of a ``scale_down`` and every precondition it breaks."""
+    parallel = sentinel.engine.vllm_config.parallel_config
+    try:
+        removed = parse_command(INSTRUCTION, params).removed
+    except CommandRejected as exc:
+        return frozenset(), [str(exc)]
+    found = scale_down_problems(
+        removed,
+        rank=int(parallel.data_parallel_rank),
+        world_size=int(parallel.data_parallel_size),
+        already_removed=frozenset(getattr(sentinel, REMOVED_ATTR, frozenset())),
+        # On CPU survivors grow their expert tensors: any survivor can host every expert.
+        redundancy=None,
+    )
+    return removed, found
+
+
+def scale_down(sentinel: Any, ft_request: Any) -> Any:
+    """``EngineCoreSentinel.scale_down(ft_request)`` -> ``FaultToleranceResult``."""
+    utils = import_vllm(UTILS_MODULE)
+    rank = sentinel.engine_index
+    removed, found = problems(sentinel, dict(ft_request.params))
+    if found:
+        reason = f"[FT] Rejecting {INSTRUCTION} on engine {rank}: " + "; ".join(found)
+        logger.warning(reason)
+        return utils.FaultToleranceResult(
+            request_id=ft_request.request_id, success=False, reason=reason
+        )
+    try:
+        run(sentinel, ft_request, removed)
+    except Exception:
+        # A fault while scaling down is terminal (vLLM's client records the reason in
+        # ft_error from the failed result that handle_command builds from this exception).
+        sentinel.status_type = import_vllm(ENGINE_MODULE).EngineStatusType.DEAD
+        sentinel._push_status()
+        logger.exception("[FT] Engine %d: scale_down failed; status -> DEAD", rank)
+        raise
+    return utils.FaultToleranceResult(request_id=ft_request.request_id, success=True)
+
+
+def run(sentinel: Any, ft_request: Any, removed: frozenset[int]) -> None:
+    """Rebuild the engine's DP group among the survivors, relay to the workers, resume."""
+    engine = sentinel.engine
+    world = int(engine.vllm_config.parallel_config.data_parallel_size)
+    alive = [r for r in range(world) if r not in removed]
+    ft_request.params.update(reinit_dp_group(sentinel, alive))
+    ft_request.params[REMOVED_KEY] = sorted(removed)
+    if hasattr(engine, WAVE_LEAD_ATTR):  # the lowest survivor leads the DP wave now
+        setattr(engine, WAVE_LEAD_ATTR, alive.index(int(sentinel.engine_index)))
+    if hasattr(engine, "step_counter"):
+        engine.step_counter = 0  # the survivors' DP sync counts steps from here together
+    engine.model_executor.collective_rpc("handle_ft_command", args=(ft_request,))
+    setattr(sentinel, REMOVED_ATTR, removed)
+    sentinel.status_type = import_vllm(ENGINE_MODULE).EngineStatusType.HEALTHY
+    logger.info(
+        "[FT] Engine %d status -> HEALTHY (removed DP ranks %s)",
+        sentinel.engine_index,
+        sorted(removed),
+    )
+    sentinel.resumed.set()
+    sentinel._push_status()
+
+
+def reinit_dp_group(sentinel: Any, alive: list[int]) -> dict[str, Any]:
+    """vLLM's ``_reinit_dp_group`` among ``alive`` (original DP ranks, ascending): the same
+    epoch-numbered DP-store keys, published by the lowest survivor; this engine joins the new
+    group at its dense rank. Returns the workers' params (their fresh ports)."""
+    engine = sentinel.engine
+    if not hasattr(engine, "dp_group") or not hasattr(engine, "dp_store"):
+        return {}
+    parallel = engine.vllm_config.parallel_config
+    epoch = int(getattr(sentinel, EPOCH_ATTR, 0))
+    worker_key, engine_key = f"ft_worker_dp_ports_{epoch}", f"ft_engine_dp_port_{epoch}"
+    setattr(sentinel, EPOCH_ATTR, epoch + 1)
+    dense = alive.index(int(parallel.data_parallel_rank))
+    if dense == 0:
+        free_port = import_vllm(NETWORK_MODULE).get_open_port
+        worker_ports = [free_port() for _ in range(parallel.world_size)]
+        engine_port = free_port()
+        engine.dp_store.set(worker_key, json.dumps(worker_ports).encode())
+        engine.dp_store.set(engine_key, str(engine_port).encode())
+    else:
+        worker_ports = json.loads(engine.dp_store.get(worker_key).decode())
+        engine_port = int(engine.dp_store.get(engine_key).decode())
+    dist = import_vllm(DISTRIBUTED_MODULE)
+    dist.stateless_destroy_torch_distributed_process_group(engine.dp_group)
+    engine.dp_group, engine.dp_store = dist.stateless_init_torch_distributed_process_group(
+        parallel.data_parallel_master_ip,
+        engine_port,
+        dense,
+        len(alive),
+        backend="gloo",
+        return_store=True,
+        timeout=parallel.cpu_distributed_timeout,
+    )
+    return {DP_PORTS_KEY: worker_ports}

