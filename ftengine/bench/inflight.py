@@ -33,8 +33,9 @@ VLLM_NOT_MEASURED = {
 @attrs.frozen
 class InflightOptions:
     """The run: ``dp_size`` ranks, ``tokens`` per request, the injected fault at rank 1's
-    model step ``fault_step`` (retry), the op timeout (seconds), and the bound on each
-    stream (``stream_timeout`` seconds)."""
+    model step ``fault_step`` (retry; counted from the server's start, one-token warm-up
+    request included), the op timeout (seconds), and the bound on each stream
+    (``stream_timeout`` seconds)."""
 
     dp_size: int = attrs.field(default=4, validator=attrs.validators.ge(2))
     tokens: int = attrs.field(default=40, validator=attrs.validators.ge(4))
@@ -71,6 +72,11 @@ class Bench:
     def streams(self, server: Server) -> list[Stream]:
         o = self.options
         return start_streams(server.url, MODEL, PROMPTS, o.tokens, o.stream_timeout)
+
+    def warm_up(self, server: Server) -> None:
+        """One one-token request, so that no measured round pays the first step's costs."""
+        o = self.options
+        join_all(start_streams(server.url, MODEL, PROMPTS[:1], 1, o.stream_timeout), 60.0)
 
     def baseline(self, server: Server) -> list[float]:
         """Each prompt's fault-free duration in one concurrent round (all must complete)."""
@@ -112,20 +118,25 @@ class Bench:
 
 
 def cluster_rows(bench: Bench, launch: Launch) -> dict[str, dict[str, Any]]:
-    """``{retry, scale_down} x {reinference, no_reinference}`` on the CPU cluster; the
-    scale-down server's fault-free round is each mode's baseline."""
+    """``{retry, scale_down} x {reinference, no_reinference}`` on the CPU cluster, each on a
+    warmed-up server of its own. Baselines come from the same server: the round before the
+    SIGKILL (after it the cluster has a rank less), the round after the retry (the injected
+    fault fires once; before it, a round would use up the model steps it counts)."""
     rows: dict[str, dict[str, Any]] = {"retry": {}, "scale_down": {}}
     step = f"rank=1,step={bench.options.fault_step},kind=raise"
     for mode in MODES:
         server = launch(f"{mode}-scale-down", bench.options.serve_args(mode))
         try:
+            bench.warm_up(server)
             baseline = bench.baseline(server)
             rows["scale_down"][mode] = bench.row(baseline, bench.scale_down_round(server))
         finally:
             server.stop()
         server = launch(f"{mode}-retry", bench.options.serve_args(mode, "--inject-fault", step))
         try:
-            rows["retry"][mode] = bench.row(baseline, bench.retry_round(server))
+            bench.warm_up(server)
+            fault = bench.retry_round(server)
+            rows["retry"][mode] = bench.row(bench.baseline(server), fault)
         finally:
             server.stop()
     return rows

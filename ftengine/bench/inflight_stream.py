@@ -46,13 +46,15 @@ class StreamRequest:
 
 class Stream(threading.Thread):
     """One streaming completion in its own thread. ``chunks``: the token ids of each chunk
-    in arrival order; ``start`` / ``end``: ``time.monotonic`` seconds; ``error``: why the
-    stream broke (an HTTP or transport error), None when it ended with ``[DONE]``."""
+    in arrival order, ``arrivals`` when each came, ``start_s`` / ``end_s`` (all
+    ``time.monotonic`` seconds); ``error``: why the stream broke (an HTTP or transport
+    error), None when it ended with ``[DONE]``."""
 
     def __init__(self, request: StreamRequest) -> None:
         super().__init__(daemon=True)
         self.request = request
         self.chunks: list[list[int]] = []
+        self.arrivals: list[float] = []  # time.monotonic() of each chunk
         self.finish_reason: str | None = None
         self.stop_reason: object = None
         self.error: str | None = None
@@ -82,6 +84,7 @@ class Stream(threading.Thread):
                     continue
                 for choice in json.loads(line[len(DATA) :]).get("choices", ()):
                     self.chunks.append([int(t) for t in choice.get("token_ids") or ()])
+                    self.arrivals.append(time.monotonic())
                     self.finish_reason = choice.get("finish_reason") or self.finish_reason
                     self.stop_reason = choice.get("stop_reason", self.stop_reason)
 

@@ -9,10 +9,13 @@ reference ``want``: *mismatched* are positions ``i < min(len)`` with ``got[i] !=
 *duplicated* are tokens beyond ``len(want)`` (a repeat lengthens a stream), *missing* are
 tokens a completed stream lacks (a gap shortens it). *In flight at the fault*: started
 before the fault and not ended by then; its *extra latency* is its duration minus the same
-prompt's fault-free duration (completed requests only)."""
+prompt's fault-free duration (completed requests only), and its *stall* the longest wait
+between two of its chunks (from its start), which shows the interruption itself where the
+recovered cluster is faster or slower than before (fewer ranks on a shared CPU are faster)."""
 
 from __future__ import annotations
 
+import itertools
 from collections import Counter
 from collections.abc import Sequence
 from typing import Any, Protocol
@@ -30,6 +33,7 @@ class StreamLike(Protocol):
 
     finish_reason: str | None
     error: str | None
+    arrivals: list[float]
     start_s: float
     end_s: float | None
 
@@ -45,6 +49,12 @@ def in_flight_at(streams: Sequence[StreamLike], fault_s: float) -> list[int]:
         for i, s in enumerate(streams)
         if s.start_s < fault_s and (s.end_s is None or s.end_s > fault_s)
     ]
+
+
+def stall_s(stream: StreamLike) -> float:
+    """The longest wait for a chunk (the first one from the start)."""
+    times = [stream.start_s, *stream.arrivals]
+    return max((b - a for a, b in itertools.pairwise(times)), default=0.0)
 
 
 def durations(streams: Sequence[StreamLike]) -> list[float | None]:
@@ -82,6 +92,10 @@ def tally(
             Counter(s.finish_reason or ("error" if s.error else "unfinished") for s in streams)
         ),
         "extra_latency_s": {k: summary(extra)[k] for k in ("median", "max", "n")},
+        "stall_s": {
+            k: summary([stall_s(streams[i]) for i in held if completed[i]])[k]
+            for k in ("median", "max", "n")
+        },
     }
 
 

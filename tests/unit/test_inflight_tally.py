@@ -20,6 +20,7 @@ class FakeStream:
     error: str | None = None
     start_s: float = 0.0
     end_s: float | None = 10.0
+    arrivals: list[float] = attrs.field(factory=list)
 
     @property
     def completed(self) -> bool:
@@ -33,6 +34,13 @@ def test_exact_streams_meet_the_targets_and_report_extra_latency() -> None:
     assert row["requests_in_flight_at_fault"] == 1  # the second ended before the fault
     assert row["extra_latency_s"] == {"median": 2.0, "max": 2.0, "n": 1}
     assert targets_met(row)
+
+
+def test_the_stall_is_the_longest_wait_for_a_chunk_of_a_request_in_flight() -> None:
+    paused = FakeStream(list(WANT), arrivals=[1.0, 1.5, 4.5, 5.0])  # 3 s between 2nd and 3rd
+    ended = FakeStream(list(WANT), end_s=0.5, arrivals=[0.1, 0.2, 0.3, 0.4])
+    row = tally([paused, ended], [WANT, WANT], fault_s=2.0, baseline_s=[10.0, 0.5])
+    assert row["stall_s"] == {"median": 3.0, "max": 3.0, "n": 1}
 
 
 def test_a_repeat_a_gap_a_wrong_token_and_an_abort_are_each_counted() -> None:
