@@ -118,7 +118,8 @@ def held_sentinel(max_reinference: int = 3, running: int = 2, waiting: int = 1) 
     run = [FakeRequest(f"r{i}") for i in range(running)]
     wait = [FakeRequest(f"w{i}", num_in_flight_tokens=0) for i in range(waiting)]
     sentinel = Sentinel(Engine(FakeScheduler(run, wait)))
-    install(sentinel, settings(reinference=True, max_reinference=max_reinference))
+    options = settings(reinference=True, max_reinference=max_reinference)
+    install(sentinel, options, check_reinference_seams)
     return sentinel
 
 
@@ -202,7 +203,7 @@ def test_a_wait_for_recovery_past_the_deadline_aborts_every_held_request() -> No
 
 def test_without_the_option_vllms_own_on_fault_runs() -> None:
     sentinel = Sentinel(Engine(FakeScheduler([FakeRequest("r0")], [])))
-    install(sentinel, settings())
+    install(sentinel, settings(), check_reinference_seams)
     assert not hasattr(sentinel, HOLD_ATTR) and type(sentinel.resumed) is threading.Event
     on_fault(sentinel, RuntimeError("boom"), vllm_abort_all)
     assert getattr(sentinel, "vllm_ran", False) is True

@@ -351,9 +351,6 @@ def start_agent(sentinel: Any, attr: str) -> None:
     settings = VllmFtSettings.from_vllm_config(sentinel.engine.vllm_config)
     agent = EngineCoreAgent(sentinel, settings)
     setattr(sentinel, attr, agent)
-    from ftengine.integrations.vllm.reinference import install
-
-    install(sentinel, settings)  # with "reinference": true, faults hold requests
     agent.start()
     sentinel._push_status()  # the first status already carries ftengine's fields
 

@@ -195,6 +195,11 @@ def _with_agent(init: Callable[..., None]) -> Callable[..., None]:
         from ftengine.integrations.vllm.engine_agent import start_agent
 
         start_agent(self, AGENT_ATTR)
+        agent = getattr(self, AGENT_ATTR, None)
+        if agent is not None:  # with "reinference": true, faults hold requests
+            from ftengine.integrations.vllm.reinference import install
+
+            install(self, agent.settings, check_reinference_seams)
 
     setattr(init_then_agent, PATCHED_MARK, init)
     return init_then_agent

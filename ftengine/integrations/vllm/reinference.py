@@ -25,7 +25,7 @@ import logging
 import threading
 import time
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import attrs
@@ -144,14 +144,13 @@ class ResumedOrDeadline(threading.Event):
         return recovered
 
 
-def install(sentinel: Any, settings: VllmFtSettings) -> None:
+def install(sentinel: Any, settings: VllmFtSettings, check_seams: Callable[[], None]) -> None:
     """Give a new ``EngineCoreSentinel`` its :class:`Hold` when ``settings.reinference``
-    (else vLLM's ``on_fault`` aborts as before)."""
+    (else vLLM's ``on_fault`` aborts as before), once ``check_seams`` (``patches.
+    check_reinference_seams``) found the vLLM names it calls where it expects them."""
     if not settings.reinference:
         return
-    from ftengine.integrations.vllm.patches import check_reinference_seams
-
-    check_reinference_seams()
+    check_seams()
     hold = Hold(Reinference(settings.max_reinference, settings.recovery_timeout_s))
     resumed = ResumedOrDeadline(hold, sentinel.engine)
     if sentinel.resumed.is_set():
