@@ -4,7 +4,8 @@ serve``; mid-generation a fault strikes (an injected transient error answered by
 or a SIGKILLed rank answered by ``scale_down``); each stream is checked against the
 single-process reference (``ftengine.bench.inflight_tally`` says what is counted). Every
 scenario runs twice side by side, with token-level re-inference on and off (``serve
---no-reinference``: a fault aborts what was in flight), each on its own server."""
+--no-reinference``: a fault aborts what was in flight), each on its own server. The same
+for real vLLM's retry: ``ftengine.bench.inflight_vllm``."""
 
 from __future__ import annotations
 
@@ -21,27 +22,27 @@ import attrs
 from ftengine.bench.inflight_serve import MODEL, Server
 from ftengine.bench.inflight_stream import Stream, join_all, start_streams, wait_streaming
 from ftengine.bench.inflight_tally import durations, tally, targets_met
+from ftengine.bench.inflight_vllm import VllmRun, vllm_rows
 
 PROMPTS = ((1, 2, 3, 4), (5, 6, 7), (8, 9, 10, 11, 12), (13, 14), (3, 1, 4, 1, 5, 9), (100, 7))
 MODES = {"reinference": (), "no_reinference": ("--no-reinference",)}
-VLLM_NOT_MEASURED = {
-    "retry": "not measured: needs the vLLM engine core to hold requests through retry",
-    "scale_down": "not measured: needs scale-down in vLLM (issue 16)",
-}
 
 
 @attrs.frozen
 class InflightOptions:
     """The run: ``dp_size`` ranks, ``tokens`` per request, the injected fault at rank 1's
     model step ``fault_step`` (retry; counted from the server's start, one-token warm-up
-    request included), the op timeout (seconds), and the bound on each stream
-    (``stream_timeout`` seconds)."""
+    request included), the op timeout (seconds), the bound on each stream
+    (``stream_timeout`` seconds); the vLLM rows run on ``vllm_checkpoint`` (none: not
+    measured), rank r's server on ``vllm_port + r``."""
 
     dp_size: int = attrs.field(default=4, validator=attrs.validators.ge(2))
     tokens: int = attrs.field(default=40, validator=attrs.validators.ge(4))
     fault_step: int = attrs.field(default=10, validator=attrs.validators.ge(1))
     op_timeout: float = 2.0
     stream_timeout: float = 150.0
+    vllm_checkpoint: Path | None = None
+    vllm_port: int = 8720
 
     def serve_args(self, mode: str, *extra: str) -> list[str]:
         return [
@@ -154,11 +155,25 @@ def run_inflight(options: InflightOptions, checkpoint: Path) -> dict[str, Any]:
             return Server(Path(scratch) / name, checkpoint, args)
 
         cluster = cluster_rows(bench, launch)
+    vllm = vllm_rows(_vllm_run(options), PROMPTS)
+    # The targets are re-inference's; the rows without it show what it saves.
+    measured = [rows["reinference"] for rows in (*cluster.values(), vllm["retry"])
+                if isinstance(rows, dict)]  # fmt: skip
+    setup = {**attrs.asdict(options), "prompts": len(PROMPTS)}
+    setup["vllm_checkpoint"] = (
+        None if options.vllm_checkpoint is None else str(options.vllm_checkpoint)
+    )
     return {
         "benchmark": "inflight",
-        "setup": {**attrs.asdict(options), "prompts": len(PROMPTS), "model_steps": "greedy"},
+        "setup": setup,
         "cluster": cluster,
-        "vllm": VLLM_NOT_MEASURED,
-        # The targets are re-inference's; the rows without it show what it saves.
-        "targets_met": all(rows["reinference"]["targets_met"] for rows in cluster.values()),
+        "vllm": vllm,
+        "targets_met": all(row["targets_met"] for row in measured),
     }
+
+
+def _vllm_run(options: InflightOptions) -> VllmRun | None:
+    o = options
+    if o.vllm_checkpoint is None:
+        return None
+    return VllmRun(o.vllm_checkpoint, o.vllm_port, o.tokens, max(o.stream_timeout, 240.0))

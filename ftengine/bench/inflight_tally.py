@@ -91,6 +91,7 @@ def tally(
         "finish_reasons": dict(
             Counter(s.finish_reason or ("error" if s.error else "unfinished") for s in streams)
         ),
+        "errors": sorted({s.error[:200] for s in streams if s.error}),
         "extra_latency_s": {k: summary(extra)[k] for k in ("median", "max", "n")},
         "stall_s": {
             k: summary([stall_s(streams[i]) for i in held if completed[i]])[k]

@@ -1,12 +1,14 @@
 """No request lost, measured: concurrent streaming completions through an injected fault +
 retry and a SIGKILLed rank + scale-down on a real ``ftengine serve``, with token-level
 re-inference on and off side by side (requests lost, tokens mismatched / repeated / missing,
-extra latency of the requests in flight at the fault). Prints one JSON object."""
+extra latency of the requests in flight at the fault); with ``--vllm-checkpoint`` the same
+for real vLLM's retry. Prints one JSON object."""
 
 from __future__ import annotations
 
 import argparse
 import json
+from pathlib import Path
 
 from ftengine.cli import launch
 from ftengine.cli.extras import bench_extra
@@ -28,6 +30,16 @@ def register(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--stream-timeout", type=float, default=150.0, help="seconds each stream may take"
+    )
+    parser.add_argument(
+        "--vllm-checkpoint",
+        type=Path,
+        default=None,
+        help="a Hugging Face Qwen3-MoE directory: adds real vLLM's retry rows (DP=2, "
+        "two deployments of ~4 GB, one at a time); without it they say 'not measured'",
+    )
+    parser.add_argument(
+        "--vllm-port", type=int, default=8720, help="vLLM rank r serves on PORT + r"
     )
     launch.add_checkpoint_args(parser, launch.CheckpointSize())
     parser.set_defaults(func=run)

@@ -67,7 +67,10 @@ def test_bench_inflight_measures_every_cluster_row_side_by_side(tmp_path: Path) 
         assert on["extra_latency_s"]["n"] == on["requests_in_flight_at_fault"]
         assert on["extra_latency_s"]["max"] >= on["extra_latency_s"]["median"]
         assert off["requests_lost"] > 0 and off["targets_met"] is False, (recovery, off)
-        assert off["finish_reasons"].get("abort", 0) == off["requests_lost"]
+        # Lost as today's server loses them: aborted, or (seen under load) a broken stream.
+        assert set(off["finish_reasons"]) <= {"abort", "error"}, off
+        assert sum(off["finish_reasons"].values()) == off["requests_lost"] == 6
     assert result["targets_met"] is True
-    assert set(result["vllm"]) == {"retry", "scale_down"}
+    assert set(result["vllm"]) == {"retry", "scale_down"}  # no --vllm-checkpoint here
+    assert result["vllm"]["retry"].startswith("not measured: pass --vllm-checkpoint")
     assert result["vllm"]["scale_down"].startswith("not measured: needs scale-down")

@@ -57,6 +57,7 @@ def test_a_repeat_a_gap_a_wrong_token_and_an_abort_are_each_counted() -> None:
     assert row["tokens_missing"] == 1  # only completed streams count as having a gap
     assert row["tokens_mismatched"] == 2 + 2 + 1
     assert row["finish_reasons"] == {"length": 3, "abort": 1, "error": 1}
+    assert row["errors"] == ["ReadError: boom"]
     assert row["extra_latency_s"]["n"] == 3 and row["extra_latency_s"]["max"] == 1.0
     assert not targets_met(row)
 
