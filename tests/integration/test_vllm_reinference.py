@@ -12,7 +12,6 @@ so at most one runs at a time); each costs ~4 GB and 1-2 min to start."""
 
 from __future__ import annotations
 
-import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -24,6 +23,7 @@ import pytest
 
 from ftengine.integrations.vllm.launcher import DeploymentConfig, VllmDeployment
 from ftengine.integrations.vllm.plugin import FAULT_FILE_ENV
+from tests.stream_support import OpenAIStream
 from tests.vllm_support import free_port_run, write_tiny_qwen3_moe
 
 openai = pytest.importorskip("openai")
@@ -49,49 +49,13 @@ class Deployed:
         return str(self.started.config.checkpoint)
 
 
-class Stream(threading.Thread):
-    """One streaming completion (greedy, EOS ignored, token ids back) in its own thread."""
-
-    def __init__(self, url: str, model: str, prompt: list[int]) -> None:
-        super().__init__(daemon=True)
-        self.client = openai.OpenAI(
-            base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=STREAM_TIMEOUT_S
-        )
-        self.model, self.prompt = model, prompt
-        self.chunks: list[list[int]] = []
-        self.finish_reason: str | None = None
-        self.stop_reason: object = None
-        self.error: BaseException | None = None
-
-    def run(self) -> None:
-        try:
-            chunks = self.client.completions.create(
-                model=self.model, prompt=self.prompt, max_tokens=TOKENS, stream=True,
-                temperature=0, extra_body={"ignore_eos": True, "return_token_ids": True},
-            )  # fmt: skip
-            for chunk in chunks:
-                for choice in chunk.choices:
-                    extra = choice.model_extra or {}
-                    self.chunks.append(list(extra.get("token_ids") or []))
-                    self.finish_reason = choice.finish_reason or self.finish_reason
-                    self.stop_reason = extra.get("stop_reason", self.stop_reason)
-        except BaseException as exc:  # reported by the test, in its own thread
-            self.error = exc
-
-    @property
-    def tokens(self) -> list[int]:
-        return [t for chunk in self.chunks for t in chunk]
-
-    def finish(self) -> None:
-        self.join(STREAM_TIMEOUT_S)
-        assert not self.is_alive(), f"stream {self.prompt} never finished: {self.tokens}"
-        assert self.error is None, f"stream {self.prompt} failed: {self.error!r}"
-
-
-def start_streams(deployed: Deployed) -> list[Stream]:
+def start_streams(deployed: Deployed) -> list[OpenAIStream]:
     """One stream per prompt, alternating between the ranks' servers."""
     urls = deployed.started.urls
-    streams = [Stream(urls[i % len(urls)], deployed.model, p) for i, p in enumerate(PROMPTS)]
+    streams = [
+        OpenAIStream(urls[i % len(urls)], deployed.model, p, TOKENS, STREAM_TIMEOUT_S)
+        for i, p in enumerate(PROMPTS)
+    ]
     for stream in streams:
         stream.start()
     return streams
@@ -112,7 +76,7 @@ def wait_status(deployed: Deployed, want: str, timeout_s: float) -> None:
         time.sleep(0.02)
 
 
-def wait_tokens(streams: list[Stream], at_least: int) -> None:
+def wait_tokens(streams: list[OpenAIStream], at_least: int) -> None:
     deadline = time.monotonic() + 120
     while not all(len(s.tokens) >= at_least or not s.is_alive() for s in streams):
         assert time.monotonic() < deadline, [len(s.tokens) for s in streams]
@@ -122,7 +86,7 @@ def wait_tokens(streams: list[Stream], at_least: int) -> None:
     ]
 
 
-def fault_then_retry(deployed: Deployed, streams: list[Stream]) -> list[int]:
+def fault_then_retry(deployed: Deployed, streams: list[OpenAIStream]) -> list[int]:
     """Rank 1's next step raises while every stream is mid-generation; once both engines
     are UNHEALTHY (rank 0 at the op timeout), ``retry`` to both. The token counts at the
     fault, each strictly mid-generation."""
