@@ -38,7 +38,7 @@ class InflightOptions:
 
     dp_size: int = attrs.field(default=4, validator=attrs.validators.ge(2))
     tokens: int = attrs.field(default=40, validator=attrs.validators.ge(4))
-    fault_step: int = attrs.field(default=10, validator=attrs.validators.ge(1))
+    fault_step: int = attrs.field(default=20, validator=attrs.validators.ge(1))
     op_timeout: float = 2.0
     stream_timeout: float = 150.0
     vllm_checkpoint: Path | None = None

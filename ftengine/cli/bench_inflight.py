@@ -23,7 +23,12 @@ def register(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dp-size", type=at_least(2), default=4, help="DP = EP ranks")
     parser.add_argument("--tokens", type=at_least(4), default=40, help="tokens per request")
     parser.add_argument(
-        "--fault-step", type=at_least(1), default=10, help="rank 1's model step that raises"
+        "--fault-step",
+        type=at_least(1),
+        default=20,
+        help="rank 1's model step that raises, counted from the server's start (warm-up "
+        "included); late enough that every stream was admitted (requests that come while the "
+        "cluster is faulted are refused with 503)",
     )
     parser.add_argument(
         "--op-timeout", type=float, default=2.0, help="seconds before a hung collective raises"
