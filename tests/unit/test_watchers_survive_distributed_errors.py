@@ -85,3 +85,32 @@ def test_the_stand_ins_raise_what_torch_raises() -> None:
     not BaseExceptions that would slip past it."""
     for error in (dist.DistBackendError, dist.DistStoreError, dist.DistNetworkError):
         assert issubclass(error, RuntimeError)
+
+
+def test_a_recovery_that_finishes_mid_beat_does_not_take_a_peer_still_finishing_it_for_news() -> (
+    None
+):
+    """The race seen in a real DP=2 retry: a beat begins while this engine is still
+    UNHEALTHY, its retry finishes during the beat's store calls, and the peer (same epoch,
+    finishing the same retry) still reads ``unhealthy``: that is not a new fault."""
+    sentinel = Sentinel(rank=1)
+    agent = engine_agent.EngineCoreAgent(sentinel, VllmFtSettings(enabled=True, npu=NpuFtConfig()))
+    store = sentinel.engine.dp_store
+    agent._watch_peers()  # healthy, long ago (the settle clock starts here)
+    agent._healthy_since -= 10 * engine_agent.SETTLE_S
+    sentinel.status_type = type(sentinel.status_type).UNHEALTHY
+    sentinel._dp_reinit_epoch = 1  # vLLM's retry counts its epoch first
+    agent._watch_peers()  # a beat while faulted
+    store.peer(0, "unhealthy", beat=2, epoch=1)
+    recovered = store.set
+
+    def set_then_recover(key: str, value: str) -> None:
+        recovered(key, value)
+        sentinel.status_type = type(sentinel.status_type).HEALTHY  # the retry ends mid-beat
+
+    store.set = set_then_recover
+    agent._watch_peers()
+    assert markers(sentinel) == []
+    store.set = recovered
+    agent._watch_peers()  # the next beat starts the settle clock: still not news
+    assert markers(sentinel) == []
