@@ -14,6 +14,7 @@ import attrs
 from ftengine.backends.npu_timeouts import ABORT_TIMEOUT_KEY, validate_abort_timeout
 from ftengine.errors import ConfigError
 from ftengine.policies.registry import check_name
+from ftengine.reinference import DEFAULT_MAX_REINFERENCE
 
 FTENGINE_KEY = "ftengine"
 
@@ -41,6 +42,12 @@ def _flag(value: object, key: str) -> bool:
     return value
 
 
+def _count(value: object, key: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ConfigError(f"{key} must be an integer >= 0, found {value!r}")
+    return value
+
+
 def ftengine_options(additional_config: Mapping[str, object]) -> Mapping[str, object]:
     """The ``ftengine`` sub-dict of ``additional_config`` ({} if absent); ``ConfigError`` if it
     is not a JSON object."""
@@ -62,7 +69,10 @@ class NpuFtConfig:
     ``scale_down``: whether scale-down must be possible (its preconditions are then
     checked at start-up). ``recovery_timeout_s``: how long to wait for a command before
     DEAD. ``cpu_distributed_timeout_s``: timeout of the gloo groups ftengine owns
-    (None = torch's default).
+    (None = torch's default). ``reinference``: a fault holds the engine core's requests and
+    resumes them after recovery instead of aborting them (vLLM's CPU path; see
+    ``ftengine.integrations.vllm.reinference``); ``max_reinference``: re-runs of one request
+    after faults before it is aborted.
     """
 
     communication_abort_timeout_s: int = 0
@@ -70,6 +80,8 @@ class NpuFtConfig:
     scale_down: bool = True
     recovery_timeout_s: float = 120.0
     cpu_distributed_timeout_s: float | None = None
+    reinference: bool = False
+    max_reinference: int = DEFAULT_MAX_REINFERENCE
 
     @classmethod
     def from_additional_config(cls, additional_config: Mapping[str, object] | None) -> NpuFtConfig:
@@ -88,6 +100,8 @@ class NpuFtConfig:
             "scale_down": ("scale_down", _flag),
             "recovery_timeout_sec": ("recovery_timeout_s", _positive_seconds),
             "cpu_distributed_timeout_sec": ("cpu_distributed_timeout_s", _optional_seconds),
+            "reinference": ("reinference", _flag),
+            "max_reinference": ("max_reinference", _count),
         }
         values: dict[str, object] = {}
         for key, value in options.items():

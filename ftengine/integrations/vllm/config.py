@@ -7,7 +7,9 @@
 - ``--cpu-distributed-timeout-seconds S``: timeout of the gloo DP groups
   (``ftengine.cpu_distributed_timeout_sec`` wins).
 - ``--additional-config '{"ft_communication_abort_timeout": T, "ftengine": {...}}'``: the NPU
-  op timeout and ftengine's own options, parsed by ``ftengine.backends.npu_config``.
+  op timeout and ftengine's own options, parsed by ``ftengine.backends.npu_config``
+  (``"reinference": true`` and ``"max_reinference": N`` hold in-flight requests through a
+  fault, see ``ftengine.integrations.vllm.reinference``).
 
 Invalid values raise :class:`VllmConfigError` at start-up, naming the flag and the key.
 """
@@ -81,6 +83,15 @@ class VllmFtSettings:
     @property
     def cpu_distributed_timeout_s(self) -> float | None:
         return self.npu.cpu_distributed_timeout_s
+
+    @property
+    def reinference(self) -> bool:
+        """``ftengine.reinference``: faults hold requests (``integrations.vllm.reinference``)."""
+        return self.npu.reinference
+
+    @property
+    def max_reinference(self) -> int:
+        return self.npu.max_reinference
 
     @classmethod
     def from_vllm_config(cls, vllm_config: VllmConfigLike) -> VllmFtSettings:

@@ -277,7 +277,9 @@ class EngineCoreAgent:
                 self._seen[rank] = (beat, now)
             stale = last is not None and now - self._seen[rank][1] > STALE_S
             self.peers[rank] = "dead" if stale else status
-            if status in ("dead", "unhealthy") and self._current(epoch, now):
+            # Only from a beat that began healthy: one that began faulted has not started
+            # the settle clock of the recovery that may have finished meanwhile.
+            if own == "healthy" and status in ("dead", "unhealthy") and self._current(epoch, now):
                 self._inject(rank, f"engine {rank} is {status}", early=status == "dead")
             elif stale:
                 self._inject(rank, f"engine {rank}'s beat stopped {STALE_S:.0f} s ago", early=True)

@@ -74,6 +74,7 @@ def vllm_cpu_backend(
     timeout = settings.cpu_distributed_timeout_s or DEFAULT_OP_TIMEOUT_S
     hooks.gloo_device_group = True  # on CPU the DP group's device side is gloo as well
     hooks.group_timeout_s = timeout
+    hooks.keep_request_states = settings.reinference  # held requests resume (v1 runner)
     parallel = worker.parallel_config
     backend = VllmCpuBackend(
         real_process_groups, rank=parallel.data_parallel_rank, rehost=cpu_rehoster(worker, hooks)

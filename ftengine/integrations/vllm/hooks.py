@@ -88,6 +88,9 @@ class VllmWorkerHooks:
         self.worker = worker
         self.dist = dist
         self.gloo_device_group = False
+        # Re-inference (integrations.vllm.reinference): the engine core resumes held requests
+        # as preempted ones, and vLLM's runner resumes those from the states it cached.
+        self.keep_request_states = False
         self.group_timeout_s: float | None = None
         self._dp_ports: list[int] | None = None
         self._placement: ExpertPlacement | None = None
@@ -109,8 +112,9 @@ class VllmWorkerHooks:
         v1.kv_connector_output = None
         batch = v1.input_batch
         for req_id in list(batch.req_id_to_index):
-            v1.requests.pop(req_id, None)
-            v1.num_prompt_logprobs.pop(req_id, None)
+            if not self.keep_request_states:
+                v1.requests.pop(req_id, None)
+                v1.num_prompt_logprobs.pop(req_id, None)
             batch.remove_request(req_id)
         batch.condense()
         batch.refresh_metadata()

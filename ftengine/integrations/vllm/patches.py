@@ -220,6 +220,11 @@ def _with_agent(init: Callable[..., None]) -> Callable[..., None]:
         from ftengine.integrations.vllm.engine_agent import start_agent
 
         start_agent(self, AGENT_ATTR)
+        agent = getattr(self, AGENT_ATTR, None)
+        if agent is not None:  # with "reinference": true, faults hold requests
+            from ftengine.integrations.vllm.reinference import install
+
+            install(self, agent.settings, check_reinference_seams)
 
     setattr(init_then_agent, PATCHED_MARK, init)
     return init_then_agent
@@ -231,7 +236,11 @@ def _agent_on_fault(on_fault: Callable[..., None]) -> Callable[..., None]:
         agent = getattr(self, AGENT_ATTR, None)
         if agent is not None:
             agent.on_fault(exc)
-        on_fault(self, exc)  # vLLM's: requests aborted, status pushed, with no delay of ours
+        # vLLM's (requests aborted, status pushed, with no delay of ours), or with
+        # re-inference on the same with requests held (ftengine.integrations.vllm.reinference)
+        from ftengine.integrations.vllm.reinference import on_fault as hold_or_abort
+
+        hold_or_abort(self, exc, on_fault)
         if agent is not None:
             agent.after_fault()
             self._push_status()  # the same status, now with the worker's ftengine phase
@@ -404,6 +413,44 @@ def apply_scale_down_patches() -> None:
     """``scale_down`` in vLLM's router and engine-core sentinel (idempotent)."""
     apply_patches(SCALE_DOWN_PATCHES)
     SCALE_DOWN_METHOD.install()
+
+SCHEDULER_MODULE = "vllm.v1.core.sched.scheduler"
+
+
+def _unchanged(original: Callable[..., Any]) -> Callable[..., Any]:
+    return original
+
+
+REINFERENCE_SEAMS = (
+    Patch(
+        SCHEDULER_MODULE, "Scheduler", "reset_prefix_cache",
+        ("reset_running_requests", "reset_connector"), _unchanged,
+    ),
+    Patch(
+        SCHEDULER_MODULE, "Scheduler", "finish_requests", ("request_ids", "finished_status"),
+        _unchanged,
+    ),
+)  # fmt: skip
+"""vLLM names re-inference calls but never replaces (``integrations.vllm.reinference``):
+checked like the patches (``check_reinference_seams``) so that a vLLM that moves them fails
+at start-up, not at the first fault."""
+REQUEST_FIELDS = ("num_in_flight_tokens", "num_stale_output_tokens", "drop_stale_output")
+"""``vllm.v1.request.Request`` attributes the hold resets (vLLM 0.32's async-output count)."""
+
+
+def check_reinference_seams() -> None:
+    """Raise :class:`VllmSeamMoved` unless every name in :data:`REINFERENCE_SEAMS` and
+    :data:`REQUEST_FIELDS` is what ``integrations.vllm.reinference`` expects."""
+    for seam in REINFERENCE_SEAMS:
+        seam.target()
+    request = getattr(import_vllm("vllm.v1.request"), "Request", None)
+    init = inspect.getsource(request) if isinstance(request, type) else ""
+    missing = [name for name in REQUEST_FIELDS if f"self.{name}" not in init]
+    if missing:
+        raise VllmSeamMoved(
+            f"expected vllm.v1.request.Request to set {', '.join(REQUEST_FIELDS)}, "
+            f"found no {missing}: ftengine's re-inference needs updating"
+        )
 
 
 def apply_patches(patches: Sequence[Patch]) -> None:

