@@ -39,6 +39,7 @@ from ftengine.cluster.protocol import (
     FtCommand,
     FtReply,
     Heartbeat,
+    Inject,
     ItemRejected,
     Link,
     PeerFault,
@@ -228,6 +229,8 @@ class ClusterWorker:
             # A late notice about a rank this worker already scaled away is old news.
             if message.rank != self.rank and message.rank not in self.backend.dead:
                 self.sentinel.peer_fault(message.kind, message.rank, message.info)
+        elif isinstance(message, Inject):
+            self.injector.arm(message.spec)
         else:
             logger.error("unknown message %r", message, extra={"rank": self.rank})
 
