@@ -7,6 +7,7 @@ invariants, and rebuilds the deployment when it ended dead or too few ranks rema
 from __future__ import annotations
 
 import tempfile
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -77,6 +78,9 @@ class Campaign:
         self.injections: list[Injected] = []
         self.rss_ratios: list[float] = []
         self.rebuilds = 0
+        self.interrupted = threading.Event()
+        """Set (by a signal handler) to stop injecting; the campaign then ends cleanly and
+        reports the faults run so far."""
         self.traffic = Traffic(
             PROMPTS, options.max_tokens, clients=options.clients, seed=options.seed,
             history=self.history, timeout_s=options.recover_deadline_s * 2,
@@ -136,7 +140,7 @@ class Campaign:
         self.traffic.start(generation.deployment.url)
         try:
             position = 0
-            while position < len(self.plan):
+            while position < len(self.plan) and not self.interrupted.is_set():
                 generation, position = self._one(generation, position)
         finally:
             if not self.traffic.stop(self.options.recover_deadline_s):

@@ -78,6 +78,8 @@ def summary(
     unfinished = sum(1 for r in records if r.ended is None)
     return {
         "faults_injected": len(campaign.results),
+        "faults_planned": len(campaign.plan),
+        "interrupted": campaign.interrupted.is_set(),
         "by_kind": dict(
             sorted(collections.Counter(r.kind.value for r in campaign.results).items())
         ),

@@ -3,9 +3,11 @@ leftovers after everything stopped, the summary and the plot."""
 
 from __future__ import annotations
 
+import signal
 import time
 from collections.abc import Callable
 from pathlib import Path
+from types import FrameType
 from typing import Any
 
 from ftengine.chaos.campaign import PROMPTS, Campaign, CampaignOptions
@@ -27,9 +29,17 @@ def run_campaign(
         list(g.token_ids) for g in reference_generate(checkpoint, PROMPTS, options.max_tokens)
     ]
     campaign = Campaign(options, checkpoint, progress)
+
+    def interrupt(signum: int, _frame: FrameType | None) -> None:
+        progress(f"signal {signum}: no more faults; ending the campaign cleanly")
+        campaign.interrupted.set()
+
+    previous = {sig: signal.signal(sig, interrupt) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
         campaign.run()
     finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
         leftovers = campaign.census.leftovers()
     report = summary(campaign, reference, leftovers, time.monotonic() - started)
     if plot is not None:
