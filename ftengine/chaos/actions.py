@@ -4,6 +4,7 @@ around a reload (kept aside and put back by :meth:`Injected.repair`)."""
 
 from __future__ import annotations
 
+import functools
 import os
 import shutil
 import signal
@@ -16,6 +17,8 @@ import attrs
 from ftengine.chaos.catalogue import ChaosKind, PlannedFault
 from ftengine.chaos.deployment import Deployment
 from ftengine.cluster import FaultSpec, InjectKind
+from ftengine.cluster.netns import Hosts
+from ftengine.errors import ConfigError
 
 
 @attrs.define
@@ -64,7 +67,11 @@ def break_shards(checkpoint: Path, kind: ChaosKind, stash: Path) -> Callable[[],
 
 
 def inject(
-    deployment: Deployment, fault: PlannedFault, live: Sequence[int], stash: Path
+    deployment: Deployment,
+    fault: PlannedFault,
+    live: Sequence[int],
+    stash: Path,
+    hosts: Hosts | None = None,
 ) -> Injected:
     """Inject ``fault`` on victims chosen among ``live`` (the serving, unremoved ranks)."""
     cluster = deployment.cluster
@@ -73,6 +80,13 @@ def inject(
     survivors = tuple(r for r in sorted(live) if r not in victims)
     detectors = tuple(sorted(live)) if kind is ChaosKind.STEP_RAISE else survivors
     injected = Injected(fault, time.monotonic(), victims, detectors, cluster.steps_run)
+    if kind is ChaosKind.NET_CUT:
+        if hosts is None:
+            raise ConfigError("a net_cut fault needs the cluster's workers in network namespaces")
+        for rank in victims:
+            hosts.cut(rank)
+            injected.repairs.append(functools.partial(hosts.heal, rank))
+        return injected
     if kind is ChaosKind.STEP_RAISE:
         cluster.inject(FaultSpec(rank=victims[0], kind=InjectKind.RAISE, step=0))
         return injected

@@ -22,6 +22,7 @@ from ftengine.chaos.invariants import FaultResult, Violation, check_fault, detec
 from ftengine.chaos.orchestrate import Orchestrator, Outcome
 from ftengine.chaos.traffic import Traffic
 from ftengine.cluster import ClusterConfig
+from ftengine.cluster.netns import Hosts
 from ftengine.weights.index import CheckpointIndex
 
 # Every kind this cluster mode can inject (the network cut needs hosts in namespaces).
@@ -49,6 +50,16 @@ class CampaignOptions:
     rebuild."""
     max_reinference: int = 8
     kinds: tuple[ChaosKind, ...] = PROCESS_KINDS
+    netns: bool = False
+    """Each worker in its own network namespace (``ftengine.cluster.netns``), which adds
+    the network cut to the kinds."""
+
+    @property
+    def planned_kinds(self) -> tuple[ChaosKind, ...]:
+        """``kinds``, plus ``net_cut`` in namespace mode."""
+        if self.netns and ChaosKind.NET_CUT not in self.kinds:
+            return (*self.kinds, ChaosKind.NET_CUT)
+        return self.kinds
 
 
 @attrs.define
@@ -72,7 +83,8 @@ class Campaign:
         self.progress = progress
         self.history = History()
         self.census = Census()
-        self.plan = plan(options.seed, options.faults, options.kinds)
+        self.plan = plan(options.seed, options.faults, options.planned_kinds)
+        self.hosts: Hosts | None = None
         self.results: list[FaultResult] = []
         self.violations: list[Violation] = []
         self.injections: list[Injected] = []
@@ -90,19 +102,38 @@ class Campaign:
 
     # -- deployments ----------------------------------------------------------------------
     def _config(self) -> ClusterConfig:
-        o = self.options
-        return ClusterConfig(
+        o, hosts = self.options, self.hosts
+        config = ClusterConfig(
             self.checkpoint, dp_size=o.dp_size, policy=o.policy, op_timeout_s=o.op_timeout_s,
             max_reinference=o.max_reinference, recovery_timeout_s=o.recover_deadline_s,
-            num_redundant_experts=o.redundancy * self._experts,
+            num_redundant_experts=self._redundant(),
         )  # fmt: skip
+        if hosts is None:
+            return config
+        # A cut rank must see its peers fail (op timeout) before the supervisor fences it
+        # for its network silence: heartbeat timeout = op timeout + 1 s.
+        misses = max(2, round((o.op_timeout_s + 1.0) / config.heartbeat_s))
+        return attrs.evolve(
+            config, host=hosts.host, worker_netns=hosts.namespaces, heartbeat_misses=misses
+        )
+
+    def _redundant(self) -> int:
+        """EPLB slots to add: up to ``redundancy`` x experts, as many as divide evenly over
+        the ranks (every rank gets the same number of slots)."""
+        experts, ranks = self._experts, self.options.dp_size
+        for copies in range(self.options.redundancy, 0, -1):
+            if (copies + 1) * experts % ranks == 0:
+                return copies * experts
+        return 0
 
     def _launch(self) -> Generation:
         deployment = Deployment.launch(self._config())
         self.census.note(deployment)
         self.history.add("launch", url=deployment.url, pids=deployment.worker_pids)
         auto = self.options.policy != "orchestrator"
-        return Generation(deployment, Orchestrator(deployment.url, auto=auto, history=self.history))
+        grace = deployment.cluster.config.heartbeat_timeout_s + 1.0
+        orchestrator = Orchestrator(deployment.url, auto=auto, history=self.history, grace_s=grace)
+        return Generation(deployment, orchestrator)
 
     def _end(self, generation: Generation) -> None:
         end = generation.deployment.rss()
@@ -136,6 +167,18 @@ class Campaign:
         """Run the whole plan (the traffic and every deployment end before it returns)."""
         for fault in self.plan:
             self.progress(f"plan {fault.describe()}")
+        if self.options.netns:
+            self.hosts = Hosts(self.options.dp_size).create()
+            self.progress(
+                f"netns: {self.hosts.namespaces} on {self.hosts.bridge} {self.hosts.subnet}"
+            )
+        try:
+            self._run()
+        finally:
+            if self.hosts is not None:
+                self.hosts.close()
+
+    def _run(self) -> None:
         generation = self._launch()
         self.traffic.start(generation.deployment.url)
         try:
@@ -181,9 +224,10 @@ class Campaign:
         for injected in (first, *followed):
             injected.repair()
             self._judge(generation, injected, outcome)
-        if outcome.state != "settled":
+        after = position + 1 + len(followed)
+        if outcome.state != "settled" and after < len(self.plan):
             generation = self._rebuild(generation, f"recovery ended {outcome.state}")
-        return generation, position + 1 + len(followed)
+        return generation, after
 
     def _wait_steps(self, generation: Generation, steps: int) -> None:
         cluster = generation.deployment.cluster
@@ -195,7 +239,7 @@ class Campaign:
         self, generation: Generation, fault: PlannedFault, exclude: tuple[int, ...] = ()
     ) -> Injected:
         live = [r for r in self._live(generation) if r not in exclude]
-        injected = inject(generation.deployment, fault, live, self._stash)
+        injected = inject(generation.deployment, fault, live, self._stash, self.hosts)
         self.injections.append(injected)
         self.history.add(
             "inject", fault.index, kind=fault.kind.value, when=fault.when.value,
@@ -209,6 +253,7 @@ class Campaign:
             index=fault.index, kind=fault.kind, when=fault.when, step=injected.step,
             victims=injected.victims, detect_s=self._detect(generation, injected),
             recover_s=outcome.at - injected.at, outcome=outcome.state, engines=outcome.engines,
+            both_sides_served=self._cut_side_served(generation, injected),
         )  # fmt: skip
         self.results.append(result)
         problems = check_fault(result, self.options.op_timeout_s)
@@ -225,6 +270,20 @@ class Campaign:
             f"{outcome.state} after {result.recover_s:.3f} s"
             + (f"; VIOLATED {problems}" if problems else "")
         )
+
+    def _cut_side_served(self, generation: Generation, injected: Injected) -> bool:
+        """A cut rank went back to serving after the cut (its engine healthy again, or still
+        alive and healthy at the end) while the other side serves: both sides served."""
+        if injected.fault.kind is not ChaosKind.NET_CUT:
+            return False
+        changes = generation.deployment.cluster.phase_changes()
+        status = {e["id"]: e for e in generation.deployment.cluster.status()["engines"]}
+        for rank in injected.victims:
+            back = [c for c in changes.get(rank, ()) if c.at > injected.at and c.dest == "healthy"]
+            alive_ok = status[rank].get("alive") and status[rank]["status"] == 0
+            if back or alive_ok:
+                return True
+        return False
 
     def _await_detection(self, generation: Generation, injected: Injected) -> None:
         """Wait until every rank that must see ``injected`` did (or its bound passed twice

@@ -49,8 +49,20 @@ def _settled(engines: list[dict[str, Any]]) -> str | None:
     return None
 
 
-def _command(engines: list[dict[str, Any]]) -> tuple[str, dict[str, Any]] | None:
-    """The command to send now, or None (someone still serves, or recovery is running)."""
+def _hung_peer_suspected(engines: list[dict[str, Any]]) -> bool:
+    for engine in engines:
+        timeline = engine.get("timeline") or {}
+        if any(f.get("kind") == "hung_peer" for f in timeline.get("faults") or ()):
+            return True
+    return False
+
+
+def _command(
+    engines: list[dict[str, Any]], waited_s: float = float("inf"), grace_s: float = 0.0
+) -> tuple[str, dict[str, Any]] | None:
+    """The command to send now, or None (someone still serves, recovery is running, or a
+    hung peer is suspected and the supervisor has had less than ``grace_s`` of the
+    ``waited_s`` so far to fence it: a retry would wait for that peer)."""
     live = [e for e in engines if e["status"] != "dead"]
     if not live or any(e["phase"] != "quarantined" for e in live):
         return None
@@ -58,14 +70,17 @@ def _command(engines: list[dict[str, Any]]) -> tuple[str, dict[str, Any]] | None
     removed = set(live[0].get("removed_ranks") or ())
     if dead - removed:
         return "scale_down", {"removed_dp_ranks": sorted(dead | removed)}
+    if waited_s < grace_s and _hung_peer_suspected(live):
+        return None
     return "retry", {}
 
 
 class Orchestrator:
     """Drives one deployment's recovery over HTTP (``auto``: watches only)."""
 
-    def __init__(self, url: str, *, auto: bool, history: History) -> None:
+    def __init__(self, url: str, *, auto: bool, history: History, grace_s: float = 0.0) -> None:
         self.http = httpx.Client(base_url=url, timeout=120.0)
+        self.grace_s = grace_s  # how long a suspected hung peer gets to be fenced
         self.auto = auto
         self.history = history
 
@@ -80,6 +95,7 @@ class Orchestrator:
         auto, once a live engine is recovering): the campaign's recovery-phase fault."""
         deadline, commands = time.monotonic() + deadline_s, list[str]()
         hooks = [] if on_command is None else [on_command]  # popped: fires at most once
+        started = time.monotonic()
         while True:
             engines = _engines(self.http)
             state = _settled(engines)
@@ -90,7 +106,8 @@ class Orchestrator:
             recovering = any(e["phase"] in ("retrying", "scaling_down") for e in engines)
             if hooks and self.auto and recovering:
                 hooks.pop()()
-            command = None if self.auto else _command(engines)
+            waited = time.monotonic() - started
+            command = None if self.auto else _command(engines, waited, self.grace_s)
             if command is not None:
                 request_id = self._send(fault, *command)
                 if hooks:

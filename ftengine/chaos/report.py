@@ -15,7 +15,7 @@ from ftengine.chaos.invariants import Violation, check_request, fault_at, tally
 
 NOT_COVERED = {
     "net_cut": "not injected: this cluster mode runs every worker in the root network "
-    "namespace (the namespace mode is not built yet), so a link cannot be cut alone"
+    "namespace (run with --netns for hosts in network namespaces), so a link cannot be cut alone"
 }
 
 
@@ -101,7 +101,8 @@ def summary(
         "outcomes": dict(collections.Counter(r.outcome for r in campaign.results)),
         "rebuilds": campaign.rebuilds,
         "violations": [v.to_dict() for v in violations],
-        "not_covered": NOT_COVERED,
+        "not_covered": {} if campaign.options.netns else NOT_COVERED,
+        "netns": campaign.options.netns,
         "seed": campaign.options.seed,
         "policy": campaign.options.policy,
         "dp_size": campaign.options.dp_size,

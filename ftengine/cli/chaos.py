@@ -42,6 +42,12 @@ def register(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("cluster")
     group.add_argument("--dp-size", type=at_least(2), default=4, help="DP = EP ranks")
     group.add_argument("--policy", choices=("orchestrator", "auto"), default="orchestrator")
+    group.add_argument(
+        "--netns",
+        action="store_true",
+        help="each worker in its own network namespace on a bridge made for the run (root): "
+        "adds the network cut to the faults",
+    )
     group.add_argument("--op-timeout", type=float, default=2.0, help="per-op timeout, seconds")
     parser.set_defaults(func=run)
 
@@ -58,6 +64,7 @@ def run(args: argparse.Namespace) -> int:
     options = CampaignOptions(
         faults=args.faults, seed=args.seed, policy=args.policy, dp_size=args.dp_size,
         clients=args.clients, max_tokens=args.max_tokens, op_timeout_s=args.op_timeout,
+        netns=args.netns,
     )  # fmt: skip
 
     def progress(line: str) -> None:
