@@ -89,6 +89,7 @@ class Campaign:
         self.violations: list[Violation] = []
         self.injections: list[Injected] = []
         self.rss_ratios: list[float] = []
+        self.recoveries_per_deployment: list[int] = []
         self.rebuilds = 0
         self.interrupted = threading.Event()
         """Set (by a signal handler) to stop injecting; the campaign then ends cleanly and
@@ -140,6 +141,7 @@ class Campaign:
         ratios = [end[r] / start for r, start in generation.rss_start.items() if r in end]
         if ratios and generation.recoveries:
             self.rss_ratios.append(max(ratios))
+            self.recoveries_per_deployment.append(generation.recoveries)
         generation.orchestrator.close()
         generation.deployment.close()
 

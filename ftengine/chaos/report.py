@@ -96,6 +96,7 @@ def summary(
         "orphans": leftovers.count,
         "orphan_detail": leftovers.to_dict(),
         "rss_growth_ratio": None if ratio is None else round(ratio, 4),
+        "max_recoveries_per_deployment": max(campaign.recoveries_per_deployment, default=0),
         "detect_s": _by_kind(campaign, "detect_s"),
         "recover_s": _by_kind(campaign, "recover_s"),
         "outcomes": dict(collections.Counter(r.outcome for r in campaign.results)),

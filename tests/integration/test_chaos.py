@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -36,7 +37,14 @@ def _ft_names(text: str) -> set[str]:
 
 
 @pytest.mark.timeout(CAMPAIGN_TIMEOUT_S + 60)
-def test_a_short_campaign_holds_every_invariant(tmp_path: Path) -> None:
+def test_a_short_campaign_holds_every_invariant() -> None:
+    # Not tmp_path: pytest keeps only the last 3 base temp dirs of this user, and other
+    # sessions on a shared machine can rotate a long campaign's checkpoint away under it.
+    with tempfile.TemporaryDirectory(prefix="ftengine-chaos-test-") as scratch:
+        _campaign(Path(scratch))
+
+
+def _campaign(tmp_path: Path) -> None:
     links, spaces = _ft_names(_links()), _ft_names(_namespaces())
     command = [sys.executable, "-m", "ftengine", "chaos", "--faults", str(FAULTS), "--seed", "3"]
     # DP=3 keeps each rebuild (the campaign's slowest part) short on this 2-core machine.
@@ -50,6 +58,7 @@ def test_a_short_campaign_holds_every_invariant(tmp_path: Path) -> None:
                 child.terminate()  # the campaign ends cleanly on SIGTERM
                 child.wait(timeout=60)
     log = (tmp_path / "progress.log").read_text()[-3000:]
+    assert out.strip(), f"the campaign printed no report: {log}"
     report = json.loads(out)
     assert report["faults_injected"] >= FAULTS, log
     assert set(report["by_kind"]) == {k.value for k in ChaosKind}, report["by_kind"]

@@ -194,3 +194,15 @@ def test_history_excerpts_name_the_fault() -> None:
     entry = history.add("inject", 3, kind="sigkill")
     assert history.excerpt(entry.at - 1, entry.at + 1) == [entry.line(history.origin)]
     assert "#3 inject" in entry.line(history.origin)
+
+
+def test_an_armed_injector_fires_once_at_its_next_step_on_its_rank_only() -> None:
+    from ftengine.cluster.faults_inject import FaultInjector, FaultSpec, InjectKind
+
+    mine, other = FaultInjector(None, rank=2), FaultInjector(None, rank=1)
+    spec = FaultSpec(rank=2, kind=InjectKind.RAISE, step=0)
+    mine.arm(spec)
+    other.arm(spec)
+    assert (mine.due(40), mine.due(41), other.due(40)) == (InjectKind.RAISE, None, None)
+    mine.arm(FaultSpec(rank=2, kind=InjectKind.RELOAD_ERROR))  # re-armed: fires again
+    assert (mine.due(42), mine.reload_due(), mine.reload_due()) == (None, True, False)
