@@ -102,6 +102,13 @@ def summary(
         "outcomes": dict(collections.Counter(r.outcome for r in campaign.results)),
         "rebuilds": campaign.rebuilds,
         "violations": [v.to_dict() for v in violations],
+        **_about(campaign, duration_s),
+    }
+
+
+def _about(campaign: Campaign, duration_s: float) -> dict[str, Any]:
+    """What ran: the mode, the sizes, the time it took and the plan."""
+    return {
         "not_covered": {} if campaign.options.netns else NOT_COVERED,
         "netns": campaign.options.netns,
         "seed": campaign.options.seed,
