@@ -223,9 +223,9 @@ class Campaign:
             if follow is not None:
                 followed.append(self._inject(generation, follow, exclude=first.victims))
 
-        outcome = generation.orchestrator.recover(
-            fault.index, self.options.recover_deadline_s, during
-        )
+        # Past the engines' own recovery deadline, so an engine left waiting ends DEAD first.
+        deadline = self.options.recover_deadline_s + 15.0
+        outcome = generation.orchestrator.recover(fault.index, deadline, during)
         generation.recoveries += 1
         for injected in (first, *followed):
             injected.repair()

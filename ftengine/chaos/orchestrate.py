@@ -37,14 +37,19 @@ def _engines(http: httpx.Client) -> list[dict[str, Any]]:
 
 
 def _settled(engines: list[dict[str, Any]]) -> str | None:
-    live = [e for e in engines if e.get("alive", True) and e["status"] != "dead"]
-    dead = {e["id"] for e in engines if e["status"] == "dead" and not e.get("alive", False)}
-    if any(e["status"] == "dead" for e in engines if e.get("alive", False)):
+    """``settled`` (every live engine healthy, every dead rank removed and every removed
+    rank reads dead), ``dead`` (an engine ended DEAD and none is still unhealthy), or None
+    (recovery is still running)."""
+    gone = {e["id"] for e in engines if not e.get("alive", True)}
+    live = [e for e in engines if e["id"] not in gone]
+    if not live or all(e["status"] == "dead" for e in live):
         return "dead"
-    if not live:
-        return "dead"
+    statuses = {e["status"] for e in live}
+    if "dead" in statuses:
+        return None if "unhealthy" in statuses else "dead"
     removed = set(live[0].get("removed_ranks") or ())
-    if all(e["status"] == "healthy" for e in live) and dead <= removed:
+    dead = {e["id"] for e in engines if e["status"] == "dead"}
+    if statuses == {"healthy"} and dead <= removed and removed <= dead:
         return "settled"
     return None
 
