@@ -8,6 +8,7 @@ import functools
 import os
 import shutil
 import signal
+import tempfile
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -49,6 +50,9 @@ def break_shards(checkpoint: Path, kind: ChaosKind, stash: Path) -> Callable[[],
     """Truncate (to half) or remove every weight shard of ``checkpoint``, keeping the
     originals in ``stash``; returns what puts them back."""
     stash.mkdir(parents=True, exist_ok=True)
+    # A directory of its own: a second shard fault during this one's recovery must not
+    # overwrite the originals kept here with its broken copies.
+    stash = Path(tempfile.mkdtemp(prefix="shards-", dir=stash))
     kept = []
     for shard in _shards(checkpoint):
         backup = stash / shard.name

@@ -91,6 +91,7 @@ class Campaign:
         self.rss_ratios: list[float] = []
         self.recoveries_per_deployment: list[int] = []
         self.rebuilds = 0
+        self.error: str | None = None  # what ended the campaign early, if anything did
         self.interrupted = threading.Event()
         """Set (by a signal handler) to stop injecting; the campaign then ends cleanly and
         reports the faults run so far."""
@@ -227,8 +228,9 @@ class Campaign:
         deadline = self.options.recover_deadline_s + 15.0
         outcome = generation.orchestrator.recover(fault.index, deadline, during)
         generation.recoveries += 1
+        for injected in reversed((first, *followed)):
+            injected.repair()  # newest first: each puts back what was there before it
         for injected in (first, *followed):
-            injected.repair()
             self._judge(generation, injected, outcome)
         after = position + 1 + len(followed)
         if outcome.state != "settled" and after < len(self.plan):

@@ -68,6 +68,8 @@ def summary(
     """The campaign's JSON object."""
     counts, request_problems, records = request_violations(campaign, reference)
     violations = [*campaign.violations, *request_problems]
+    if campaign.error is not None:
+        violations.append(Violation("campaign_error", None, None, None, campaign.error))
     if leftovers.count:
         violations.append(Violation("orphans", None, None, None, str(leftovers.to_dict())))
     ratio = max(campaign.rss_ratios, default=None)

@@ -37,6 +37,9 @@ def run_campaign(
     previous = {sig: signal.signal(sig, interrupt) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
         campaign.run()
+    except Exception as exc:  # reported with everything measured so far, never lost
+        progress(f"campaign ended early: {exc!r}")
+        campaign.error = f"{type(exc).__name__}: {exc}"
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)

@@ -4,6 +4,7 @@ campaign's checks can fail), while a clean record passes."""
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -212,3 +213,19 @@ def test_an_armed_injector_fires_once_at_its_next_step_on_its_rank_only() -> Non
     assert (mine.due(40), mine.due(41), other.due(40)) == (InjectKind.RAISE, None, None)
     mine.arm(FaultSpec(rank=2, kind=InjectKind.RELOAD_ERROR))  # re-armed: fires again
     assert (mine.due(42), mine.reload_due(), mine.reload_due()) == (None, True, False)
+
+
+def test_nested_shard_faults_put_the_originals_back(tmp_path: Path) -> None:
+    from ftengine.chaos.actions import break_shards
+
+    checkpoint = tmp_path / "ckpt"
+    checkpoint.mkdir()
+    shard = checkpoint / "model-00001-of-00001.safetensors"
+    shard.write_bytes(b"x" * 64)
+    first = break_shards(checkpoint, ChaosKind.SHARD_TRUNCATED, tmp_path / "stash")
+    assert shard.stat().st_size == 32
+    second = break_shards(checkpoint, ChaosKind.SHARD_REMOVED, tmp_path / "stash")
+    assert not shard.exists()
+    second()  # newest first, as the campaign repairs
+    first()
+    assert shard.read_bytes() == b"x" * 64
