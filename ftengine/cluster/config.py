@@ -3,6 +3,7 @@ fault tolerance on or off, and the command adapter its workers answer commands t
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from pathlib import Path
 
 import attrs
@@ -30,6 +31,10 @@ def _to_fault(value: FaultSpec | str | None) -> FaultSpec | None:
     if value is None or isinstance(value, FaultSpec):
         return value
     return FaultSpec.parse(value) if value.strip() else None
+
+
+def _to_names(value: Iterable[str] | None) -> tuple[str, ...] | None:
+    return None if value is None else tuple(value)
 
 
 def _adapter_spec(
@@ -81,6 +86,10 @@ class ClusterConfig:
     host: str = "127.0.0.1"
     torch_threads: int = attrs.field(default=1, validator=attrs.validators.ge(1))
     command_adapter: str | None = attrs.field(default=None, validator=_adapter_spec)
+    worker_netns: tuple[str, ...] | None = attrs.field(default=None, converter=_to_names)
+    """One network namespace per rank (``ftengine.cluster.netns.Hosts.namespaces``): each
+    worker enters its own at start and heartbeats over the network; ``host`` is then the
+    supervisor's address on the bridge. None: every worker in the supervisor's namespace."""
     fault_tolerance: bool = True
     """False: the baseline a cluster without ftengine is. Gloo ops and group set-up use
     torch's default timeout (30 min, ``op_timeout_s`` is ignored); no heartbeats; the

@@ -110,6 +110,12 @@ class FaultInjector:
         poison = spec is not None and spec.kind is InjectKind.POISON
         self._spec = spec if spec is not None and (poison or spec.rank == rank) else None
         self.fired = False
+        self._rank = rank
+
+    def arm(self, spec: FaultSpec) -> None:
+        """Replace what this injector fires with ``spec`` (if it names this rank), unfired."""
+        self._spec = spec if spec.kind is InjectKind.POISON or spec.rank == self._rank else None
+        self.fired = False
 
     def poisoned(self, token_ids: Iterable[int]) -> bool:
         """True when the step feeds the poison token (every time, on every rank)."""

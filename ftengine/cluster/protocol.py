@@ -1,7 +1,7 @@
 """Messages between the supervisor and its workers (pickled over a multiprocessing Pipe).
 
 Supervisor -> worker: :class:`StepRequest`, :class:`FtCommand`, :class:`PeerFault`,
-:class:`Shutdown`. Worker -> supervisor: :class:`Ready`, :class:`Heartbeat`,
+:class:`Shutdown`, :class:`Inject`. Worker -> supervisor: :class:`Ready`, :class:`Heartbeat`,
 :class:`StatusUpdate`, :class:`PhaseEvent`, :class:`StepReply` (with :class:`ItemRejected`),
 :class:`FtReply`, :class:`WorkerFailed`. All are frozen attrs values; tensors travel as lists
 of floats.
@@ -16,6 +16,7 @@ from typing import Any
 
 import attrs
 
+from ftengine.cluster.faults_inject import FaultSpec
 from ftengine.faults import FaultKind
 
 
@@ -105,6 +106,14 @@ class PeerFault:
     kind: FaultKind
     rank: int | None
     info: str
+
+
+@attrs.frozen
+class Inject:
+    """Arm this fault on the worker now (a chaos campaign's runtime injection; the launch-time
+    ``ClusterConfig.inject_fault`` arms one at start)."""
+
+    spec: FaultSpec
 
 
 @attrs.frozen

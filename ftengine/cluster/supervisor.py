@@ -33,6 +33,7 @@ from ftengine.cluster.prompts import Prompt, PromptTokenizer
 from ftengine.cluster.protocol import (
     FtReply,
     Heartbeat,
+    Inject,
     PhaseEvent,
     Ready,
     Shutdown,
@@ -216,6 +217,12 @@ class Cluster:
         worker = self._roster.worker(rank)
         if worker.alive and worker.process.pid is not None:
             signal_pid(worker.process.pid, sig)
+
+    def inject(self, spec: FaultSpec) -> bool:
+        """Arm ``spec`` on worker ``spec.rank`` now (it fires at its next step, or reload for
+        ``reload_error``); False when that worker is gone."""
+        self._roster.record("inject", spec.rank, str(spec))
+        return self._roster.worker(spec.rank).send(Inject(spec))
 
     def fence(self, rank: int, reason: str) -> None:
         """SIGKILL worker ``rank`` (a hung or removed rank) unless it is already fenced or gone."""

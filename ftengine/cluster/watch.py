@@ -57,7 +57,15 @@ class ExitWatch:
                 and now - w.last_heartbeat > self._config.heartbeat_timeout_s
             ]
         for worker in silent:
-            roster.fence(worker.rank, f"hung: no heartbeat for {now - worker.last_heartbeat:.2f}s")
+            silence = now - worker.last_heartbeat
+            if self._config.worker_netns is None:
+                roster.fence(worker.rank, f"hung: no heartbeat for {silence:.2f}s")
+            else:  # each heartbeat crossed the network to the store first
+                roster.fence(
+                    worker.rank,
+                    f"hung or cut off the network: no heartbeat over the network for "
+                    f"{silence:.2f}s; the supervisor's side keeps serving",
+                )
 
     def on_exit(self, worker: WorkerHandle) -> None:
         """Record that ``worker``'s process ended; tell the survivors unless it was expected."""

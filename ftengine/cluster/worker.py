@@ -20,7 +20,7 @@ import sys
 import threading
 import time
 import traceback
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from multiprocessing.connection import Connection
 from typing import Any
 
@@ -34,11 +34,14 @@ from ftengine.cluster.adapters import build_command_adapter
 from ftengine.cluster.config import ClusterConfig
 from ftengine.cluster.faults_inject import FaultInjector, FaultSpec, InjectedFault, InjectKind
 from ftengine.cluster.model import DenseWeights, ModelConfig, RequestState, forward_step
+from ftengine.cluster.netns import enter as enter_netns
+from ftengine.cluster.netns import network_beat
 from ftengine.cluster.policies import build_policy
 from ftengine.cluster.protocol import (
     FtCommand,
     FtReply,
     Heartbeat,
+    Inject,
     ItemRejected,
     Link,
     PeerFault,
@@ -228,6 +231,8 @@ class ClusterWorker:
             # A late notice about a rank this worker already scaled away is old news.
             if message.rank != self.rank and message.rank not in self.backend.dead:
                 self.sentinel.peer_fault(message.kind, message.rank, message.info)
+        elif isinstance(message, Inject):
+            self.injector.arm(message.spec)
         else:
             logger.error("unknown message %r", message, extra={"rank": self.rank})
 
@@ -349,8 +354,12 @@ def _die_with_parent() -> None:
         logger.warning("prctl(PR_SET_PDEATHSIG) unavailable; relying on pipe EOF")
 
 
-def _heartbeats(link: Link, rank: int, every_s: float, stop: threading.Event) -> None:
+def _heartbeats(
+    link: Link, rank: int, every_s: float, stop: threading.Event, reachable: Callable[[], bool]
+) -> None:
     while not stop.wait(every_s):
+        if not reachable():
+            continue  # cut off the network: silence, so the supervisor fences this rank
         try:
             link.send(Heartbeat(rank, time.monotonic()))
         except (OSError, ValueError):
@@ -360,6 +369,9 @@ def _heartbeats(link: Link, rank: int, every_s: float, stop: threading.Event) ->
 def worker_main(spec: WorkerSpec, conn: Connection) -> None:
     """Process entry point (multiprocessing spawn target)."""
     _die_with_parent()
+    config = spec.config
+    if config.worker_netns is not None:
+        enter_netns(config.worker_netns[spec.rank])  # first: every socket after is inside
     torch.set_num_threads(spec.config.torch_threads)
     logging.basicConfig(level=os.environ.get("FTENGINE_WORKER_LOG", "WARNING"))
     link = Link(conn)
@@ -372,9 +384,15 @@ def worker_main(spec: WorkerSpec, conn: Connection) -> None:
     link.send(Ready(spec.rank, os.getpid()))
     stop = threading.Event()
     if spec.config.fault_tolerance:
-        threading.Thread(
-            target=_heartbeats, args=(link, spec.rank, spec.config.heartbeat_s, stop), daemon=True
-        ).start()
+        reachable = (
+            (lambda: True)
+            if config.worker_netns is None
+            else network_beat(
+                config.host, spec.store_port, spec.rank, config.heartbeat_timeout_s / 2
+            )
+        )
+        beats = (link, spec.rank, config.heartbeat_s, stop, reachable)
+        threading.Thread(target=_heartbeats, args=beats, daemon=True).start()
     try:
         worker.serve()
     except Exception:

@@ -63,6 +63,7 @@ NON_DEFAULT: dict[str, object] = {
     "fault_tolerance": False,
     "reinference": False,
     "max_reinference": 5,
+    "worker_netns": ("ns0", "ns1", "ns2"),
 }
 
 

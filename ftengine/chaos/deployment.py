@@ -1,0 +1,133 @@
+"""One generation of the campaign's deployment: a CPU cluster, its serving loop and the
+control + OpenAI HTTP API (the same app ``ftengine serve`` runs) on an ephemeral loopback
+port, all in this process, so the campaign can signal exactly the cluster's own workers.
+``Census`` finds what a run left behind (processes, listening ports)."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from typing import Any
+
+import attrs
+import psutil
+import uvicorn
+
+from ftengine.cluster import Cluster, ClusterConfig
+from ftengine.cluster.serving import ServingLoop
+from ftengine.control.app import create_app
+from ftengine.control.openai_routes import Completions
+from ftengine.control.served_model import ServedModel
+
+MODEL_NAME = "chaos"
+
+
+class Deployment:
+    """A cluster served over HTTP; build it with :meth:`launch`, end it with :meth:`close`."""
+
+    def __init__(self, cluster: Cluster, serving: ServingLoop, sock: socket.socket) -> None:
+        self.cluster = cluster
+        self.serving = serving
+        self._sock = sock
+        app = create_app(
+            cluster,
+            completions=Completions(
+                serving, ServedModel.from_checkpoint(cluster.config.checkpoint, MODEL_NAME)
+            ),
+        )
+        self._stop_observer = app.state.plane.observe_every(0.25)
+        self._server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off"))
+        self._thread = threading.Thread(
+            target=self._server.run, kwargs={"sockets": [sock]}, name="chaos-http", daemon=True
+        )
+        self._thread.start()
+        self.port: int = sock.getsockname()[1]
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.worker_pids = {r: p for r, p in cluster.pids().items() if p is not None}
+
+    @classmethod
+    def launch(cls, config: ClusterConfig) -> Deployment:
+        """Launch the cluster, start serving, bind and serve HTTP; wait until it answers."""
+        cluster = Cluster.launch(config)
+        serving = ServingLoop(cluster, resumption=cluster.resumption()).start()
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        sock.bind(("127.0.0.1", 0))
+        sock.listen(128)
+        deployment = cls(cluster, serving, sock)
+        deadline = time.monotonic() + 30.0
+        while not deployment._server.started:
+            if time.monotonic() > deadline:
+                deployment.close()
+                raise RuntimeError("the chaos deployment's HTTP server did not start in 30 s")
+            time.sleep(0.02)
+        return deployment
+
+    def rss(self) -> dict[int, int]:
+        """Resident bytes of every live worker, by rank."""
+        sizes = {}
+        for rank, pid in self.worker_pids.items():
+            if rank in self.cluster.live_ranks():
+                try:
+                    sizes[rank] = psutil.Process(pid).memory_info().rss
+                except psutil.Error:
+                    continue
+        return sizes
+
+    def close(self) -> None:
+        """Stop HTTP, the serving loop and the cluster (every worker it started)."""
+        self._server.should_exit = True
+        self._thread.join(timeout=10.0)
+        self._stop_observer()
+        self.serving.close()
+        self.cluster.shutdown()
+        self._sock.close()
+
+
+@attrs.frozen
+class Leftovers:
+    """What a run left behind: processes still alive and ports still listening."""
+
+    processes: tuple[int, ...]
+    ports: tuple[int, ...]
+
+    @property
+    def count(self) -> int:
+        return len(self.processes) + len(self.ports)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"processes": list(self.processes), "ports": list(self.ports)}
+
+
+class Census:
+    """Records every worker pid and port a run used; :meth:`leftovers` lists those still
+    alive (zombies count as gone) and those still listening."""
+
+    def __init__(self) -> None:
+        self.pids: set[int] = set()
+        self.ports: set[int] = set()
+
+    def note(self, deployment: Deployment) -> None:
+        self.pids.update(deployment.worker_pids.values())
+        self.ports.add(deployment.port)
+
+    def leftovers(self, grace_s: float = 5.0) -> Leftovers:
+        deadline = time.monotonic() + grace_s
+        while True:
+            alive = tuple(sorted(p for p in self.pids if _alive(p)))
+            ports = tuple(sorted(self.ports & _listening()))
+            if not (alive or ports) or time.monotonic() > deadline:
+                return Leftovers(alive, ports)
+            time.sleep(0.1)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
+
+
+def _listening() -> set[int]:
+    me = psutil.Process()
+    return {c.laddr.port for c in me.net_connections(kind="tcp") if c.status == psutil.CONN_LISTEN}
