@@ -414,6 +414,7 @@ def apply_scale_down_patches() -> None:
     apply_patches(SCALE_DOWN_PATCHES)
     SCALE_DOWN_METHOD.install()
 
+
 SCHEDULER_MODULE = "vllm.v1.core.sched.scheduler"
 
 
