@@ -29,6 +29,7 @@ from __future__ import annotations
 import functools
 import inspect
 import logging
+import multiprocessing
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -410,9 +411,12 @@ PATCHES = ENGINE_CORE_PATCHES + CPU_PATCHES + SCALE_DOWN_PATCHES
 
 
 def apply_scale_down_patches() -> None:
-    """``scale_down`` in vLLM's router and engine-core sentinel (idempotent)."""
-    apply_patches(SCALE_DOWN_PATCHES)
+    """``scale_down`` in vLLM's router and engine-core sentinel (idempotent). The router is
+    patched only in a main process (an API server): vLLM's engine cores and workers are its
+    children, and importing the FastAPI router there only costs them time."""
     SCALE_DOWN_METHOD.install()
+    if multiprocessing.parent_process() is None:
+        apply_patches(SCALE_DOWN_PATCHES)
 
 
 SCHEDULER_MODULE = "vllm.v1.core.sched.scheduler"
