@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import threading
 import time
 import uuid
@@ -43,6 +44,9 @@ from ftengine.policies.builtin import OrchestratorDriven
 logger = logging.getLogger(__name__)
 
 BEAT_S = 0.02
+BEAT_ENV = "FTENGINE_VLLM_BEAT_S"
+"""Debug knob: the beat interval in seconds (the overhead benchmark's "agent inert" side
+sets it to hours, leaving vLLM's FT, the worker sentinel and the per-op timeouts)."""
 STALE_S = 5.0  # an engine core whose beat stops this long is taken for dead (GIL-starved
 # threads on a loaded 2-core machine were seen to pause ~1 s; a status change is instant)
 SETTLE_S = 2.0  # after a recovery, peers finish theirs: their "unhealthy" is stale this long
@@ -93,6 +97,20 @@ def worker_dying(executor: Any) -> bool:
     return False
 
 
+def beat_interval() -> float:
+    """``BEAT_S``, or the positive number of seconds ``FTENGINE_VLLM_BEAT_S`` names."""
+    raw = os.environ.get(BEAT_ENV)
+    if raw is None:
+        return BEAT_S
+    try:
+        value = float(raw)
+    except ValueError as exc:
+        raise ValueError(f"{BEAT_ENV}: expected seconds (a number), found {raw!r}") from exc
+    if not value > 0:
+        raise ValueError(f"{BEAT_ENV}: expected seconds > 0, found {raw!r}")
+    return value
+
+
 STATUS_FIELDS = ("phase", "epoch", "removed_ranks")
 FILE_FIELDS = (*STATUS_FIELDS, "attempts")
 
@@ -126,6 +144,7 @@ class EngineCoreAgent:
         self.episode_start = 0.0
         self.attempts = 0
         self._beat = 0
+        self.beat_s = beat_interval()
         self._seen: dict[int, tuple[int, float]] = {}
         self._store_failures = 0
         self._timed_group: object = None
@@ -226,7 +245,7 @@ class EngineCoreAgent:
     # -- the agent thread -------------------------------------------------------------
 
     def _run(self) -> None:
-        while not self._stop.wait(BEAT_S):
+        while not self._stop.wait(self.beat_s):
             try:
                 self._keep_dp_timeout()
                 self._watch_peers()
