@@ -130,3 +130,24 @@ def test_the_board_works_on_a_real_tcpstore() -> None:
     assert zero.read(store) == {1: ("healthy", 1, 0)} and zero.complete_store is store
     one.publish(store, ("dead", 0), 2, 0.0)
     assert zero.read(store) == {1: ("dead", 2, 0)}
+
+
+def test_the_beat_interval_knob_takes_positive_seconds_only(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.delenv(engine_agent.BEAT_ENV, raising=False)
+    assert engine_agent.beat_interval() == engine_agent.BEAT_S
+    monkeypatch.setenv(engine_agent.BEAT_ENV, "86400")
+    assert agent_for(Sentinel()).beat_s == 86400.0
+    for bad, why in (("soon", r"\(a number\)"), ("0", "> 0"), ("nan", "> 0")):
+        monkeypatch.setenv(engine_agent.BEAT_ENV, bad)
+        with pytest.raises(ValueError, match=f"FTENGINE_VLLM_BEAT_S: expected seconds {why}"):
+            engine_agent.beat_interval()
+
+
+def test_the_overhead_only_bench_refuses_an_unknown_baseline(tmp_path: Any) -> None:
+    from ftengine.integrations.vllm.bench import BenchConfig, run_overhead
+
+    config = BenchConfig(tmp_path, overhead_only=True, baseline="vllm")
+    with pytest.raises(ValueError, match=r"baseline: expected one of \('off', 'inert'\)"):
+        run_overhead(config)  # before anything is launched
