@@ -28,6 +28,17 @@ def register(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--scale-down-only", action="store_true", help="only the scale-down launches"
     )
+    parser.add_argument(
+        "--overhead-only",
+        action="store_true",
+        help="only the FT overhead: an FT-on launch beside its --baseline",
+    )
+    parser.add_argument(
+        "--baseline",
+        choices=("off", "inert"),
+        default="off",
+        help="overhead's other side: off (no FT), inert (FT on, ftengine's agent beats off)",
+    )
     parser.add_argument("--json", action="store_true", help="print only the JSON object")
     parser.set_defaults(func=run)
 
@@ -49,6 +60,8 @@ def run(args: argparse.Namespace) -> int:
         log_dir=args.log_dir,
         scale_down_trials=args.scale_down_trials,
         scale_down_only=args.scale_down_only,
+        overhead_only=args.overhead_only,
+        baseline=args.baseline,
     )
     result = run_bench(config)
     print(json.dumps(result, indent=None if args.json else 2))

@@ -29,6 +29,8 @@ def test_rounds_alternate_which_side_goes_first_after_one_warm_up_each() -> None
 def test_ratio_of_medians_and_same_mode_noise_of_even_over_odd_rounds() -> None:
     found = compare([1.1, 1.0, 1.3, 1.0], [1.0, 1.0, 1.0, 1.0])
     assert found["ratio"] == pytest.approx(1.05)
+    assert found["ratio_p10"] == pytest.approx(1.0)  # the lower tail: 1.0 against 1.0
+    assert compare([3.0, 1.2, 9.0], [1.0, 5.0, 2.0])["ratio_p10"] == pytest.approx(1.56 / 1.2)
     assert found["same_mode_ratio"] == {"on": pytest.approx(1.2), "off": pytest.approx(1.0)}
     assert found["same_mode_spread"] == {"on": pytest.approx(1.3), "off": pytest.approx(1.0)}
     assert str(found["verdict"]).startswith("within measured noise")

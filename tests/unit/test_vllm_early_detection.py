@@ -16,8 +16,9 @@ from typing import Any
 import psutil
 import pytest
 
-from ftengine.integrations.vllm import engine_agent
-from ftengine.integrations.vllm.engine_agent import KEY, worker_dying
+from ftengine.integrations.vllm import worker_exit
+from ftengine.integrations.vllm.dp_board import KEY
+from ftengine.integrations.vllm.worker_exit import worker_dying
 from tests.unit.test_vllm_engine_agent import Sentinel, agent_for, markers
 
 
@@ -65,10 +66,10 @@ def test_a_leader_that_has_begun_to_exit_counts_as_dying(monkeypatch: pytest.Mon
     """The leader thread that unmaps a big process's memory is no zombie yet, but carries
     PF_EXITING from the start of its exit."""
     running = ["R", "1", "1", "1", "0", "-1", str(0x400000)]
-    monkeypatch.setattr(engine_agent, "_proc_stat", lambda pid: running)
-    assert not engine_agent.exiting(1)
-    running[6] = str(0x400000 | engine_agent.PF_EXITING)
-    assert engine_agent.exiting(1)
+    monkeypatch.setattr(worker_exit, "_proc_stat", lambda pid: running)
+    assert not worker_exit.exiting(1)
+    running[6] = str(0x400000 | worker_exit.PF_EXITING)
+    assert worker_exit.exiting(1)
 
 
 def test_an_engine_whose_worker_is_dying_publishes_dead_at_once(zombie: int) -> None:

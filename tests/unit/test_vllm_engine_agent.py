@@ -18,7 +18,8 @@ from ftengine.errors import PeerDead
 from ftengine.faults import Fault, FaultKind
 from ftengine.integrations.vllm import engine_agent
 from ftengine.integrations.vllm.config import VllmFtSettings
-from ftengine.integrations.vllm.engine_agent import FAULT_MARK, KEY, UTILS_MODULE, EngineCoreAgent
+from ftengine.integrations.vllm.dp_board import KEY
+from ftengine.integrations.vllm.engine_agent import FAULT_MARK, UTILS_MODULE, EngineCoreAgent
 
 # Imported here, as in a real engine core: the agent's retry thread builds vLLM's request.
 pytest.importorskip(UTILS_MODULE, reason="vllm is not installed")
@@ -47,6 +48,9 @@ class Store:
 
     def get(self, key: str) -> bytes:
         return self.data[key].encode()
+
+    def multi_get(self, keys: list[str]) -> list[bytes]:
+        return [self.get(key) for key in keys]
 
     def peer(self, rank: int, status: str, beat: int = 1, epoch: int = 0) -> None:
         self.data[KEY.format(rank=rank)] = json.dumps(

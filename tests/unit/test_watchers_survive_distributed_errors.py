@@ -45,6 +45,9 @@ class FailingStore:
     def check(self, keys: list[str]) -> bool:
         raise dist.DistStoreError("check: Connection reset by peer")
 
+    def multi_get(self, keys: list[str]) -> list[bytes]:
+        raise dist.DistStoreError("multi_get: Connection reset by peer")
+
 
 def wait_until(condition: Any, timeout_s: float = 10.0) -> None:
     deadline = time.monotonic() + timeout_s
@@ -102,15 +105,17 @@ def test_a_recovery_that_finishes_mid_beat_does_not_take_a_peer_still_finishing_
     sentinel._dp_reinit_epoch = 1  # vLLM's retry counts its epoch first
     agent._watch_peers()  # a beat while faulted
     store.peer(0, "unhealthy", beat=2, epoch=1)
-    recovered = store.set
+    recovered = store.multi_get
 
-    def set_then_recover(key: str, value: str) -> None:
-        recovered(key, value)
+    def read_then_recover(keys: list[str]) -> list[bytes]:
         sentinel.status_type = type(sentinel.status_type).HEALTHY  # the retry ends mid-beat
+        values: list[bytes] = recovered(keys)
+        return values
 
-    store.set = set_then_recover
+    store.multi_get = read_then_recover
     agent._watch_peers()
+    assert store.multi_get is read_then_recover and sentinel.status_type.name == "HEALTHY"
     assert markers(sentinel) == []
-    store.set = recovered
+    store.multi_get = recovered
     agent._watch_peers()  # the next beat starts the settle clock: still not news
     assert markers(sentinel) == []

@@ -26,6 +26,7 @@ import httpx
 
 from ftengine.integrations.vllm.bench_overhead import Sample, interleaved, measure, overhead
 from ftengine.integrations.vllm.bench_scale_down import scale_down_figures
+from ftengine.integrations.vllm.engine_agent import BEAT_ENV
 from ftengine.integrations.vllm.launcher import DeploymentConfig, VllmDeployment
 
 PROMPT = "w1 w2 w3 w4"
@@ -53,6 +54,11 @@ class BenchConfig:
     scale_down_trials: int = 5
     scale_down_only: bool = False
     """Only the scale-down launches (``bench_scale_down``), not the kill / retry / overhead ones."""
+    overhead_only: bool = False
+    """Only the FT-on launch beside its baseline, measured; no kills, retry or scale-down."""
+    baseline: str = "off"
+    """The overhead's other side: ``off`` (no FT at all), or ``inert`` (vLLM's FT and
+    ftengine, the engine-core agents' beats made inert): ftengine's agent alone."""
 
 
 def vllm_version() -> str:
@@ -181,8 +187,34 @@ def _launch(
 def run(config: BenchConfig) -> dict[str, object]:
     """Every launch, measured; one JSON-able object."""
     head: dict[str, object] = {"vllm_version": vllm_version(), "dp_size": config.dp_size}
+    if config.overhead_only:
+        return {**head, "baseline": config.baseline, "ft_overhead_ratio": run_overhead(config)}
     kills = head if config.scale_down_only else run_kills(config)
     return {**kills, **_scale_down(config)}
+
+
+BASELINES = ("off", "inert")
+INERT_BEAT_S = "86400"  # a day: no agent beat while the benchmark runs
+
+
+def run_overhead(config: BenchConfig) -> dict[str, object]:
+    """Only the overhead: an FT-on launch beside its baseline (``config.baseline``)."""
+    if config.baseline not in BASELINES:
+        raise ValueError(f"baseline: expected one of {BASELINES}, found {config.baseline!r}")
+    inert = config.baseline == "inert"
+    env = {BEAT_ENV: INERT_BEAT_S} if inert else {}
+    model = str(config.checkpoint)
+    with (
+        _launch(config, 0, True, {}) as first,
+        _launch(config, 100, inert, env, port_offset=config.dp_size) as other,
+    ):
+        client, baseline = Client(first, model), Client(other, model)
+        on, off = interleaved(
+            lambda: steady_sample(client),
+            lambda: steady_sample(baseline),
+            config.overhead_rounds,
+        )
+    return overhead(on, off)
 
 
 def _scale_down(config: BenchConfig) -> dict[str, object]:

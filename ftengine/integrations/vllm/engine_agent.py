@@ -1,10 +1,11 @@
 """ftengine beside vLLM's engine-core fault-tolerance sentinel (one agent per engine core).
 
-- **Peer watch.** Every engine core publishes its status on the DP store every
-  ``BEAT_S`` and reads its peers'. A peer that is ``dead`` or ``unhealthy`` (or whose beat
-  stops for ``STALE_S``, or a DP store that stops answering) makes this engine fault at
-  once through vLLM's own path (requests aborted, UNHEALTHY, status pushed), so an idle
-  survivor knows within a beat instead of sacrificing the next request to find out.
+- **Peer watch.** Every ``BEAT_S`` each engine core reads its peers' statuses on the DP
+  store (one round trip) and publishes its own when it changes (else every ``PUBLISH_S``).
+  A peer that is ``dead`` or ``unhealthy`` (or whose beat stops for ``STALE_S``, or a DP
+  store that stops answering) makes this engine fault at once through vLLM's own path
+  (requests aborted, UNHEALTHY, status pushed), so an idle survivor knows within a beat
+  instead of sacrificing the next request to find out.
 - **Early word.** An engine whose worker is dying publishes ``dead`` at once, and a
   survivor reports ``unhealthy`` as soon as it has the news, before its own busy loop gets
   to vLLM's ``on_fault`` (a busy one waits in a collective until the dead worker's sockets
@@ -18,14 +19,13 @@
 
 from __future__ import annotations
 
-import json
 import logging
+import os
 import threading
 import time
 import uuid
 from collections.abc import Mapping
 from datetime import timedelta
-from pathlib import Path
 from typing import Any
 
 import attrs
@@ -34,8 +34,10 @@ from ftengine.context import RecoveryContext
 from ftengine.errors import PeerDead
 from ftengine.faults import Fault, FaultKind, Phase
 from ftengine.integrations.vllm.config import VllmFtSettings
+from ftengine.integrations.vllm.dp_board import StatusBoard
 from ftengine.integrations.vllm.messages import import_vllm
 from ftengine.integrations.vllm.status_file import StatusFile, remove_dead_status_files
+from ftengine.integrations.vllm.worker_exit import worker_dying
 from ftengine.policies import GiveUp, Retry, decide
 from ftengine.policies.algebra import Policy
 from ftengine.policies.builtin import OrchestratorDriven
@@ -43,6 +45,9 @@ from ftengine.policies.builtin import OrchestratorDriven
 logger = logging.getLogger(__name__)
 
 BEAT_S = 0.02
+BEAT_ENV = "FTENGINE_VLLM_BEAT_S"
+"""Debug knob: the beat interval in seconds (the overhead benchmark's "agent inert" side
+sets it to hours, leaving vLLM's FT, the worker sentinel and the per-op timeouts)."""
 STALE_S = 5.0  # an engine core whose beat stops this long is taken for dead (GIL-starved
 # threads on a loaded 2-core machine were seen to pause ~1 s; a status change is instant)
 SETTLE_S = 2.0  # after a recovery, peers finish theirs: their "unhealthy" is stale this long
@@ -51,46 +56,21 @@ HOLD_S = 5.0  # a command waits at most this (plus the op timeout) for on_fault 
 FAULT_MARK = "ftengine-peer-fault"
 """Request type of the agent's input-queue marker (no vLLM request type has this value)."""
 EPOCH_ATTR = "_dp_reinit_epoch"  # EngineCoreSentinel's count of DP-group rebuilds (retries)
-KEY = "ftengine/engine_status/{rank}"
 UTILS_MODULE = "vllm.v1.fault_tolerance.utils"
 
 
-PF_EXITING = 0x4  # Linux task flag, set as a task starts to exit (include/linux/sched.h)
-HAS_PROC = Path("/proc/self/stat").exists()
-
-
-def _proc_stat(pid: int) -> list[str] | None:
-    """The fields of ``/proc/PID/stat`` after the command name (state first), None if gone."""
+def beat_interval() -> float:
+    """``BEAT_S``, or the positive number of seconds ``FTENGINE_VLLM_BEAT_S`` names."""
+    raw = os.environ.get(BEAT_ENV)
+    if raw is None:
+        return BEAT_S
     try:
-        return Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
-    except OSError:
-        return None
-
-
-def exiting(pid: int) -> bool:
-    """Whether process ``pid`` is gone, a zombie, or has begun to exit.
-
-    A SIGKILLed worker's thread-group leader shows the kill at once: it is a zombie, or,
-    if it is the thread that tears the process down, it carries ``PF_EXITING``. The kernel
-    closes the process's sockets and pipes only after its memory is unmapped (1.6 GB here:
-    0.3-2 s on a loaded 2-core machine), and that close is when vLLM's worker monitor and
-    the survivors' collectives first notice."""
-    fields = _proc_stat(pid)
-    if fields is None:
-        return True
-    return fields[0] in ("Z", "X") or bool(int(fields[6]) & PF_EXITING)
-
-
-def worker_dying(executor: Any) -> bool:
-    """Whether a worker process of ``executor`` (vLLM's ``MultiprocExecutor``) was killed
-    (one ``/proc/PID/stat`` read per worker and beat; never on a system without /proc)."""
-    if not HAS_PROC or getattr(executor, "shutting_down", False):
-        return False  # a deployment that is stopping: its workers exit on purpose
-    for handle in getattr(executor, "workers", None) or ():
-        pid = getattr(getattr(handle, "proc", None), "pid", None)
-        if pid is not None and exiting(int(pid)):
-            return True
-    return False
+        value = float(raw)
+    except ValueError as exc:
+        raise ValueError(f"{BEAT_ENV}: expected seconds (a number), found {raw!r}") from exc
+    if not value > 0:
+        raise ValueError(f"{BEAT_ENV}: expected seconds > 0, found {raw!r}")
+    return value
 
 
 STATUS_FIELDS = ("phase", "epoch", "removed_ranks")
@@ -126,8 +106,10 @@ class EngineCoreAgent:
         self.episode_start = 0.0
         self.attempts = 0
         self._beat = 0
+        self.beat_s = beat_interval()
         self._seen: dict[int, tuple[int, float]] = {}
         self._store_failures = 0
+        self.board = StatusBoard(self.rank, self.world)
         self._timed_group: object = None
         self._healthy_since = 0.0
         self.peers: dict[int, str] = {}  # current-epoch peers' statuses ("dead" if stale)
@@ -226,7 +208,7 @@ class EngineCoreAgent:
     # -- the agent thread -------------------------------------------------------------
 
     def _run(self) -> None:
-        while not self._stop.wait(BEAT_S):
+        while not self._stop.wait(self.beat_s):
             try:
                 self._keep_dp_timeout()
                 self._watch_peers()
@@ -260,10 +242,10 @@ class EngineCoreAgent:
         dying = own != "dead" and self._dying
         if dying and self.anticipated != "dead":
             self._anticipate("dead")
-        mine = {"status": "dead" if dying else own, "beat": self._beat, "epoch": self._epoch()}
+        mine = ("dead" if dying else own, self._epoch())
         try:
-            store.set(KEY.format(rank=self.rank), json.dumps(mine))
-            peers = self._read_peers(store)
+            self.board.publish(store, mine, self._beat, now)
+            peers = self.board.read(store)
             self._store_failures = 0
         except Exception as exc:
             self._store_failures += 1
@@ -292,16 +274,6 @@ class EngineCoreAgent:
         state a peer still finishing the same recovery publishes for a moment."""
         mine = self._epoch()
         return peer_epoch > mine or (peer_epoch == mine and now - self._healthy_since > SETTLE_S)
-
-    def _read_peers(self, store: Any) -> dict[int, tuple[str, int, int]]:
-        peers: dict[int, tuple[str, int, int]] = {}
-        for rank in range(self.world):
-            key = KEY.format(rank=rank)
-            if rank == self.rank or not store.check([key]):
-                continue
-            value = json.loads(store.get(key))
-            peers[rank] = (str(value["status"]), int(value["beat"]), int(value["epoch"]))
-        return peers
 
     def _inject(self, rank: int, why: str, *, early: bool = False) -> None:
         """Fault this engine through vLLM's own path, if it is healthy and not faulting yet;

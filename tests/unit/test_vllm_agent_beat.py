@@ -1,0 +1,153 @@
+"""The engine-core agent's beat is cheap: it writes its status only when it changes (and
+every ``PUBLISH_S`` as a sign of life) and reads every peer in one DP-store round trip."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+
+from ftengine.integrations.vllm import engine_agent
+from ftengine.integrations.vllm.dp_board import KEY, PUBLISH_S
+from ftengine.integrations.vllm.engine_agent import STALE_S
+from tests.unit.test_vllm_engine_agent import Sentinel, Status, Store, agent_for, markers
+
+pytest.importorskip(engine_agent.UTILS_MODULE, reason="vllm is not installed")
+
+
+class CountingStore(Store):
+    """The stand-in DP store, counting the calls of each kind (round trips to rank 0)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: dict[str, int] = {"set": 0, "check": 0, "get": 0, "multi_get": 0}
+
+    def set(self, key: str, value: str) -> None:
+        self.calls["set"] += 1
+        super().set(key, value)
+
+    def check(self, keys: list[str]) -> bool:
+        self.calls["check"] += 1
+        return super().check(keys)
+
+    def get(self, key: str) -> bytes:
+        self.calls["get"] += 1
+        return super().get(key)
+
+    def multi_get(self, keys: list[str]) -> list[bytes]:
+        self.calls["multi_get"] += 1
+        return [Store.get(self, key) for key in keys]
+
+
+def counting(sentinel: Sentinel) -> CountingStore:
+    store = CountingStore()
+    sentinel.engine.dp_store = store
+    return store
+
+
+def published(store: Store, rank: int = 0) -> dict[str, Any]:
+    value: dict[str, Any] = json.loads(store.data[KEY.format(rank=rank)])
+    return value
+
+
+def test_an_unchanged_status_is_written_once_per_publish_interval() -> None:
+    sentinel = Sentinel(world=3)
+    store = counting(sentinel)
+    agent = agent_for(sentinel)
+    for _ in range(10):
+        agent._watch_peers()
+    assert store.calls["set"] == 1 and published(store)["beat"] == 1
+    agent.board.published_at -= PUBLISH_S  # the interval has passed
+    agent._watch_peers()  # the sign of life: the beat count moves on
+    assert store.calls["set"] == 2 and published(store)["beat"] == 11
+    assert PUBLISH_S < STALE_S / 2  # a live peer is never taken for stale
+
+
+def test_a_status_change_is_written_at_once() -> None:
+    sentinel = Sentinel()
+    store = counting(sentinel)
+    agent = agent_for(sentinel)
+    agent._watch_peers()
+    sentinel.status_type = Status.UNHEALTHY
+    agent._watch_peers()
+    assert store.calls["set"] == 2 and published(store)["status"] == "unhealthy"
+    sentinel._dp_reinit_epoch = 1  # a retry: same status word, new epoch, written too
+    agent._watch_peers()
+    assert store.calls["set"] == 3 and published(store)["epoch"] == 1
+
+
+def test_peers_are_read_in_one_round_trip_once_all_have_published() -> None:
+    sentinel = Sentinel(world=4)
+    store = counting(sentinel)
+    agent = agent_for(sentinel)
+    store.peer(1, "healthy")
+    agent._watch_peers()  # ranks 2 and 3 not there yet: key by key (multi_get would block)
+    assert store.calls["multi_get"] == 0 and store.calls["get"] == 1
+    store.peer(2, "healthy")
+    store.peer(3, "healthy")
+    before = dict(store.calls)
+    for _ in range(5):
+        agent._watch_peers()
+    assert store.calls["multi_get"] - before["multi_get"] == 5
+    assert store.calls["check"] - before["check"] == 1  # once, to learn all keys are there
+    assert store.calls["get"] == before["get"]
+    assert agent.peers == {1: "healthy", 2: "healthy", 3: "healthy"}
+    store.peer(3, "dead", beat=2)
+    agent._watch_peers()
+    assert agent.peers[3] == "dead" and len(markers(sentinel)) == 1
+
+
+def test_a_replaced_dp_store_is_read_key_by_key_until_every_peer_is_on_it() -> None:
+    sentinel = Sentinel()
+    first = counting(sentinel)
+    agent = agent_for(sentinel)
+    first.peer(1, "healthy")
+    agent._watch_peers()
+    agent._watch_peers()
+    assert first.calls["multi_get"] == 2  # peer 1 was there from the first beat
+    second = counting(sentinel)  # a retry's new DP group and store: peer 1 not on it yet
+    agent._watch_peers()
+    assert second.calls["multi_get"] == 0 and second.calls["set"] == 1
+    second.peer(1, "healthy")
+    agent._watch_peers()
+    assert second.calls["multi_get"] == 1
+
+
+def test_the_board_works_on_a_real_tcpstore() -> None:
+    """What vLLM's DP store is: the stand-in's ``check`` / ``get`` / ``multi_get`` are
+    torch's (a multi_get of a missing key would block, so the board checks first)."""
+    from datetime import timedelta
+
+    from torch._C._distributed_c10d import TCPStore
+
+    from ftengine.integrations.vllm.dp_board import StatusBoard
+
+    store = TCPStore("127.0.0.1", 0, is_master=True, timeout=timedelta(seconds=5))
+    zero, one = StatusBoard(0, 2), StatusBoard(1, 2)
+    assert zero.read(store) == {}  # rank 1 not there yet: no blocking multi_get
+    one.publish(store, ("healthy", 0), 1, 0.0)
+    assert zero.read(store) == {1: ("healthy", 1, 0)} and zero.complete_store is store
+    one.publish(store, ("dead", 0), 2, 0.0)
+    assert zero.read(store) == {1: ("dead", 2, 0)}
+
+
+def test_the_beat_interval_knob_takes_positive_seconds_only(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.delenv(engine_agent.BEAT_ENV, raising=False)
+    assert engine_agent.beat_interval() == engine_agent.BEAT_S
+    monkeypatch.setenv(engine_agent.BEAT_ENV, "86400")
+    assert agent_for(Sentinel()).beat_s == 86400.0
+    for bad, why in (("soon", r"\(a number\)"), ("0", "> 0"), ("nan", "> 0")):
+        monkeypatch.setenv(engine_agent.BEAT_ENV, bad)
+        with pytest.raises(ValueError, match=f"FTENGINE_VLLM_BEAT_S: expected seconds {why}"):
+            engine_agent.beat_interval()
+
+
+def test_the_overhead_only_bench_refuses_an_unknown_baseline(tmp_path: Any) -> None:
+    from ftengine.integrations.vllm.bench import BenchConfig, run_overhead
+
+    config = BenchConfig(tmp_path, overhead_only=True, baseline="vllm")
+    with pytest.raises(ValueError, match=r"baseline: expected one of \('off', 'inert'\)"):
+        run_overhead(config)  # before anything is launched
