@@ -6,6 +6,7 @@ invariants, and rebuilds the deployment when it ended dead or too few ranks rema
 
 from __future__ import annotations
 
+import shutil
 import tempfile
 import threading
 import time
@@ -180,6 +181,7 @@ class Campaign:
         finally:
             if self.hosts is not None:
                 self.hosts.close()
+            shutil.rmtree(self._stash, ignore_errors=True)  # every shard is back by now
 
     def _run(self) -> None:
         generation = self._launch()
