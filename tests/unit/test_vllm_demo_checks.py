@@ -11,7 +11,8 @@ import httpx
 import pytest
 
 from ftengine.bench.live import PlainReporter
-from ftengine.integrations.vllm.demo_checks import Change, Outcome, StatusWatcher, checks
+from ftengine.bench.traffic import Sample
+from ftengine.integrations.vllm.demo_checks import Change, Outcome, StatusWatcher, checks, tally
 
 
 def _good() -> Outcome:
@@ -77,3 +78,16 @@ def test_the_watcher_reports_each_change_once_and_skips_a_silent_server() -> Non
         (1, "healthy", "dead"),
     ]  # fmt: skip
     assert out.getvalue().count("engine 1: healthy -> dead") == 1
+
+
+def test_the_tally_splits_at_the_kill_and_tells_wrong_from_failed() -> None:
+    samples = [
+        Sample(1.0, 2.0, 0, 1, True),
+        Sample(9.0, 11.0, 0, 1, False, "ReadTimeout"),  # started before, ended after the kill
+        Sample(11.0, 12.0, 0, 1, False),
+        Sample(12.0, 13.0, 0, 1, True),
+    ]
+    assert tally(samples, 10.0) == {
+        "before_kill": {"correct": 1, "wrong": 0, "failed": 1},
+        "after_kill": {"correct": 1, "wrong": 1, "failed": 0},
+    }

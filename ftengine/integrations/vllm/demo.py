@@ -28,7 +28,13 @@ from ftengine.bench.plot import Mark, plot_throughput
 from ftengine.bench.traffic import Sample
 from ftengine.errors import FTEngineError
 from ftengine.integrations.vllm.bench import Client
-from ftengine.integrations.vllm.demo_checks import Outcome, StatusWatcher, checks, first_at
+from ftengine.integrations.vllm.demo_checks import (
+    Outcome,
+    StatusWatcher,
+    checks,
+    first_at,
+    tally,
+)
 from ftengine.integrations.vllm.launcher import DeploymentConfig, VllmDeployment
 
 SCENARIO = "vllm-sigkill-scale-down"
@@ -43,7 +49,8 @@ SETTLE_S = 3.0  # traffic runs this long before the kill and after the recovery
 @attrs.frozen
 class VllmDemoOptions:
     """``victim`` is the DP rank whose worker is SIGKILLed; ``checkpoint`` None writes the
-    tiny one; ``plot`` a PNG of completions/s; ``json`` / ``plain`` as the CPU demo's."""
+    tiny one; ``plot`` a PNG of completions/s; ``json`` as the CPU demo's (no live table:
+    the timeline is always timestamped lines, the table needs the cluster's view)."""
 
     victim: int = 1
     dp_size: int = 2
@@ -56,11 +63,14 @@ class VllmDemoOptions:
 
 @contextlib.contextmanager
 def _checkpoint(given: Path | None) -> Iterator[Path]:
-    if given is not None:
-        yield given
-        return
+    """``given`` reused when it holds a checkpoint, else the tiny one written there (or, with
+    ``given`` None, in a temporary directory removed on exit)."""
     from ftengine.weights.checkpoint_gen import make_checkpoint
 
+    if given is not None:
+        has = (given / "config.json").exists()
+        yield given if has else make_checkpoint(given, **TINY_SHAPE, seed=0)
+        return
     with tempfile.TemporaryDirectory(prefix="ftengine-vllm-demo-") as tmp:
         yield make_checkpoint(Path(tmp) / "qwen3-moe", **TINY_SHAPE, seed=0)
 
@@ -220,19 +230,8 @@ def _report(
         "checks": [c.to_dict() for c in found],
         "timings": timings,
         "changes": [attrs.asdict(c) | {"at": c.at - t0} for c in o.changes],
-        "traffic": _tally(streams.samples, o.killed_at),
+        "traffic": tally(streams.samples, o.killed_at),
     }
-
-
-def _tally(samples: list[Sample], killed_at: float) -> dict[str, dict[str, int]]:
-    """The streamed completions started before and after the kill: correct, wrong, failed."""
-    tally: dict[str, dict[str, int]] = {}
-    for sample in samples:
-        side = tally.setdefault("before_kill" if sample.start < killed_at else "after_kill",
-                                {"correct": 0, "wrong": 0, "failed": 0})  # fmt: skip
-        kind = "correct" if sample.correct else "failed" if sample.error else "wrong"
-        side[kind] += 1
-    return tally
 
 
 def _after(o: Outcome, times: list[float | None]) -> float | None:

@@ -14,6 +14,7 @@ import httpx
 
 from ftengine.bench.live import Reporter
 from ftengine.bench.scenario import Check
+from ftengine.bench.traffic import Sample
 
 Statuses = Callable[[], dict[int, str]]
 """Every engine's vLLM status (``healthy`` / ``unhealthy`` / ``dead``) by DP rank."""
@@ -112,3 +113,14 @@ def checks(outcome: Outcome) -> tuple[Check, ...]:
 def _since(start: float, when: Mapping[int, float | None]) -> str:
     shown = {r: "never" if t is None else f"+{t - start:.2f} s" for r, t in when.items()}
     return ", ".join(f"rank {r}: {text}" for r, text in shown.items())
+
+
+def tally(samples: Sequence[Sample], killed_at: float) -> dict[str, dict[str, int]]:
+    """The streamed completions started before and after the kill: correct, wrong, failed."""
+    tally: dict[str, dict[str, int]] = {}
+    for sample in samples:
+        side = tally.setdefault("before_kill" if sample.start < killed_at else "after_kill",
+                                {"correct": 0, "wrong": 0, "failed": 0})  # fmt: skip
+        kind = "correct" if sample.correct else "failed" if sample.error else "wrong"
+        side[kind] += 1
+    return tally
