@@ -99,7 +99,8 @@ class _Streams:
             start, text, error = time.monotonic(), None, None
             try:
                 choice = self._client.complete(rank, timeout=30.0)
-                text = choice.get("text") if choice.get("finish_reason") != "abort" else None
+                aborted = choice.get("finish_reason") == "abort"  # the fault ended it
+                text, error = (None, "abort") if aborted else (choice.get("text"), None)
             except (httpx.HTTPError, KeyError, ValueError) as exc:
                 error = type(exc).__name__
             ok = text == self._before[rank]
