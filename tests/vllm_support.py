@@ -17,14 +17,12 @@ from typing import Any
 
 import attrs
 
+from ftengine.integrations.vllm.demo import TINY_SHAPE
 from ftengine.weights.checkpoint_gen import make_checkpoint
 
-VOCAB = 512
+VOCAB = TINY_SHAPE["vocab"]
 TEST_DTYPE = "float32"
 """vLLM's ``--dtype`` in the tests: what transformers computes in (``load_hf``)."""
-TINY_SHAPE: dict[str, Any] = dict(
-    layers=2, experts=8, hidden=128, intermediate=64, vocab=VOCAB, heads=4, kv_heads=2, head_dim=32
-)
 
 
 def write_tiny_qwen3_moe(path: Path, *, experts: int = 8, seed: int = 0) -> Path:

@@ -11,7 +11,7 @@ import os
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -143,11 +143,19 @@ def _print_summary(result: ScenarioResult, report: dict[str, Any]) -> None:
     for key in ("launch_s", "detect_s", "recovered_s", "interruption_s", "total_s"):
         value = timings.get(key)
         console.print(f"{key:>16}: {'n/a' if value is None else f'{value:.3f} s'}")
-    for check in result.checks:
-        mark = "[green]ok[/green]  " if check.ok else "[red]FAIL[/red]"
-        console.print(f"{mark} {check.name}")
-    verdict = "[bold green]PASS[/bold green]" if result.ok else "[bold red]FAIL[/bold red]"
-    console.print(
-        f"verdict: {verdict}  recovered={result.recovered} outputs_match={result.outputs_match} "
-        f"removed_ranks={list(result.removed_ranks)}"
+    print_verdict(
+        console,
+        [check.to_dict() for check in result.checks],
+        f"recovered={result.recovered} outputs_match={result.outputs_match} "
+        f"removed_ranks={list(result.removed_ranks)}",
     )
+
+
+def print_verdict(console: Console, checks: Sequence[Mapping[str, object]], tail: str) -> None:
+    """Each check (``Check.to_dict()``) marked ok / FAIL, then PASS only if all held."""
+    for check in checks:
+        mark = "[green]ok[/green]  " if check["ok"] else "[red]FAIL[/red]"
+        console.print(f"{mark} {check['name']}")
+    passed = all(check["ok"] for check in checks)
+    verdict = "[bold green]PASS[/bold green]" if passed else "[bold red]FAIL[/bold red]"
+    console.print(f"verdict: {verdict}  {tail}")

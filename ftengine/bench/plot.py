@@ -38,9 +38,11 @@ def plot_throughput(
     title: str,
     pauses: Sequence[tuple[float, float]] = (),
     bin_s: float = 0.5,
+    unit: str = "tokens",
 ) -> Path:
     """Draw correct tokens/s in ``bin_s`` bins over [start, end], ``marks`` as vertical lines
-    and ``pauses`` (spans when the benchmark itself held the cluster) shaded; save ``path``."""
+    and ``pauses`` (spans when the benchmark itself held the cluster) shaded; save ``path``.
+    ``unit`` names what a sample's ``tokens`` count (``completions`` where each is 1)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -50,13 +52,13 @@ def plot_throughput(
     figure, axes = plt.subplots(figsize=(11, 5), dpi=120)
     times, values = [t for t, _ in rates], [r for _, r in rates]
     axes.step(times, values, where="post", color="black", lw=1.2,
-              label=f"correct tokens/s ({bin_s:g} s bins)")  # fmt: skip
+              label=f"correct {unit}/s ({bin_s:g} s bins)")  # fmt: skip
     for index, (begin, finish) in enumerate(pauses):
         label = "reference check (holds the cluster)" if index == 0 else None
         axes.axvspan(begin - start, finish - start, color="0.85", lw=0, label=label)
     _draw_marks(axes, marks, start)
     axes.set_xlabel("seconds")
-    axes.set_ylabel("correct tokens / s")
+    axes.set_ylabel(f"correct {unit} / s")
     axes.set_title(title, fontsize=10)
     axes.set_xlim(0, end - start)
     axes.set_ylim(bottom=0)

@@ -309,8 +309,9 @@ class HealthProbe:
 
 @pytest.mark.timeout(240)
 def test_demo_json_end_to_end(tmp_path: Path, checkpoint: Path) -> None:
-    """``ftengine demo --json`` (what ``make demo`` runs, for machines): one JSON object."""
-    command = [sys.executable, "-m", "ftengine", "demo", "--json", "--checkpoint", str(checkpoint)]
+    """``ftengine demo --cluster --json`` (the CPU-cluster demo, for machines): one JSON object."""
+    command = [sys.executable, "-m", "ftengine", "demo", "--cluster", "--json"]
+    command += ["--checkpoint", str(checkpoint)]
     done = subprocess.run(command, capture_output=True, text=True, timeout=220, env=clean_env())
     assert done.returncode == 0, done.stderr[-3000:]
     report = json.loads(done.stdout)
