@@ -5,7 +5,7 @@ or a SIGKILLed rank answered by ``scale_down``); each stream is checked against 
 single-process reference (``ftengine.bench.inflight_tally`` says what is counted). Every
 scenario runs twice side by side, with token-level re-inference on and off (``serve
 --no-reinference``: a fault aborts what was in flight), each on its own server. The same
-for real vLLM's retry: ``ftengine.bench.inflight_vllm``."""
+for real vLLM's retry and scale-down: ``ftengine.bench.inflight_vllm``."""
 
 from __future__ import annotations
 
@@ -157,7 +157,7 @@ def run_inflight(options: InflightOptions, checkpoint: Path) -> dict[str, Any]:
         cluster = cluster_rows(bench, launch)
     vllm = vllm_rows(_vllm_run(options), PROMPTS)
     # The targets are re-inference's; the rows without it show what it saves.
-    measured = [rows["reinference"] for rows in (*cluster.values(), vllm["retry"])
+    measured = [rows["reinference"] for rows in (*cluster.values(), *vllm.values())
                 if isinstance(rows, dict)]  # fmt: skip
     setup = {**attrs.asdict(options), "prompts": len(PROMPTS)}
     setup["vllm_checkpoint"] = (

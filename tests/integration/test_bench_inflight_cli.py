@@ -73,4 +73,4 @@ def test_bench_inflight_measures_every_cluster_row_side_by_side(tmp_path: Path) 
     assert result["targets_met"] is True
     assert set(result["vllm"]) == {"retry", "scale_down"}  # no --vllm-checkpoint here
     assert result["vllm"]["retry"].startswith("not measured: pass --vllm-checkpoint")
-    assert result["vllm"]["scale_down"].startswith("not measured: needs scale-down")
+    assert result["vllm"]["scale_down"].startswith("not measured: pass --vllm-checkpoint")

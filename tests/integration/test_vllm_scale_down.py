@@ -15,7 +15,7 @@ import os
 import signal
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import httpx
@@ -29,6 +29,7 @@ from tests.integration.test_vllm_deployment import (
     engines,
     wait_for,
 )
+from tests.stream_support import OpenAIStream
 from tests.vllm_support import free_port_run, transformers_greedy, write_tiny_qwen3_moe
 
 openai = pytest.importorskip("openai")
@@ -44,13 +45,14 @@ def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return write_tiny_qwen3_moe(tmp_path_factory.mktemp("vllm-sd") / "qwen3-moe")
 
 
-def deploy(checkpoint: Path, logs: Path, dp_size: int) -> VllmDeployment:
+def deploy(checkpoint: Path, logs: Path, dp_size: int, reinference: bool = False) -> VllmDeployment:
+    options = {"cpu_distributed_timeout_sec": OP_TIMEOUT_S, "reinference": reinference}
     config = DeploymentConfig(
         checkpoint,
         dp_size=dp_size,
         port=free_port_run(dp_size),
         dtype="float32",
-        additional_config={"ftengine": {"cpu_distributed_timeout_sec": OP_TIMEOUT_S}},
+        additional_config={"ftengine": options},
         log_dir=logs,
         recovery_timeout_s=300.0,
         startup_timeout_s=600.0,
@@ -63,6 +65,15 @@ def deployment(
     checkpoint: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[VllmDeployment]:
     with deploy(checkpoint, tmp_path_factory.mktemp("logs"), 2) as started:
+        yield started
+
+
+@pytest.fixture
+def reinferring(
+    checkpoint: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[VllmDeployment]:
+    """DP=2 with ftengine's ``"reinference": true``."""
+    with deploy(checkpoint, tmp_path_factory.mktemp("logs"), 2, reinference=True) as started:
         yield started
 
 
@@ -93,17 +104,28 @@ def traffic(url: str, checkpoint: Path, stop: threading.Event) -> None:
 
 
 def kill_mid_traffic(
-    deployment: VllmDeployment, checkpoint: Path, victim: int, survivors: list[int]
+    deployment: VllmDeployment,
+    checkpoint: Path,
+    victim: int,
+    survivors: list[int],
+    held: Sequence[OpenAIStream] = (),
 ) -> None:
-    """SIGKILL ``victim``'s worker while the live ranks stream requests; wait for the verdict."""
+    """SIGKILL ``victim``'s worker while the live ranks serve requests; wait for the verdict.
+    Without ``held`` every live rank gets a loop of requests; with it (re-inference on: a
+    survivor's requests wait for the scale-down) only the victim does, and the kill comes
+    once each of ``held`` streamed 2 tokens."""
     stop = threading.Event()
     streams = [
         threading.Thread(target=traffic, args=(deployment.urls[r], checkpoint, stop), daemon=True)
-        for r in [victim, *survivors]
+        for r in ([victim] if held else [victim, *survivors])
     ]
     for stream in streams:
         stream.start()
     time.sleep(1.0)
+    deadline = time.monotonic() + 120
+    while not all(len(s.tokens) >= 2 or not s.is_alive() for s in held):
+        assert time.monotonic() < deadline, [len(s.tokens) for s in held]
+        time.sleep(0.01)
     os.kill(deployment.pids()[victim]["worker"], signal.SIGKILL)
     try:
         want = {victim: "dead", **{r: "unhealthy" for r in survivors}}
@@ -152,13 +174,41 @@ def scale_down_body(ranks: object) -> dict[str, object]:
     return {"instruction": "scale_down", "params": {"removed_dp_ranks": ranks}}
 
 
+def survivor_streams(deployment: VllmDeployment, checkpoint: Path) -> list[OpenAIStream]:
+    """Concurrent greedy streams: ``STREAMED`` on rank 0 (the survivor), one on rank 1."""
+    urls = [deployment.urls[0]] * len(STREAMED) + [deployment.urls[1]]
+    streams = [
+        OpenAIStream(url, str(checkpoint), list(p), STREAM_TOKENS, STREAM_TIMEOUT_S)
+        for url, p in zip(urls, [*STREAMED, STREAMED[0]], strict=True)
+    ]
+    for stream in streams:
+        stream.start()
+    return streams
+
+
+STREAMED = ([1, 2, 3, 4], [5, 6, 7], [8, 9, 10, 11, 12])
+STREAM_TOKENS = 96  # long enough to be mid-generation at the kill and through the recovery
+STREAM_TIMEOUT_S = 300.0
+
+
 @pytest.mark.timeout(900)
 def test_sigkill_mid_traffic_then_scale_down_answers_as_before(
-    deployment: VllmDeployment, checkpoint: Path
+    reinferring: VllmDeployment, checkpoint: Path
 ) -> None:
+    """With re-inference on, the survivor's streams in flight at the kill are held and end
+    with exactly the fault-free tokens, each token once; the victim's ends ``abort`` with
+    the reason (its worker died: nothing resumes it there)."""
+    deployment = reinferring
     before = [complete(url, checkpoint) for url in deployment.urls]
     assert before[0] == before[1] == transformers_greedy(checkpoint, PROMPTS, MAX_TOKENS)
-    kill_mid_traffic(deployment, checkpoint, victim=1, survivors=[0])
+    reference = survivor_streams(deployment, checkpoint)
+    for stream in reference:
+        stream.finish()
+        assert stream.finish_reason == "length" and len(stream.tokens) == STREAM_TOKENS
+    streams = survivor_streams(deployment, checkpoint)
+    kill_mid_traffic(deployment, checkpoint, victim=1, survivors=[0], held=streams)
+    counts = [len(s.tokens) for s in streams[:-1]]
+    assert all(0 < n < STREAM_TOKENS for n in counts), f"not all mid-generation: {counts}"
     victim_refuses(deployment, victim=1)
     survivor_url = deployment.urls[0]
     malformed = apply(survivor_url, scale_down_body("1"))
@@ -170,6 +220,17 @@ def test_sigkill_mid_traffic_then_scale_down_answers_as_before(
     assert "Rejecting scale_down on engine 0" in reason and "own rank 0" in reason, reason
     seconds = scale_down_answers_as_before(deployment, checkpoint, [1], {0: before[0]})
     print(f"scale_down of rank 1: healthy and answering {seconds:.3f} s after the command")
+    for stream, want in zip(streams[:-1], reference[:-1], strict=True):
+        stream.finish()
+        assert stream.finish_reason == "length", (stream.prompt, stream.tokens)
+        assert stream.tokens == want.tokens, f"prompt {stream.prompt}: {stream.chunks}"
+        assert all(len(chunk) <= 1 for chunk in stream.chunks), stream.chunks
+    victims = streams[-1]
+    victims.finish()
+    print(f"victim's stream: {victims.finish_reason} {victims.stop_reason!r} {victims.tokens}")
+    assert victims.finish_reason == "abort", (victims.tokens, victims.stop_reason)
+    assert "worker process died" in str(victims.stop_reason), victims.stop_reason
+    assert victims.tokens == reference[0].tokens[: len(victims.tokens)]
 
 
 @pytest.mark.timeout(900)
