@@ -14,15 +14,14 @@ import pytest
 import torch
 
 from ftengine.integrations.vllm import patches as cpu_patches
+from ftengine.integrations.vllm.cpu_collectives import all_gatherv, local_expert_ids
 from ftengine.integrations.vllm.patches import (
     CPU_PATCHES,
     PATCHED_MARK,
     PATCHES,
     Patch,
     VllmSeamMoved,
-    all_gatherv,
     apply_patches,
-    local_expert_ids,
 )
 from tests.vllm_support import Comm, gloo_patch_rank
 

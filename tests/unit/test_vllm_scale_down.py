@@ -17,6 +17,7 @@ from ftengine.backends.base import RepairReport
 from ftengine.errors import PreconditionFailed
 from ftengine.integrations.vllm import scale_down as sd
 from ftengine.integrations.vllm.cpu_backend import VllmCpuBackend
+from ftengine.integrations.vllm.cpu_collectives import all_gatherv
 from ftengine.integrations.vllm.distributed import ALIVE_ATTR
 from ftengine.integrations.vllm.experts_rehost import Hosting, grow_layer, plan_rehost
 from ftengine.integrations.vllm.messages import DP_PORTS_KEY
@@ -24,7 +25,6 @@ from ftengine.integrations.vllm.patches import (
     ROUTER_MODULE,
     SCALE_DOWN_METHOD,
     SCALE_DOWN_PATCHES,
-    all_gatherv,
 )
 from ftengine.weights.index import CheckpointIndex
 from tests.unit.test_vllm_plugin import Engine, answer, engine_core, plugged
