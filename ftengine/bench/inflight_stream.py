@@ -44,6 +44,10 @@ class StreamRequest:
         }
 
 
+RETRY_AFTER_CAP_S = 1.0
+"""The longest a refused stream waits before asking again (the server says 1 s)."""
+
+
 class Stream(threading.Thread):
     """One streaming completion in its own thread. ``chunks``: the token ids of each chunk
     in arrival order, ``arrivals`` when each came, ``start_s`` / ``end_s`` (all
@@ -60,6 +64,7 @@ class Stream(threading.Thread):
         self.error: str | None = None
         self.start_s = 0.0
         self.end_s: float | None = None
+        self.refusals = 0  # 503s before admission, each retried
 
     def run(self) -> None:
         self.start_s = time.monotonic()
@@ -71,11 +76,24 @@ class Stream(threading.Thread):
             self.end_s = time.monotonic()
 
     def _read(self) -> None:
+        # A 503 before any token means "not admitted: the cluster is recovering" (with a
+        # Retry-After): the request was never in flight, and the official openai client
+        # retries it by default, so the stream does too, within its own timeout.
+        deadline = self.start_s + self.request.timeout_s
+        while not self._attempt() and time.monotonic() < deadline:
+            self.refusals += 1
+
+    def _attempt(self) -> bool:
+        """One POST; False when it was refused with a 503 (after waiting its Retry-After)."""
         req = self.request
         with (
             httpx.Client(timeout=req.timeout_s) as http,
             http.stream("POST", f"{req.url}/v1/completions", json=req.body()) as answer,
         ):
+            if answer.status_code == 503 and not self.chunks:
+                answer.read()
+                time.sleep(min(float(answer.headers.get("Retry-After", 1)), RETRY_AFTER_CAP_S))
+                return False
             if answer.status_code != 200:
                 answer.read()
                 raise ValueError(f"expected HTTP 200, got {answer.status_code}: {answer.text}")
@@ -87,6 +105,7 @@ class Stream(threading.Thread):
                     self.arrivals.append(time.monotonic())
                     self.finish_reason = choice.get("finish_reason") or self.finish_reason
                     self.stop_reason = choice.get("stop_reason", self.stop_reason)
+        return True
 
     @property
     def tokens(self) -> list[int]:

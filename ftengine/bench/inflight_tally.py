@@ -36,6 +36,7 @@ class StreamLike(Protocol):
     arrivals: list[float]
     start_s: float
     end_s: float | None
+    refusals: int
 
 
 def mismatched(got: Sequence[int], want: Sequence[int]) -> int:
@@ -85,6 +86,8 @@ def tally(
         "requests_completed": sum(completed),
         "requests_lost": len(streams) - sum(completed),
         "requests_in_flight_at_fault": len(held),
+        # Refused with a 503 before admission (the cluster was recovering), then asked again.
+        "requests_refused_then_retried": sum(1 for s in streams if s.refusals),
         "tokens_mismatched": sum(mismatched(s.tokens, w) for s, w in pairs),
         "tokens_duplicated": sum(max(0, len(s.tokens) - len(w)) for s, w in pairs),
         "tokens_missing": sum(max(0, len(w) - len(s.tokens)) for s, w in pairs if s.completed),

@@ -21,6 +21,7 @@ class FakeStream:
     start_s: float = 0.0
     end_s: float | None = 10.0
     arrivals: list[float] = attrs.field(factory=list)
+    refusals: int = 0
 
     @property
     def completed(self) -> bool:
@@ -75,3 +76,10 @@ def test_in_flight_means_started_before_and_not_ended_by_the_fault() -> None:
 def test_one_reference_and_baseline_per_stream_is_required() -> None:
     with pytest.raises(ValueError, match="one reference and one baseline per stream"):
         tally([FakeStream(WANT)], [WANT, WANT], 0.0, [1.0])
+
+
+def test_a_stream_refused_before_admission_and_asked_again_is_counted_apart() -> None:
+    streams = [FakeStream(list(WANT), refusals=2), FakeStream(list(WANT))]
+    row = tally(streams, [WANT, WANT], fault_s=5.0, baseline_s=[4.0, 4.0])
+    assert row["requests_refused_then_retried"] == 1
+    assert row["requests_lost"] == 0 and targets_met(row)
