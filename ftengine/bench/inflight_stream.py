@@ -65,6 +65,7 @@ class Stream(threading.Thread):
         self.start_s = 0.0
         self.end_s: float | None = None
         self.refusals = 0  # 503s before admission, each retried
+        self.admitted_s = 0.0  # when the attempt the server admitted began
 
     def run(self) -> None:
         self.start_s = time.monotonic()
@@ -86,6 +87,7 @@ class Stream(threading.Thread):
     def _attempt(self) -> bool:
         """One POST; False when it was refused with a 503 (after waiting its Retry-After)."""
         req = self.request
+        self.admitted_s = time.monotonic()
         with (
             httpx.Client(timeout=req.timeout_s) as http,
             http.stream("POST", f"{req.url}/v1/completions", json=req.body()) as answer,

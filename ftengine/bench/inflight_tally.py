@@ -37,6 +37,7 @@ class StreamLike(Protocol):
     start_s: float
     end_s: float | None
     refusals: int
+    admitted_s: float
 
 
 def mismatched(got: Sequence[int], want: Sequence[int]) -> int:
@@ -44,11 +45,12 @@ def mismatched(got: Sequence[int], want: Sequence[int]) -> int:
 
 
 def in_flight_at(streams: Sequence[StreamLike], fault_s: float) -> list[int]:
-    """Indexes of the streams started before ``fault_s`` and not ended by then."""
+    """Indexes of the streams admitted before ``fault_s`` and not ended by then (one refused
+    with a 503 was not in flight: it counts from the attempt the server admitted)."""
     return [
         i
         for i, s in enumerate(streams)
-        if s.start_s < fault_s and (s.end_s is None or s.end_s > fault_s)
+        if s.admitted_s < fault_s and (s.end_s is None or s.end_s > fault_s)
     ]
 
 

@@ -33,7 +33,7 @@ COUNTS = (
 def _run(tmp_path: Path) -> dict[str, Any]:
     command = [sys.executable, "-m", "ftengine", "bench", "inflight", "--json"]
     command += ["--checkpoint", str(tmp_path / "ckpt"), "--dp-size", "2", "--tokens", "12"]
-    command += ["--fault-step", "4"]
+    command += ["--fault-step", "8"]
     process = subprocess.Popen(
         command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True
     )
@@ -67,9 +67,13 @@ def test_bench_inflight_measures_every_cluster_row_side_by_side(tmp_path: Path) 
         assert on["extra_latency_s"]["n"] == on["requests_in_flight_at_fault"]
         assert on["extra_latency_s"]["max"] >= on["extra_latency_s"]["median"]
         assert off["requests_lost"] > 0 and off["targets_met"] is False, (recovery, off)
-        # Lost as today's server loses them: aborted, or (seen under load) a broken stream.
-        assert set(off["finish_reasons"]) <= {"abort", "error"}, off
-        assert sum(off["finish_reasons"].values()) == off["requests_lost"] == 6
+        # Every request in flight at the fault is lost as today's server loses them: aborted,
+        # or (seen under load) a broken stream; only one refused before admission (503,
+        # asked again after the recovery) or ended before the fault completes.
+        lost = off["finish_reasons"].get("abort", 0) + off["finish_reasons"].get("error", 0)
+        assert lost == off["requests_lost"] >= off["requests_in_flight_at_fault"] > 0, off
+        assert set(off["finish_reasons"]) <= {"abort", "error", "length"}, off
+        assert off["requests_completed"] <= 6 - off["requests_in_flight_at_fault"], off
     assert result["targets_met"] is True
     assert set(result["vllm"]) == {"retry", "scale_down"}  # no --vllm-checkpoint here
     assert result["vllm"]["retry"].startswith("not measured: pass --vllm-checkpoint")

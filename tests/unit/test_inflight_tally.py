@@ -22,6 +22,9 @@ class FakeStream:
     end_s: float | None = 10.0
     arrivals: list[float] = attrs.field(factory=list)
     refusals: int = 0
+    admitted_s: float = attrs.field(
+        default=attrs.Factory(lambda self: self.start_s, takes_self=True)
+    )
 
     @property
     def completed(self) -> bool:
@@ -79,7 +82,10 @@ def test_one_reference_and_baseline_per_stream_is_required() -> None:
 
 
 def test_a_stream_refused_before_admission_and_asked_again_is_counted_apart() -> None:
-    streams = [FakeStream(list(WANT), refusals=2), FakeStream(list(WANT))]
+    # Asked at 1 s, refused while the cluster recovered, admitted at 7 s: not in flight.
+    refused = FakeStream(list(WANT), refusals=2, start_s=1.0, admitted_s=7.0, end_s=12.0)
+    streams = [refused, FakeStream(list(WANT))]
     row = tally(streams, [WANT, WANT], fault_s=5.0, baseline_s=[4.0, 4.0])
     assert row["requests_refused_then_retried"] == 1
+    assert row["requests_in_flight_at_fault"] == 1  # the second one only
     assert row["requests_lost"] == 0 and targets_met(row)
