@@ -52,6 +52,21 @@ def zombie() -> Any:
     child.wait()
 
 
+def command_waits_for_on_fault(agent: Any) -> None:
+    """A command on vLLM's input thread waits until vLLM's on_fault ran and the patched
+    on_fault pushed its last status, then goes on."""
+    waiter = threading.Thread(target=agent.await_fault)
+    waiter.start()
+    waiter.join(0.3)
+    assert waiter.is_alive(), "the command did not wait for on_fault"
+    agent.fault_handled()
+    waiter.join(0.3)
+    assert waiter.is_alive(), "released before the patched on_fault's last status push"
+    agent.release_commands()
+    waiter.join(5.0)
+    assert not waiter.is_alive()
+
+
 def test_a_zombie_or_vanished_worker_is_dying_a_live_one_is_not(zombie: int) -> None:
     assert worker_dying(executor(zombie))
     assert not worker_dying(executor(os.getpid()))
@@ -85,16 +100,7 @@ def test_an_engine_whose_worker_is_dying_publishes_dead_at_once(zombie: int) -> 
     sentinel.engine.dp_store.peer(0, "unhealthy")  # a survivor faulted on our news
     agent._watch_peers()
     assert markers(sentinel) == []  # this engine goes DEAD by vLLM's monitor, not UNHEALTHY
-    waiter = threading.Thread(target=agent.await_fault)  # a retry to this engine
-    waiter.start()
-    waiter.join(0.3)
-    assert waiter.is_alive(), "a command must wait for vLLM's own DEAD"
-    agent.fault_handled()
-    waiter.join(0.3)
-    assert waiter.is_alive(), "released before the patched on_fault's last status push"
-    agent.release_commands()
-    waiter.join(5.0)
-    assert not waiter.is_alive()
+    command_waits_for_on_fault(agent)  # a retry to this engine: vLLM's own DEAD first
 
 
 def test_a_survivor_reports_unhealthy_before_vllms_on_fault_runs() -> None:
@@ -116,16 +122,7 @@ def test_a_command_after_the_early_report_waits_for_vllms_on_fault() -> None:
     sentinel.agent = agent
     sentinel.engine.dp_store.peer(1, "dead")
     agent._watch_peers()
-    waiter = threading.Thread(target=agent.await_fault)  # vLLM's input thread, a command
-    waiter.start()
-    waiter.join(0.3)
-    assert waiter.is_alive(), "the command did not wait for on_fault"
-    agent.fault_handled()
-    waiter.join(0.3)
-    assert waiter.is_alive(), "released before the patched on_fault's last status push"
-    agent.release_commands()
-    waiter.join(5.0)
-    assert not waiter.is_alive()
+    command_waits_for_on_fault(agent)
 
 
 def test_an_unhealthy_peer_gets_no_early_report_and_commands_do_not_wait() -> None:
