@@ -99,20 +99,27 @@ class Server:
         """SIGTERM by pid, SIGKILL after 30 s; then its leftover children, by pid."""
         if hasattr(self, "http"):
             self.http.close()
-        if self.process.poll() is None:
-            self.process.send_signal(signal.SIGTERM)
-            try:
-                self.process.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait(timeout=10)
-        deadline = time.monotonic() + 15.0
-        while (left := _running(getattr(self, "descendants", set()))) and (
-            time.monotonic() < deadline
-        ):
-            time.sleep(0.05)
-        for pid in left:  # only ever this server's own children
-            os.kill(pid, signal.SIGKILL)
+        stop_process_tree(self.process, getattr(self, "descendants", set()))
+
+
+def stop_process_tree(process: subprocess.Popen[bytes], descendants: set[int]) -> list[int]:
+    """Stop ``process`` (SIGTERM, SIGKILL after 30 s), give ``descendants`` (pids it
+    started) 15 s to exit on their own, SIGKILL those left; return the pids it killed."""
+    if process.poll() is None:
+        process.send_signal(signal.SIGTERM)
+        try:
+            process.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait(timeout=10)
+    # Helpers of the server (multiprocessing's resource tracker) exit on their own once
+    # the server is gone, a moment later under load: a bounded grace period.
+    deadline = time.monotonic() + 15.0
+    while (left := _running(descendants)) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    for pid in left:  # only ever this server's own children
+        os.kill(pid, signal.SIGKILL)
+    return left
 
 
 def _running(pids: set[int]) -> list[int]:

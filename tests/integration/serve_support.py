@@ -5,7 +5,6 @@ be gone afterwards."""
 from __future__ import annotations
 
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -16,6 +15,8 @@ from typing import Any
 import httpx
 import psutil
 from prometheus_client.parser import text_string_to_metric_families
+
+from ftengine.bench.inflight_serve import stop_process_tree
 
 SIZES: dict[str, Any] = {"layers": 2, "experts": 8, "hidden": 64, "intermediate": 32}
 SIZE_FLAGS = ["--layers", "2", "--experts", "8", "--hidden", "64", "--intermediate", "32"]
@@ -94,34 +95,9 @@ class Server:
     def stop(self) -> None:
         """SIGTERM by pid; every process the server started must be gone afterwards."""
         self.http.close()
-        if self.process.poll() is None:
-            self.process.send_signal(signal.SIGTERM)
-            try:
-                self.process.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait(timeout=10)
+        leftovers = stop_process_tree(self.process, self.descendants)
         self.log.close()
-        # Helpers of the server (multiprocessing's resource tracker) exit on their own once
-        # the server is gone, a moment later under load: give them a bounded grace period.
-        _wait_gone(self.descendants, timeout=15.0)
-        leftovers = [pid for pid in self.descendants if _running(pid)]
-        for pid in leftovers:  # only ever our own server's children
-            os.kill(pid, signal.SIGKILL)
         assert not leftovers, f"serve left processes behind: {leftovers}"
-
-
-def _wait_gone(pids: set[int], timeout: float) -> None:
-    deadline = time.monotonic() + timeout
-    while any(_running(pid) for pid in pids) and time.monotonic() < deadline:
-        time.sleep(0.05)
-
-
-def _running(pid: int) -> bool:
-    try:
-        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return False
 
 
 def metric(samples: Samples, name: str, **labels: str) -> float:
