@@ -148,6 +148,9 @@ def _agent_on_fault(on_fault: Callable[..., None]) -> Callable[..., None]:
 
         hold_or_abort(self, exc, on_fault)
         if agent is not None:
+            from ftengine.integrations.vllm.coordinator_host import park_if_coordinator_host
+
+            park_if_coordinator_host(self)  # DEAD rank 0 keeps the DP coordinator up
             agent.after_fault()
             self._push_status()  # the same status, now with the worker's ftengine phase
             agent.release_commands()  # held commands answer after that status, not before
