@@ -20,10 +20,10 @@ engine core hosts the DP store and its API server runs the DP coordinator. When 
 survivors publish their new ports on, and its API server still runs the coordinator. So a
 scale-down that removes rank 0 gives the wave lead to the lowest survivor (``dp_rank`` becomes
 each survivor's dense rank; vLLM reads it for nothing else) and the new DP group's store is
-hosted by that survivor. The limit: the coordinator lives only as long as rank 0's API server,
-which vLLM stops once rank 0's engine core gives up (``engine_recovery_timeout_sec`` after
-the fault). A single survivor needs no coordinator (it starts its own waves); two or more
-then stop waking each other for new waves: restart the deployment before that timeout.
+hosted by that survivor. The coordinator lives as long as rank 0's API server, which vLLM
+would stop once rank 0's engine core gives up (``engine_recovery_timeout_sec`` after the
+fault): ``coordinator_host.py`` keeps that DEAD engine core parked instead, so two or more
+survivors keep waking each other for new waves.
 """
 
 from __future__ import annotations
