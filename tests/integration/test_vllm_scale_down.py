@@ -11,6 +11,7 @@ DP=2 where one survivor shows it: a rank costs ~1.9 GB and 25-50 s to start here
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import threading
@@ -22,6 +23,7 @@ import httpx
 import pytest
 
 from ftengine.integrations.vllm.launcher import DeploymentConfig, VllmDeployment
+from ftengine.integrations.vllm.plugin import FAULT_FILE_ENV
 from tests.integration.test_vllm_deployment import (
     MAX_TOKENS,
     PROMPTS,
@@ -52,6 +54,7 @@ def deploy(
     dp_size: int,
     reinference: bool = False,
     recovery_timeout_s: float = 300.0,
+    env: dict[str, str] | None = None,
 ) -> VllmDeployment:
     options = {"cpu_distributed_timeout_sec": OP_TIMEOUT_S, "reinference": reinference}
     config = DeploymentConfig(
@@ -62,6 +65,7 @@ def deploy(
         additional_config={"ftengine": options},
         log_dir=logs,
         recovery_timeout_s=recovery_timeout_s,
+        env=env or {},
         startup_timeout_s=600.0,
     )
     return VllmDeployment.start(config)
@@ -240,9 +244,12 @@ def test_rank0_then_rank2_4_to_3_to_2_and_rank0_keeps_the_coordinator_up(
     store, its API server the DP coordinator), then rank 2; the second command names both.
     Past rank 0's recovery deadline its server still answers ``dead`` (it is parked, not
     exited, see coordinator_host.py), and a request to ONE survivor completes: the
-    coordinator still wakes the other survivor into each wave."""
+    coordinator still wakes the other survivor into each wave. Then a transient fault and
+    ``retry`` among the two survivors."""
     logs = tmp_path_factory.mktemp("logs4")
-    with deploy(checkpoint, logs, 4, recovery_timeout_s=RANK0_DEADLINE_S) as deployment:
+    fault_file = logs / "inject"
+    env = {FAULT_FILE_ENV: str(fault_file)}
+    with deploy(checkpoint, logs, 4, recovery_timeout_s=RANK0_DEADLINE_S, env=env) as deployment:
         before = {r: complete(url, checkpoint) for r, url in enumerate(deployment.urls)}
         assert len({tuple(map(tuple, v)) for v in before.values()}) == 1
         killed_at = time.monotonic()
@@ -262,4 +269,35 @@ def test_rank0_then_rank2_4_to_3_to_2_and_rank0_keeps_the_coordinator_up(
         assert {e["id"]: e["status"] for e in engines(deployment)}[0] == "dead"
         for rank in (1, 3):  # one survivor at a time: only the coordinator wakes the other
             assert complete(deployment.urls[rank], checkpoint) == before[rank], rank
-    print(f"0 -> then 2: healthy and answering {seconds:.3f} s, then {seconds2:.3f} s")
+        retry_s = retry_after_scale_down(deployment, checkpoint, fault_file, before)
+    print(
+        f"0 -> then 2: healthy and answering {seconds:.3f} s, then {seconds2:.3f} s; "
+        f"a retry among the 2 survivors {retry_s:.3f} s"
+    )
+
+
+def retry_after_scale_down(
+    deployment: VllmDeployment,
+    checkpoint: Path,
+    fault_file: Path,
+    before: dict[int, list[list[int]]],
+) -> float:
+    """A transient fault on rank 3 after 4 -> 2: ``retry`` to both survivors rebuilds the DP
+    group among them (vLLM's own would wait for the removed ranks 0 and 2 until its
+    timeout); healthy at epoch 3, answering as before. Seconds from the first command."""
+    fault_file.write_text("3")
+    with contextlib.suppress(Exception):  # the request in the faulted step is aborted
+        complete(deployment.urls[3], checkpoint)
+    wait_for(deployment, {1: "unhealthy", 3: "unhealthy"}, OP_TIMEOUT_S + 25)
+    started = time.monotonic()
+    for rank in (1, 3):
+        assert apply(deployment.urls[rank], RETRY).status_code == 202
+    wait_for(deployment, {1: "healthy", 3: "healthy"}, 60)
+    seconds = time.monotonic() - started
+    for engine in (e for e in engines(deployment) if e["id"] in (1, 3)):
+        assert (engine["phase"], engine["epoch"], engine["removed_ranks"]) == (
+            "healthy", 3, [0, 2],
+        ), engine  # fmt: skip
+    for rank in (1, 3):
+        assert complete(deployment.urls[rank], checkpoint) == before[rank], rank
+    return seconds

@@ -22,6 +22,7 @@ from ftengine.integrations.vllm.distributed import ALIVE_ATTR
 from ftengine.integrations.vllm.experts_rehost import Hosting, grow_layer, plan_rehost
 from ftengine.integrations.vllm.messages import DP_PORTS_KEY
 from ftengine.integrations.vllm.patches import (
+    ENGINE_CORE_PATCHES,
     ROUTER_MODULE,
     SCALE_DOWN_METHOD,
     SCALE_DOWN_PATCHES,
@@ -258,3 +259,31 @@ def test_the_bench_reads_the_reloads_from_the_survivors_log(tmp_path: Path) -> N
     )
     assert adopted(log) == (8, 786432, 8)
     assert adopted(tmp_path / "missing.log") == (0, 0, 0)
+
+
+def test_a_retry_after_a_scale_down_rebuilds_the_dp_group_among_the_survivors(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """vLLM's ``_reinit_dp_group`` spans every original rank (the removed would never come);
+    once a scale-down removed some, retry's rebuild is ftengine's among the survivors."""
+    core, engine, _ = scale_down_core(monkeypatch)
+    calls: list[list[int]] = []
+
+    def survivors_reinit(sentinel: Any, alive: list[int]) -> dict[str, Any]:
+        calls.append(alive)
+        return {DP_PORTS_KEY: [29500]}
+
+    def vllm_reinit(sentinel: Any) -> dict[str, Any]:
+        calls.append([-1])  # vLLM's own: every original rank
+        return {}
+
+    monkeypatch.setattr(sd, "reinit_dp_group", survivors_reinit)
+    assert sd.reinit_for_retry(core, vllm_reinit) == {} and calls == [[-1]]
+    core.on_fault(RuntimeError("peer died"))
+    command(core, {"removed_dp_ranks": [0, 2]})
+    assert answer(engine)["success"] is True and calls == [[-1], [1, 3]]
+    calls.clear()
+    sd.reinit_for_retry(core, vllm_reinit)
+    assert calls == [[1, 3]]
+    patched = {(p.owner, p.name) for p in ENGINE_CORE_PATCHES}
+    assert ("EngineCoreSentinel", "_reinit_dp_group") in patched

@@ -9,7 +9,8 @@ ftengine's :class:`~ftengine.integrations.vllm.engine_agent.EngineCoreAgent`,
 input-queue marker raise a peer fault into the busy loop (vLLM's own fault path then runs).
 ``scale_down`` (vLLM 0.32 has only ``retry``): the router's ``_validate_payload`` passes it
 (400 when malformed) and ``EngineCoreSentinel.scale_down`` is added for vLLM's own dispatch
-(``scale_down.py``).
+(``scale_down.py``); after one, ``EngineCoreSentinel._reinit_dp_group`` (``retry``'s DP-group
+rebuild) rebuilds among the survivors instead of every original rank.
 
 **CPU platform** (what it lacks for DP+EP MoE):
 With ``--enable-expert-parallel`` and DP > 1, vLLM on CPU picks the
@@ -201,6 +202,17 @@ def _after_fault(handle: Callable[..., None]) -> Callable[..., None]:
     return handle_when_faulted
 
 
+def _among_survivors(reinit: Callable[..., dict[str, Any]]) -> Callable[..., dict[str, Any]]:
+    @functools.wraps(reinit)
+    def reinit_among_survivors(self: Any) -> dict[str, Any]:
+        from ftengine.integrations.vllm.scale_down import reinit_for_retry
+
+        return reinit_for_retry(self, reinit)
+
+    setattr(reinit_among_survivors, PATCHED_MARK, reinit)
+    return reinit_among_survivors
+
+
 ENGINE_CORE_PATCHES = (
     Patch(
         CORE_SENTINEL_MODULE, "EngineCoreSentinel", "__init__", ("engine", "parallel_config"),
@@ -216,6 +228,7 @@ ENGINE_CORE_PATCHES = (
         CORE_MODULE, "EngineCoreProc", "_handle_client_request", ("request_type", "request"),
         _with_fault_marker,
     ),
+    Patch(CORE_SENTINEL_MODULE, "EngineCoreSentinel", "_reinit_dp_group", (), _among_survivors),
 )  # fmt: skip
 
 CPU_PATCHES = (

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Callable
 from typing import Any
 
 from ftengine.commands import REMOVED_KEY, parse_command, scale_down_problems
@@ -154,3 +155,15 @@ def reinit_dp_group(sentinel: Any, alive: list[int]) -> dict[str, Any]:
         timeout=parallel.cpu_distributed_timeout,
     )
     return {DP_PORTS_KEY: worker_ports}
+
+
+def reinit_for_retry(sentinel: Any, vllm_reinit: Callable[[Any], dict[str, Any]]) -> dict[str, Any]:
+    """``EngineCoreSentinel._reinit_dp_group`` for ``retry``: vLLM's own (every original DP
+    rank) until a scale-down removed some, then :func:`reinit_dp_group` among the survivors
+    (vLLM's would wait for the removed ranks until its timeout). Same epoch counter, so the
+    workers' retry (ftengine's FSM rebuilds among its alive ranks) gets the matching ports."""
+    removed = frozenset(getattr(sentinel, REMOVED_ATTR, frozenset()))
+    if not removed:
+        return vllm_reinit(sentinel)
+    world = int(sentinel.engine.vllm_config.parallel_config.data_parallel_size)
+    return reinit_dp_group(sentinel, [r for r in range(world) if r not in removed])
