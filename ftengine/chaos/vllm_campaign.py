@@ -24,14 +24,17 @@ from ftengine.chaos.actions import Injected
 from ftengine.chaos.campaign import PROMPTS
 from ftengine.chaos.catalogue import ChaosKind, PlannedFault, When, plan
 from ftengine.chaos.history import History
-from ftengine.chaos.invariants import FaultResult, Violation, check_fault
+from ftengine.chaos.invariants import FaultResult, Violation
 from ftengine.chaos.orchestrate import Outcome
 from ftengine.chaos.traffic import Traffic
+from ftengine.chaos.vllm_options import MODEL_NAME, VllmCampaignOptions
 from ftengine.chaos.vllm_plan import (
     VLLM_KINDS,
+    as_dead,
     detection_bound,
     detectors,
     follows,
+    judge,
     rebuild_after,
     rebuild_first,
     removed_ranks,
@@ -39,50 +42,9 @@ from ftengine.chaos.vllm_plan import (
 )
 from ftengine.chaos.vllm_recover import VllmOrchestrator
 from ftengine.chaos.vllm_watch import Census, StatusWatch
-from ftengine.integrations.vllm.launcher import DeploymentConfig, VllmDeployment
-from ftengine.integrations.vllm.plugin import FAULT_FILE_ENV
+from ftengine.integrations.vllm.launcher import VllmDeployment
 
-MODEL_NAME = "chaos"  # what the chaos traffic asks for (vLLM's --served-model-name)
 STEP_S = 0.25  # a planned "step" of delay: vLLM exposes no step counter over HTTP
-
-
-@attrs.frozen
-class VllmCampaignOptions:
-    """``faults`` faults planned from ``seed`` on a ``dp_size`` deployment of
-    ``checkpoint`` (rank r on ``port + r``) under ``clients_per_rank`` streams per rank."""
-
-    checkpoint: Path
-    faults: int = 10
-    seed: int = 0
-    dp_size: int = 3
-    clients_per_rank: int = 2
-    max_tokens: int = 24
-    op_timeout_s: float = 5.0
-    recovery_timeout_s: float = 120.0
-    """vLLM's ``engine_recovery_timeout_sec``: past it the servers exit."""
-    recover_deadline_s: float = 60.0
-    max_reinference: int = 3
-    port: int = 29900
-    log_dir: Path = Path("vllm-chaos-logs")
-    startup_timeout_s: float = 600.0
-
-    @property
-    def clients(self) -> int:
-        return self.clients_per_rank * self.dp_size
-
-    def deployment(self, fault_file: Path, generation: int) -> DeploymentConfig:
-        """Generation ``generation``'s deployment (its logs in their own folder)."""
-        ftengine = {
-            "cpu_distributed_timeout_sec": self.op_timeout_s,
-            "reinference": True,
-            "max_reinference": self.max_reinference,
-        }
-        return DeploymentConfig(
-            self.checkpoint, dp_size=self.dp_size, port=self.port, dtype="float32",
-            recovery_timeout_s=self.recovery_timeout_s, additional_config={"ftengine": ftengine},
-            extra_args=("--served-model-name", MODEL_NAME), env={FAULT_FILE_ENV: str(fault_file)},
-            log_dir=self.log_dir / f"gen{generation}", startup_timeout_s=self.startup_timeout_s,
-        )  # fmt: skip
 
 
 @attrs.define
@@ -125,6 +87,7 @@ class VllmCampaign:
         self.start_s: list[float] = []
         self.fences = 0
         self.unplanned = 0
+        self.skipped: list[str] = []
         self.reference: list[list[int]] = []
         self.error: str | None = None
         self.interrupted = threading.Event()
@@ -258,7 +221,7 @@ class VllmCampaign:
                 "max_tokens": self.options.max_tokens, "ignore_eos": True,
                 "return_token_ids": True}  # fmt: skip
         try:
-            reply = httpx.post(f"{url}/v1/completions", json=body, timeout=30.0).json()
+            reply = httpx.post(f"{url}/v1/completions", json=body, timeout=120.0).json()
             choice = reply["choices"][0]
         except (httpx.HTTPError, ValueError, KeyError, IndexError):
             return None
@@ -282,7 +245,11 @@ class VllmCampaign:
             return self._rebuild(generation, f"unplanned fault: recovery ended {outcome.state}")
         return generation
 
-    def _one(self, generation: Generation, position: int) -> tuple[Generation, int]:
+    def _prepare(
+        self, generation: Generation, position: int
+    ) -> tuple[Generation, PlannedFault | None, PlannedFault | None, list[int]]:
+        """The deployment fault ``position`` runs on (rebuilt first when it must be), the
+        fault (None: skipped), the one to land during its recovery, and the live ranks."""
         generation = self._settle(generation)
         fault = self.plan[position]
         if fault.when is When.RECOVERY:  # reached on its own: run and judge it as steady
@@ -290,12 +257,23 @@ class VllmCampaign:
         following = self.plan[position + 1] if position + 1 < len(self.plan) else None
         live = self._live(generation)
         follow = following if follows(fault, following, live) else None
-        why = rebuild_first(fault, live, sorted(removed_ranks(generation.watch.latest())),
-                            1 if follow else 0)  # fmt: skip
-        if why is not None:
-            generation = self._rebuild(generation, why)
-            live = self._live(generation)
-            follow = following if follows(fault, following, live) else None
+        removed = sorted(removed_ranks(generation.watch.latest()))
+        why = rebuild_first(fault, live, removed, 1 if follow else 0)
+        if why is None:
+            return generation, fault, follow, live
+        generation = self._rebuild(generation, why)
+        live = self._live(generation)
+        follow = following if follows(fault, following, live) else None
+        if rebuild_first(fault, live, [], 1 if follow else 0) is not None:
+            self.skipped.append(fault.describe())  # not even a fresh deployment can take it
+            self.progress(f"skipped {fault.describe()}: {why}")
+            return generation, None, None, live
+        return generation, fault, follow, live
+
+    def _one(self, generation: Generation, position: int) -> tuple[Generation, int]:
+        generation, fault, follow, live = self._prepare(generation, position)
+        if fault is None:
+            return generation, position + 1
         time.sleep(fault.delay_steps * STEP_S)
         if not generation.rss_start:
             generation.rss_start = _rss(generation.workers, live)
@@ -364,7 +342,7 @@ class VllmCampaign:
 
     def _judge(self, generation: Generation, shot: Injected, outcome: Outcome) -> None:
         fault = shot.fault
-        engines = tuple(_as_dead(e) for e in outcome.engines)
+        engines = tuple(as_dead(e) for e in outcome.engines)
         result = FaultResult(
             index=fault.index, kind=fault.kind, when=fault.when, step=-1, victims=shot.victims,
             detect_s=self._detect(generation, shot), recover_s=outcome.at - shot.at,
@@ -384,25 +362,6 @@ class VllmCampaign:
             f"{result.recover_s:.3f} s, commands {list(outcome.commands)}"
             + (f"; VIOLATED {problems}" if problems else "")
         )
-
-
-def _as_dead(engine: dict[str, Any]) -> dict[str, Any]:
-    """An engine whose server stopped answering is dead, with that as its reason."""
-    if engine.get("status") == "unreachable":
-        return {**engine, "status": "dead"}
-    return engine
-
-
-def judge(result: FaultResult, op_timeout_s: float) -> list[str]:
-    """The cluster campaign's per-fault invariants (``check_fault``), with vLLM's detection
-    bounds (``vllm_plan.detection_bound``) in place of the cluster's."""
-    problems = [p for p in check_fault(result, op_timeout_s) if not p.startswith("detection:")]
-    bound = detection_bound(result.kind, op_timeout_s)
-    if result.detect_s is None and result.when is When.STEADY:
-        problems.insert(0, f"detection: not detected (bound {bound:.1f} s)")
-    elif result.detect_s is not None and result.detect_s > bound:
-        problems.insert(0, f"detection: {result.detect_s:.3f} s > bound {bound:.1f} s")
-    return problems
 
 
 def _tree(pid: int) -> list[psutil.Process]:

@@ -19,6 +19,7 @@ from typing import Any
 import attrs
 
 from ftengine.chaos.catalogue import ChaosKind, PlannedFault, When
+from ftengine.chaos.invariants import FaultResult, check_fault
 
 VLLM_KINDS = (
     ChaosKind.STEP_RAISE,
@@ -153,3 +154,22 @@ def decide(
         ranks = sorted(removed | down)
         return Decision("command", sick, "scale_down", {"removed_dp_ranks": ranks})
     return Decision("command", sick, "retry")
+
+
+def as_dead(engine: dict[str, Any]) -> dict[str, Any]:
+    """An engine whose server stopped answering is dead, with that as its reason."""
+    if engine.get("status") == "unreachable":
+        return {**engine, "status": "dead"}
+    return engine
+
+
+def judge(result: FaultResult, op_timeout_s: float) -> list[str]:
+    """The cluster campaign's per-fault invariants (``check_fault``), with vLLM's detection
+    bounds (``vllm_plan.detection_bound``) in place of the cluster's."""
+    problems = [p for p in check_fault(result, op_timeout_s) if not p.startswith("detection:")]
+    bound = detection_bound(result.kind, op_timeout_s)
+    if result.detect_s is None and result.when is When.STEADY:
+        problems.insert(0, f"detection: not detected (bound {bound:.1f} s)")
+    elif result.detect_s is not None and result.detect_s > bound:
+        problems.insert(0, f"detection: {result.detect_s:.3f} s > bound {bound:.1f} s")
+    return problems

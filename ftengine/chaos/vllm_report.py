@@ -14,7 +14,8 @@ from typing import Any
 from ftengine.chaos.deployment import Leftovers
 from ftengine.chaos.invariants import Violation, check_request, fault_at, tally
 from ftengine.chaos.report import spread
-from ftengine.chaos.vllm_campaign import VllmCampaign, VllmCampaignOptions
+from ftengine.chaos.vllm_campaign import VllmCampaign
+from ftengine.chaos.vllm_options import VllmCampaignOptions
 from ftengine.chaos.vllm_plan import NOT_COVERED
 
 
@@ -49,9 +50,10 @@ def _request_violations(campaign: VllmCampaign) -> tuple[Any, list[Violation], l
     return tally(records, verdicts), violations, records
 
 
-def summary(campaign: VllmCampaign, leftovers: Leftovers, duration_s: float) -> dict[str, Any]:
-    """The campaign's JSON object."""
-    counts, request_problems, records = _request_violations(campaign)
+def _violations(
+    campaign: VllmCampaign, request_problems: list[Violation], leftovers: Leftovers
+) -> list[Violation]:
+    """Every violation: per fault, per request, and of the run as a whole."""
     violations = [*campaign.violations, *request_problems]
     if campaign.error is not None:
         violations.append(Violation("campaign_error", None, None, None, campaign.error))
@@ -60,6 +62,14 @@ def summary(campaign: VllmCampaign, leftovers: Leftovers, duration_s: float) -> 
     ratio = max(campaign.rss_ratios, default=None)
     if ratio is not None and ratio > 1.10:
         violations.append(Violation("rss_growth", None, None, None, f"ratio {ratio:.3f} > 1.10"))
+    return violations
+
+
+def summary(campaign: VllmCampaign, leftovers: Leftovers, duration_s: float) -> dict[str, Any]:
+    """The campaign's JSON object."""
+    counts, request_problems, records = _request_violations(campaign)
+    violations = _violations(campaign, request_problems, leftovers)
+    ratio = max(campaign.rss_ratios, default=None)
     names = collections.Counter(v.invariant for v in violations)
     hangs = [e for e in campaign.history.entries() if e.what in ("hang", "command_stuck")]
     return {
@@ -105,6 +115,7 @@ def _about(campaign: VllmCampaign, duration_s: float) -> dict[str, Any]:
         "op_timeout_s": o.op_timeout_s,
         "fences": campaign.fences,
         "unplanned_faults": campaign.unplanned,
+        "skipped": campaign.skipped,
         "deployment_start_s": spread(campaign.start_s),
         "rebuild_s": spread(campaign.rebuild_s),
         "rebuild_total_s": round(sum(campaign.rebuild_s), 1),

@@ -34,7 +34,7 @@ def register(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dp", type=at_least(2), default=3, help="DP = EP ranks")
     parser.add_argument("--clients-per-rank", type=at_least(1), default=2)
     parser.add_argument("--max-tokens", type=at_least(1), default=24, help="tokens per stream")
-    parser.add_argument("--op-timeout", type=float, default=3.0, help="per-op timeout, seconds")
+    parser.add_argument("--op-timeout", type=float, default=10.0, help="per-op timeout, seconds")
     parser.add_argument("--port", type=int, default=29900, help="rank r serves on PORT + r")
     parser.add_argument("--log-dir", type=Path, default=Path("vllm-chaos-logs"))
     parser.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
@@ -45,7 +45,7 @@ def run(args: argparse.Namespace) -> int:
     """Run the campaign and print its JSON object."""
     with bench_extra(COMMAND):
         importlib.import_module("psutil")
-    from ftengine.chaos.vllm_campaign import VllmCampaignOptions
+    from ftengine.chaos.vllm_options import VllmCampaignOptions
     from ftengine.chaos.vllm_report import run_vllm_campaign
     from ftengine.integrations.vllm.demo import TINY_SHAPE
     from ftengine.weights.checkpoint_gen import make_checkpoint

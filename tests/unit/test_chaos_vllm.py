@@ -10,13 +10,13 @@ import pytest
 
 from ftengine.chaos.catalogue import ChaosKind, PlannedFault, When, plan
 from ftengine.chaos.invariants import FaultResult
-from ftengine.chaos.vllm_campaign import judge
 from ftengine.chaos.vllm_plan import (
     VLLM_KINDS,
     decide,
     detection_bound,
     detectors,
     follows,
+    judge,
     rebuild_after,
     rebuild_first,
     removed_ranks,
