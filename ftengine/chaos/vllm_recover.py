@@ -44,6 +44,7 @@ class VllmOrchestrator:
         grace_s: float,
         command_timeout_s: float,
         on_fence: Callable[[int], object] = lambda _rank: None,
+        http: httpx.Client | None = None,
     ) -> None:
         self.urls = list(urls)
         self.workers = dict(workers)
@@ -53,7 +54,7 @@ class VllmOrchestrator:
         self.command_timeout_s = command_timeout_s
         self.fenced: list[int] = []
         self.on_fence = on_fence  # the campaign stops sending streams to a fenced rank
-        self.http = httpx.Client(timeout=30.0)
+        self.http = http or httpx.Client(timeout=30.0)
 
     def close(self) -> None:
         self.http.close()

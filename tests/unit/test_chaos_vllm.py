@@ -4,11 +4,17 @@ per-fault judgement (the cluster campaign's invariants with vLLM's bounds)."""
 
 from __future__ import annotations
 
+import json
+import signal
+import subprocess
+import sys
 from typing import Any
 
+import httpx
 import pytest
 
 from ftengine.chaos.catalogue import ChaosKind, PlannedFault, When, plan
+from ftengine.chaos.history import History
 from ftengine.chaos.invariants import FaultResult
 from ftengine.chaos.vllm_plan import (
     VLLM_KINDS,
@@ -22,6 +28,8 @@ from ftengine.chaos.vllm_plan import (
     removed_ranks,
     victims,
 )
+from ftengine.chaos.vllm_recover import VllmOrchestrator
+from ftengine.chaos.vllm_watch import StatusWatch
 
 
 def fault(kind: ChaosKind, pick: int = 0, when: When = When.STEADY, index: int = 0) -> PlannedFault:
@@ -154,3 +162,86 @@ def test_judge_passes_a_clean_fault_and_catches_each_planted_violation() -> None
     assert any(p.startswith("victims_dead") for p in alive)
     silent = judge(result(engines=(engine(0, "healthy"), engine(2, "dead"))), 3.0)
     assert any(p.startswith("dead_without_reason") for p in silent)
+
+
+class ScriptedWatch(StatusWatch):
+    """A status watch whose engines change only when the test (or a command) says so."""
+
+    def __init__(self, engines: dict[int, dict[str, Any]]) -> None:  # no thread, no HTTP
+        self.engines = engines
+        self.changes = []
+
+    def poll(self) -> dict[int, dict[str, Any]]:
+        return self.latest()
+
+    def latest(self) -> dict[int, dict[str, Any]]:
+        return {r: dict(e) for r, e in self.engines.items()}
+
+
+def orchestrator(
+    watch: ScriptedWatch, on_apply: Any, workers: dict[int, int] | None = None
+) -> tuple[VllmOrchestrator, list[tuple[int, dict[str, Any]]]]:
+    """An orchestrator whose POSTs reach ``on_apply(rank, body)`` (vLLM's 202)."""
+    sent: list[tuple[int, dict[str, Any]]] = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        rank = int(str(request.url.host).removeprefix("rank"))
+        body = json.loads(request.content)
+        sent.append((rank, body))
+        on_apply(rank, body)
+        return httpx.Response(202, json={"request_id": "x"})
+
+    urls = [f"http://rank{r}" for r in watch.engines]
+    http = httpx.Client(transport=httpx.MockTransport(handler))
+    made = VllmOrchestrator(
+        urls, workers or {}, watch, History(), grace_s=0.3, command_timeout_s=2.0, http=http
+    )
+    return made, sent
+
+
+def test_the_orchestrator_retries_every_faulted_rank_until_all_are_healthy() -> None:
+    watch = ScriptedWatch({r: engine(r, "unhealthy", epoch=0) for r in range(3)})
+
+    def apply(rank: int, body: dict[str, Any]) -> None:
+        assert body == {"instruction": "retry", "params": {}}
+        watch.engines[rank] = engine(rank, "healthy", epoch=1)
+
+    made, sent = orchestrator(watch, apply)
+    outcome = made.recover(0, (), deadline_s=5.0)
+    assert outcome.state == "settled"
+    assert sorted(rank for rank, _ in sent) == [0, 1, 2] and len(outcome.commands) == 1
+
+
+def test_the_orchestrator_fences_a_hung_engine_then_scales_down_past_it() -> None:
+    hung = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        watch = ScriptedWatch(
+            {0: engine(0, "unhealthy"), 1: engine(1, "unhealthy"), 2: engine(2, "healthy")}
+        )
+        fenced: list[int] = []
+
+        def apply(rank: int, body: dict[str, Any]) -> None:
+            assert body == {"instruction": "scale_down", "params": {"removed_dp_ranks": [2]}}
+            watch.engines[rank] = engine(rank, "healthy", (2,))
+
+        made, sent = orchestrator(watch, apply, workers={2: hung.pid})
+
+        def fence(rank: int) -> None:  # the campaign stops that rank's streams; vLLM: dead
+            fenced.append(rank)
+            watch.engines[rank] = engine(rank, "dead", ft_error="worker process died")
+
+        made.on_fence = fence
+        outcome = made.recover(0, (), deadline_s=5.0)
+        assert hung.wait(timeout=5.0) == -signal.SIGKILL  # the hung worker was killed
+        assert fenced == [2] == made.fenced
+        assert outcome.state == "settled" and sorted(r for r, _ in sent) == [0, 1]
+    finally:
+        hung.kill()
+        hung.wait()
+
+
+def test_the_orchestrator_reports_stuck_at_its_deadline() -> None:
+    watch = ScriptedWatch({0: engine(0, "unhealthy"), 1: engine(1, "unhealthy")})
+    made, sent = orchestrator(watch, lambda rank, body: None)  # commands change nothing
+    outcome = made.recover(0, (), deadline_s=1.0)
+    assert outcome.state == "stuck" and len(sent) >= 2
