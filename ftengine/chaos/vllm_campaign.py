@@ -14,7 +14,6 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
 
 import attrs
 import httpx
@@ -26,7 +25,7 @@ from ftengine.chaos.catalogue import ChaosKind, PlannedFault, When, plan
 from ftengine.chaos.history import History
 from ftengine.chaos.invariants import FaultResult, Violation
 from ftengine.chaos.orchestrate import Outcome
-from ftengine.chaos.traffic import Traffic
+from ftengine.chaos.traffic import StreamRecord, Traffic
 from ftengine.chaos.vllm_options import MODEL_NAME, VllmCampaignOptions
 from ftengine.chaos.vllm_plan import (
     VLLM_KINDS,
@@ -106,7 +105,7 @@ class VllmCampaign:
     def rebuilds(self) -> int:
         return len(self.rebuild_s)
 
-    def records(self) -> list[Any]:
+    def records(self) -> list[StreamRecord]:
         """Every stream of every rank's clients."""
         return [r for t in self.traffic for r in t.records]
 

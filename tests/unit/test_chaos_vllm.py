@@ -15,7 +15,8 @@ import pytest
 
 from ftengine.chaos.catalogue import ChaosKind, PlannedFault, When, plan
 from ftengine.chaos.history import History
-from ftengine.chaos.invariants import FaultResult
+from ftengine.chaos.invariants import FaultResult, check_request
+from ftengine.chaos.traffic import StreamRecord
 from ftengine.chaos.vllm_plan import (
     VLLM_KINDS,
     decide,
@@ -29,6 +30,7 @@ from ftengine.chaos.vllm_plan import (
     victims,
 )
 from ftengine.chaos.vllm_recover import VllmOrchestrator
+from ftengine.chaos.vllm_report import coalesced
 from ftengine.chaos.vllm_watch import StatusWatch
 
 
@@ -245,3 +247,21 @@ def test_the_orchestrator_reports_stuck_at_its_deadline() -> None:
     made, sent = orchestrator(watch, lambda rank, body: None)  # commands change nothing
     outcome = made.recover(0, (), deadline_s=1.0)
     assert outcome.state == "stuck" and len(sent) >= 2
+
+
+def record(chunks: list[list[int]], finish: str = "length") -> StreamRecord:
+    return StreamRecord(client=0, prompt=0, started=0.0, chunks=chunks, finish_reason=finish)
+
+
+def test_vllms_coalesced_chunks_are_no_gap_but_a_real_gap_or_wrong_token_still_is() -> None:
+    reference = [5, 6, 7, 8]
+    merged = record([[5], [6, 7], [8]])  # vLLM merged two deltas: every token, in order
+    assert coalesced(merged, check_request(merged, reference, 4))
+    gap = record([[5], [7], [8]])
+    assert not coalesced(gap, check_request(gap, reference, 4))
+    repeat = record([[5], [6, 6], [7, 8]])
+    assert not coalesced(repeat, check_request(repeat, reference, 4))
+    wrong = record([[5], [6, 9], [8]])
+    assert not coalesced(wrong, check_request(wrong, reference, 4))
+    cut = record([[5], [6, 7]], finish="abort")
+    assert not coalesced(cut, check_request(cut, reference, 4))
