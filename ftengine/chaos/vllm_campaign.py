@@ -318,7 +318,7 @@ class VllmCampaign:
             for rank in hit:
                 os.kill(generation.workers[rank], sig)
                 self.traffic[rank].pause(0.0)  # no new streams to a rank that is gone
-        injected = Injected(fault, at, hit, detectors(fault.kind, live, hit), -1)
+        injected = Injected(fault, at, hit, detectors(fault.kind, live, hit, fault.when), -1)
         self.injections.append(injected)
         self.history.add("inject", fault.index, kind=fault.kind.value, when=fault.when.value,
                          victims=list(hit))  # fmt: skip

@@ -101,9 +101,14 @@ def detection_bound(kind: ChaosKind, op_timeout_s: float) -> float:
     return op_timeout_s
 
 
-def detectors(kind: ChaosKind, live: Sequence[int], hit: Sequence[int]) -> tuple[int, ...]:
-    """The ranks whose status must leave ``healthy`` for the fault to count as detected: all
-    live ranks, except a stopped victim (it cannot report until it is fenced)."""
+def detectors(
+    kind: ChaosKind, live: Sequence[int], hit: Sequence[int], when: When = When.STEADY
+) -> tuple[int, ...]:
+    """The ranks whose status must change for the fault to count as detected: all live
+    ranks, except a stopped victim (it cannot report until it is fenced); for a fault during
+    recovery only its victims (their peers are faulted already: the victims must go dead)."""
+    if when is When.RECOVERY:
+        return tuple(hit)
     if kind is ChaosKind.SIGSTOP:
         return tuple(r for r in live if r not in hit)
     return tuple(live)

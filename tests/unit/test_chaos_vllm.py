@@ -108,6 +108,7 @@ def test_detection_bounds_and_who_must_see_the_fault() -> None:
     assert detection_bound(ChaosKind.STEP_RAISE, 3.0) == 4.0  # peers see it at the op timeout
     assert detectors(ChaosKind.SIGSTOP, [0, 1, 2], (1,)) == (0, 2)  # the stopped one cannot
     assert detectors(ChaosKind.SIGKILL, [0, 1, 2], (1,)) == (0, 1, 2)
+    assert detectors(ChaosKind.SIGKILL, [0, 1], (1,), When.RECOVERY) == (1,)  # peers faulted
 
 
 def test_decide_retry_when_every_engine_faulted_and_none_died() -> None:
