@@ -1,0 +1,175 @@
+"""The real-vLLM campaign's JSON object, with the cluster campaign's keys where they apply
+(the same request checks, ``check_request`` / ``tally``, the same ``spread``), and the run:
+the campaign, then the census of leftovers once every deployment stopped."""
+
+from __future__ import annotations
+
+import collections
+import signal
+import time
+from collections.abc import Callable
+from types import FrameType
+from typing import Any
+
+from ftengine.chaos.deployment import Leftovers
+from ftengine.chaos.invariants import Violation, check_request, fault_at, tally
+from ftengine.chaos.report import spread
+from ftengine.chaos.traffic import StreamRecord
+from ftengine.chaos.vllm_campaign import VllmCampaign
+from ftengine.chaos.vllm_options import VllmCampaignOptions
+from ftengine.chaos.vllm_plan import NOT_COVERED
+
+
+def _by_kind(campaign: VllmCampaign, field: str) -> dict[str, dict[str, float] | None]:
+    values: dict[str, list[float]] = collections.defaultdict(list)
+    for result in campaign.results:
+        value = getattr(result, field)
+        if value is not None:
+            values[result.kind.value].append(value)
+    return {kind: spread(v) for kind, v in sorted(values.items())}
+
+
+def coalesced(record: StreamRecord, problems: list[str]) -> bool:
+    """A completed stream whose only problem is a chunk of several tokens, the tokens all
+    there in order: vLLM's ``RequestOutputCollector`` merges a request's deltas when the
+    engine gets ahead of the API server's consumer (a loaded machine), which is no gap and
+    no repeat (``wrong_tokens`` checks the whole sequence)."""
+    names = {p.split(":", 1)[0] for p in problems}
+    done = record.finish_reason == "length" and record.error is None
+    return done and names == {"stream_gaps_or_repeats"}
+
+
+def _vllm_verdict(record: StreamRecord, problems: list[str]) -> list[str]:
+    """``check_request``'s verdict, vLLM's coalesced chunks taken out."""
+    return [] if coalesced(record, problems) else problems
+
+
+def _request_violations(
+    campaign: VllmCampaign,
+) -> tuple[Any, list[Violation], list[StreamRecord]]:
+    """Every stream checked against the reference; each problem blamed on the fault injected
+    last before that stream ended."""
+    records = campaign.records()
+    if not campaign.reference:  # no reference: the first deployment never served
+        return tally([], []), [], records
+    want, limit = campaign.reference, campaign.options.max_tokens
+    verdicts = [_vllm_verdict(r, check_request(r, want[r.prompt], limit)) for r in records]
+    shots = sorted(campaign.injections, key=lambda s: s.at)
+    starts, indices = [s.at for s in shots], [s.fault.index for s in shots]
+    violations = []
+    for record, problems in zip(records, verdicts, strict=True):
+        for problem in problems:
+            name, _, detail = problem.partition(": ")
+            ended = record.ended if record.ended is not None else record.started
+            blamed = fault_at(starts, indices, ended)
+            kind = None if blamed is None else campaign.plan[blamed].kind.value
+            excerpt = tuple(campaign.history.excerpt(record.started - 1.0, ended + 1.0))
+            violations.append(Violation(name, blamed, kind, None, detail, excerpt))
+    return tally(records, verdicts), violations, records
+
+
+def _coalesced(campaign: VllmCampaign, records: list[StreamRecord]) -> int:
+    """Completed streams with a chunk of several tokens (see :func:`coalesced`)."""
+    if not campaign.reference:
+        return 0
+    limit = campaign.options.max_tokens
+    return sum(coalesced(r, check_request(r, campaign.reference[r.prompt], limit)) for r in records)
+
+
+def _violations(
+    campaign: VllmCampaign, request_problems: list[Violation], leftovers: Leftovers
+) -> list[Violation]:
+    """Every violation: per fault, per request, and of the run as a whole."""
+    violations = [*campaign.violations, *request_problems]
+    if campaign.error is not None:
+        violations.append(Violation("campaign_error", None, None, None, campaign.error))
+    if leftovers.count:
+        violations.append(Violation("orphans", None, None, None, str(leftovers.to_dict())))
+    ratio = max(campaign.rss_ratios, default=None)
+    if ratio is not None and ratio > 1.10:
+        violations.append(Violation("rss_growth", None, None, None, f"ratio {ratio:.3f} > 1.10"))
+    return violations
+
+
+def summary(campaign: VllmCampaign, leftovers: Leftovers, duration_s: float) -> dict[str, Any]:
+    """The campaign's JSON object."""
+    counts, request_problems, records = _request_violations(campaign)
+    violations = _violations(campaign, request_problems, leftovers)
+    ratio = max(campaign.rss_ratios, default=None)
+    names = collections.Counter(v.invariant for v in violations)
+    hangs = [e for e in campaign.history.entries() if e.what in ("hang", "command_stuck")]
+    return {
+        "faults_injected": len(campaign.results),
+        "faults_planned": len(campaign.plan),
+        "interrupted": campaign.interrupted.is_set(),
+        "by_kind": dict(
+            sorted(collections.Counter(r.kind.value for r in campaign.results).items())
+        ),
+        "during_recovery": sum(1 for r in campaign.results if r.when.value == "recovery"),
+        "hangs": names["stuck_unhealthy"] + len(hangs) + sum(r.ended is None for r in records),
+        "stuck_unhealthy": names["stuck_unhealthy"],
+        "split_brain": 0,
+        "requests_completed": counts.completed,
+        "requests_lost": counts.lost,
+        "requests_aborted_with_reason": counts.aborted_with_reason,
+        "requests_refused_503": counts.refused,
+        "wrong_tokens": counts.wrong_tokens,
+        "stream_gaps_or_repeats": counts.gaps_or_repeats,
+        "streams_coalesced": _coalesced(campaign, records),
+        "orphans": leftovers.count,
+        "orphan_detail": leftovers.to_dict(),
+        "rss_growth_ratio": None if ratio is None else round(ratio, 4),
+        "max_recoveries_per_deployment": max(campaign.recoveries_per_deployment, default=0),
+        "detect_s": _by_kind(campaign, "detect_s"),
+        "recover_s": _by_kind(campaign, "recover_s"),
+        "outcomes": dict(collections.Counter(r.outcome for r in campaign.results)),
+        "rebuilds": campaign.rebuilds,
+        "violations": [v.to_dict() for v in violations],
+        **_about(campaign, duration_s),
+    }
+
+
+def _about(campaign: VllmCampaign, duration_s: float) -> dict[str, Any]:
+    """What ran: vLLM's deployment, the sizes, the time it took and the plan."""
+    o = campaign.options
+    return {
+        "not_covered": NOT_COVERED,
+        "vllm": True,
+        "seed": o.seed,
+        "policy": "orchestrator",
+        "dp_size": o.dp_size,
+        "clients": o.clients,
+        "op_timeout_s": o.op_timeout_s,
+        "fences": campaign.fences,
+        "unplanned_faults": campaign.unplanned,
+        "skipped": campaign.skipped,
+        "deployment_start_s": spread(campaign.start_s),
+        "rebuild_s": spread(campaign.rebuild_s),
+        "rebuild_total_s": round(sum(campaign.rebuild_s), 1),
+        "duration_s": round(duration_s, 1),
+        "plan": [f.describe() for f in campaign.plan],
+    }
+
+
+def run_vllm_campaign(
+    options: VllmCampaignOptions, progress: Callable[[str], None]
+) -> dict[str, Any]:
+    """Run the campaign (SIGINT / SIGTERM: no more faults, report what ran) and report."""
+    started = time.monotonic()
+    campaign = VllmCampaign(options, progress)
+
+    def interrupt(signum: int, _frame: FrameType | None) -> None:
+        progress(f"signal {signum}: no more faults; ending the campaign cleanly")
+        campaign.interrupted.set()
+
+    previous = {sig: signal.signal(sig, interrupt) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        campaign.run()
+    except Exception as exc:  # reported with everything measured so far, never lost
+        progress(f"campaign ended early: {exc!r}")
+        campaign.error = f"{type(exc).__name__}: {exc}"
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        leftovers = campaign.census.leftovers()
+    return summary(campaign, leftovers, time.monotonic() - started)

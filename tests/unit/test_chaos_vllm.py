@@ -1,0 +1,268 @@
+"""The real-vLLM chaos campaign's rules and bookkeeping, without vLLM: victims, when to
+rebuild, detection bounds, the orchestrator's decisions from engine statuses, and the
+per-fault judgement (the cluster campaign's invariants with vLLM's bounds)."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+from typing import Any
+
+import httpx
+import pytest
+
+from ftengine.chaos.catalogue import ChaosKind, PlannedFault, When, plan
+from ftengine.chaos.history import History
+from ftengine.chaos.invariants import FaultResult, check_request
+from ftengine.chaos.traffic import StreamRecord
+from ftengine.chaos.vllm_plan import (
+    VLLM_KINDS,
+    decide,
+    detection_bound,
+    detectors,
+    follows,
+    judge,
+    rebuild_after,
+    rebuild_first,
+    removed_ranks,
+    victims,
+)
+from ftengine.chaos.vllm_recover import VllmOrchestrator
+from ftengine.chaos.vllm_report import coalesced
+from ftengine.chaos.vllm_watch import StatusWatch
+
+
+def fault(kind: ChaosKind, pick: int = 0, when: When = When.STEADY, index: int = 0) -> PlannedFault:
+    return PlannedFault(index=index, kind=kind, when=when, delay_steps=1, pick=pick)
+
+
+def engine(rank: int, status: str, removed: tuple[int, ...] = (), **extra: Any) -> dict[str, Any]:
+    return {"id": rank, "status": status, "removed_ranks": list(removed), **extra}
+
+
+def test_the_plan_draws_only_what_vllm_supports_and_replays() -> None:
+    first = plan(19, 12, VLLM_KINDS)
+    assert {f.kind for f in first} <= set(VLLM_KINDS)
+    assert {f.kind for f in first[: len(VLLM_KINDS)]} == set(VLLM_KINDS)  # every kind first
+    assert plan(19, 12, VLLM_KINDS) == first
+    assert ChaosKind.NET_CUT not in VLLM_KINDS and ChaosKind.RELOAD_ERROR not in VLLM_KINDS
+
+
+@pytest.mark.parametrize(
+    ("kind", "pick", "live", "expected"),
+    [
+        (ChaosKind.RANK0, 5, [0, 1, 2], (0,)),
+        (ChaosKind.RANK0, 5, [1, 2], ()),
+        (ChaosKind.SIGKILL, 0, [0, 1, 2], (1,)),  # never rank 0: its loss is its own kind
+        (ChaosKind.SIGKILL, 1, [0, 1, 2], (2,)),
+        (ChaosKind.SIGSTOP, 7, [0, 2], (2,)),
+        (ChaosKind.SIGKILL, 3, [0], ()),
+        (ChaosKind.TWO_RANKS, 4, [0, 1, 2], (1, 2)),
+        (ChaosKind.TWO_RANKS, 4, [0, 1], ()),
+        (ChaosKind.STEP_RAISE, 0, [0, 1, 2], (0,)),  # a step exception may hit rank 0
+        (ChaosKind.STEP_RAISE, 2, [0, 1, 2], (2,)),
+    ],
+)
+def test_victims(kind: ChaosKind, pick: int, live: list[int], expected: tuple[int, ...]) -> None:
+    assert victims(fault(kind, pick), live) == expected
+
+
+def test_rebuild_first_when_a_fault_cannot_run_on_what_is_left() -> None:
+    full = [0, 1, 2]
+    assert rebuild_first(fault(ChaosKind.STEP_RAISE), full, []) is None
+    why = rebuild_first(fault(ChaosKind.STEP_RAISE), [0, 1], [2])
+    assert why is not None and "retry after a scale-down" in why
+    assert rebuild_first(fault(ChaosKind.SIGKILL), [0, 1], [2]) is None
+    assert rebuild_first(fault(ChaosKind.SIGKILL), [0], [1, 2]) is not None  # no victim
+    assert rebuild_first(fault(ChaosKind.RANK0), [0], [1, 2]) is not None  # no survivor
+    assert rebuild_first(fault(ChaosKind.RANK0), [1, 2], [0]) is not None  # rank 0 gone
+    assert rebuild_first(fault(ChaosKind.TWO_RANKS), full, []) is None
+    assert rebuild_first(fault(ChaosKind.TWO_RANKS), full, [], extra_lost=1) is not None
+
+
+def test_rebuild_after_a_recovery_that_did_not_settle_or_lost_rank_0_with_two_survivors() -> None:
+    assert rebuild_after("settled", [2], [0, 1]) is None
+    assert rebuild_after("settled", [0], [1]) is None  # one survivor needs no coordinator
+    why = rebuild_after("settled", [0], [1, 2])
+    assert why is not None and "rank 0" in why
+    assert rebuild_after("dead", [], [0, 1, 2]) == "recovery ended dead"
+    assert rebuild_after("stuck", [1], [0]) == "recovery ended stuck"
+
+
+def test_a_follow_up_sigkill_lands_during_recovery_only_with_a_survivor_to_spare() -> None:
+    first = fault(ChaosKind.SIGKILL, pick=1)  # hits rank 2 of [0, 1, 2]
+    during = fault(ChaosKind.SIGKILL, when=When.RECOVERY, index=1)
+    assert follows(first, during, [0, 1, 2])
+    assert not follows(first, during, [0, 2])  # rank 0 alone would be left: no victim
+    assert not follows(first, fault(ChaosKind.SIGKILL, index=1), [0, 1, 2])  # steady
+    assert not follows(first, fault(ChaosKind.STEP_RAISE, when=When.RECOVERY), [0, 1, 2])
+    assert follows(fault(ChaosKind.STEP_RAISE), during, [0, 1])
+    assert not follows(first, None, [0, 1, 2])
+
+
+def test_detection_bounds_and_who_must_see_the_fault() -> None:
+    assert detection_bound(ChaosKind.SIGKILL, 3.0) == 3.0
+    assert detection_bound(ChaosKind.SIGSTOP, 3.0) == 4.0
+    assert detection_bound(ChaosKind.STEP_RAISE, 3.0) == 4.0  # peers see it at the op timeout
+    assert detectors(ChaosKind.SIGSTOP, [0, 1, 2], (1,)) == (0, 2)  # the stopped one cannot
+    assert detectors(ChaosKind.SIGKILL, [0, 1, 2], (1,)) == (0, 1, 2)
+    assert detectors(ChaosKind.SIGKILL, [0, 1], (1,), When.RECOVERY) == (1,)  # peers faulted
+
+
+def test_decide_retry_when_every_engine_faulted_and_none_died() -> None:
+    engines = {r: engine(r, "unhealthy") for r in range(3)}
+    decision = decide(engines, (), 0.0, 5.0)
+    assert (decision.action, decision.instruction) == ("command", "retry")
+    assert decision.targets == (0, 1, 2)
+
+
+def test_decide_scale_down_past_the_dead_cumulatively() -> None:
+    engines = {0: engine(0, "unhealthy", (2,)), 1: engine(1, "dead"), 2: engine(2, "dead")}
+    decision = decide(engines, (1,), 0.0, 5.0)
+    assert decision.action == "command" and decision.instruction == "scale_down"
+    assert decision.targets == (0,) and decision.params == {"removed_dp_ranks": [1, 2]}
+
+
+def test_decide_waits_for_a_slow_peer_then_fences_it() -> None:
+    engines = {0: engine(0, "unhealthy"), 1: engine(1, "healthy"), 2: engine(2, "unhealthy")}
+    assert decide(engines, (), 1.0, 5.0).action == "wait"
+    decision = decide(engines, (), 5.5, 5.0)
+    assert (decision.action, decision.targets) == ("fence", (1,))
+
+
+def test_decide_settled_dead_and_waiting_for_detection() -> None:
+    settled = {0: engine(0, "healthy", (2,)), 1: engine(1, "healthy", (2,)), 2: engine(2, "dead")}
+    assert decide(settled, (2,), 0.0, 5.0).state == "settled"
+    undetected = {0: engine(0, "healthy"), 1: engine(1, "healthy"), 2: engine(2, "dead")}
+    assert decide(undetected, (2,), 0.0, 5.0).action == "wait"
+    assert decide(undetected, (), 0.0, 5.0).state == "dead"  # no victim should have died
+    gone = {0: engine(0, "unreachable"), 1: engine(1, "dead", (0,))}
+    assert decide(gone, (0, 1), 0.0, 5.0).state == "dead"
+    assert removed_ranks(settled) == {2}
+
+
+def result(**changes: Any) -> FaultResult:
+    fields: dict[str, Any] = dict(
+        index=0, kind=ChaosKind.SIGKILL, when=When.STEADY, step=-1, victims=(2,),
+        detect_s=0.2, recover_s=2.0, outcome="settled",
+        engines=(engine(0, "healthy", (2,)), engine(1, "healthy", (2,)),
+                 engine(2, "dead", ft_error="worker process died")),
+    )  # fmt: skip
+    return FaultResult(**{**fields, **changes})
+
+
+def test_judge_passes_a_clean_fault_and_catches_each_planted_violation() -> None:
+    assert judge(result(), 3.0) == []
+    assert judge(result(detect_s=3.5), 3.0)[0].startswith("detection: 3.500 s > bound 3.0")
+    assert judge(result(kind=ChaosKind.STEP_RAISE, detect_s=3.5, victims=(1,)), 3.0) == []
+    assert judge(result(detect_s=None), 3.0)[0].startswith("detection: not detected")
+    assert judge(result(detect_s=None, when=When.RECOVERY), 3.0) == []
+    stuck = judge(result(outcome="stuck", engines=(engine(0, "unhealthy"),)), 3.0)
+    assert any(p.startswith("stuck_unhealthy") for p in stuck)
+    alive = judge(result(engines=(engine(0, "healthy"), engine(2, "healthy"))), 3.0)
+    assert any(p.startswith("victims_dead") for p in alive)
+    silent = judge(result(engines=(engine(0, "healthy"), engine(2, "dead"))), 3.0)
+    assert any(p.startswith("dead_without_reason") for p in silent)
+
+
+class ScriptedWatch(StatusWatch):
+    """A status watch whose engines change only when the test (or a command) says so."""
+
+    def __init__(self, engines: dict[int, dict[str, Any]]) -> None:  # no thread, no HTTP
+        self.engines = engines
+        self.changes = []
+
+    def poll(self) -> dict[int, dict[str, Any]]:
+        return self.latest()
+
+    def latest(self) -> dict[int, dict[str, Any]]:
+        return {r: dict(e) for r, e in self.engines.items()}
+
+
+def orchestrator(
+    watch: ScriptedWatch, on_apply: Any, workers: dict[int, int] | None = None
+) -> tuple[VllmOrchestrator, list[tuple[int, dict[str, Any]]]]:
+    """An orchestrator whose POSTs reach ``on_apply(rank, body)`` (vLLM's 202)."""
+    sent: list[tuple[int, dict[str, Any]]] = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        rank = int(str(request.url.host).removeprefix("rank"))
+        body = json.loads(request.content)
+        sent.append((rank, body))
+        on_apply(rank, body)
+        return httpx.Response(202, json={"request_id": "x"})
+
+    urls = [f"http://rank{r}" for r in watch.engines]
+    http = httpx.Client(transport=httpx.MockTransport(handler))
+    made = VllmOrchestrator(
+        urls, workers or {}, watch, History(), grace_s=0.3, command_timeout_s=2.0, http=http
+    )
+    return made, sent
+
+
+def test_the_orchestrator_retries_every_faulted_rank_until_all_are_healthy() -> None:
+    watch = ScriptedWatch({r: engine(r, "unhealthy", epoch=0) for r in range(3)})
+
+    def apply(rank: int, body: dict[str, Any]) -> None:
+        assert body == {"instruction": "retry", "params": {}}
+        watch.engines[rank] = engine(rank, "healthy", epoch=1)
+
+    made, sent = orchestrator(watch, apply)
+    outcome = made.recover(0, (), deadline_s=5.0)
+    assert outcome.state == "settled"
+    assert sorted(rank for rank, _ in sent) == [0, 1, 2] and len(outcome.commands) == 1
+
+
+def test_the_orchestrator_fences_a_hung_engine_then_scales_down_past_it() -> None:
+    hung = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        watch = ScriptedWatch(
+            {0: engine(0, "unhealthy"), 1: engine(1, "unhealthy"), 2: engine(2, "healthy")}
+        )
+        fenced: list[int] = []
+
+        def apply(rank: int, body: dict[str, Any]) -> None:
+            assert body == {"instruction": "scale_down", "params": {"removed_dp_ranks": [2]}}
+            watch.engines[rank] = engine(rank, "healthy", (2,))
+
+        made, sent = orchestrator(watch, apply, workers={2: hung.pid})
+
+        def fence(rank: int) -> None:  # the campaign stops that rank's streams; vLLM: dead
+            fenced.append(rank)
+            watch.engines[rank] = engine(rank, "dead", ft_error="worker process died")
+
+        made.on_fence = fence
+        outcome = made.recover(0, (), deadline_s=5.0)
+        assert hung.wait(timeout=5.0) == -signal.SIGKILL  # the hung worker was killed
+        assert fenced == [2] == made.fenced
+        assert outcome.state == "settled" and sorted(r for r, _ in sent) == [0, 1]
+    finally:
+        hung.kill()
+        hung.wait()
+
+
+def test_the_orchestrator_reports_stuck_at_its_deadline() -> None:
+    watch = ScriptedWatch({0: engine(0, "unhealthy"), 1: engine(1, "unhealthy")})
+    made, sent = orchestrator(watch, lambda rank, body: None)  # commands change nothing
+    outcome = made.recover(0, (), deadline_s=1.0)
+    assert outcome.state == "stuck" and len(sent) >= 2
+
+
+def record(chunks: list[list[int]], finish: str = "length") -> StreamRecord:
+    return StreamRecord(client=0, prompt=0, started=0.0, chunks=chunks, finish_reason=finish)
+
+
+def test_vllms_coalesced_chunks_are_no_gap_but_a_real_gap_or_wrong_token_still_is() -> None:
+    reference = [5, 6, 7, 8]
+    merged = record([[5], [6, 7], [8]])  # vLLM merged two deltas: every token, in order
+    assert coalesced(merged, check_request(merged, reference, 4))
+    gap = record([[5], [7], [8]])
+    assert not coalesced(gap, check_request(gap, reference, 4))
+    repeat = record([[5], [6, 6], [7, 8]])
+    assert not coalesced(repeat, check_request(repeat, reference, 4))
+    wrong = record([[5], [6, 9], [8]])
+    assert not coalesced(wrong, check_request(wrong, reference, 4))
+    cut = record([[5], [6, 7]], finish="abort")
+    assert not coalesced(cut, check_request(cut, reference, 4))
