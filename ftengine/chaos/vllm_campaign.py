@@ -256,14 +256,13 @@ class VllmCampaign:
         following = self.plan[position + 1] if position + 1 < len(self.plan) else None
         live = self._live(generation)
         follow = following if follows(fault, following, live) else None
-        removed = sorted(removed_ranks(generation.watch.latest()))
-        why = rebuild_first(fault, live, removed, 1 if follow else 0)
+        why = rebuild_first(fault, live, 1 if follow else 0)
         if why is None:
             return generation, fault, follow, live
         generation = self._rebuild(generation, why)
         live = self._live(generation)
         follow = following if follows(fault, following, live) else None
-        if rebuild_first(fault, live, [], 1 if follow else 0) is not None:
+        if rebuild_first(fault, live, 1 if follow else 0) is not None:
             self.skipped.append(fault.describe())  # not even a fresh deployment can take it
             self.progress(f"skipped {fault.describe()}: {why}")
             return generation, None, None, live
@@ -293,10 +292,8 @@ class VllmCampaign:
         self._fault_file.unlink(missing_ok=True)  # never consumed: no step ran on the victim
         for shot in shots:
             self._judge(generation, shot, outcome)
-        lost = sorted({v for s in shots if s.fault.kind is not ChaosKind.STEP_RAISE
-                       for v in s.victims} | set(generation.orchestrator.fenced))  # fmt: skip
         after = position + len(shots)
-        why = rebuild_after(outcome.state, lost, self._live(generation))
+        why = rebuild_after(outcome.state)
         if why is not None and after < len(self.plan):
             generation = self._rebuild(generation, why)
         return generation, after

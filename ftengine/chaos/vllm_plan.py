@@ -3,13 +3,11 @@ vLLM): which kinds vLLM supports here, the victims of a fault, when the deployme
 rebuilt first or afterwards, each kind's detection bound, and what an orchestrator does
 next given every engine's ``/fault_tolerance/status`` (retry, scale_down, fence, wait, done).
 
-vLLM-specific limits planned around (docs/vllm-dev-notes.md): ``retry`` after a scale-down
-rebuilds the DP group over every original rank and times out, so a step exception is
-injected only into a deployment with every rank; rank 0 lost with two or more survivors
-leaves them without a DP coordinator once its engine core gives up, so that deployment is
-rebuilt right after the recovery is judged; and an engine stopped by SIGSTOP never reports
-anything itself, so the orchestrator fences (SIGKILLs) an engine that has not faulted
-while its peers have for longer than a grace period."""
+vLLM-specific limit planned around: an engine stopped by SIGSTOP never reports anything
+itself, so the orchestrator fences (SIGKILLs) an engine that has not faulted while its
+peers have for longer than a grace period. A step exception after a scale-down is retried
+among the survivors, and rank 0 lost with two or more survivors goes on (its parked engine
+core keeps the DP coordinator up): neither needs a rebuild."""
 
 from __future__ import annotations
 
@@ -69,12 +67,10 @@ def follows(fault: PlannedFault, follow: PlannedFault | None, live: Sequence[int
     return len(rest) >= 2 and any(r != 0 for r in rest)
 
 
-def rebuild_first(
-    fault: PlannedFault, live: Sequence[int], removed: Sequence[int], extra_lost: int = 0
-) -> str | None:
+def rebuild_first(fault: PlannedFault, live: Sequence[int], extra_lost: int = 0) -> str | None:
     """Why the deployment must be rebuilt before ``fault`` (None: it can run now)."""
-    if fault.kind is ChaosKind.STEP_RAISE and removed:
-        return f"a step exception needs every rank (retry after a scale-down of {list(removed)})"
+    # A step exception may come after a scale-down too: the retry rebuilds among the
+    # survivors (``scale_down.reinit_for_retry``).
     if not victims(fault, live):
         return f"no victim for {fault.kind.value} among live ranks {list(live)}"
     if len(live) - fault.ranks_lost - extra_lost < 1:
@@ -82,12 +78,12 @@ def rebuild_first(
     return None
 
 
-def rebuild_after(outcome: str, lost: Sequence[int], survivors: Sequence[int]) -> str | None:
+def rebuild_after(outcome: str) -> str | None:
     """Why the deployment must be rebuilt right after a fault's recovery (None: it goes on)."""
+    # Rank 0 lost with two or more survivors goes on too: its DEAD engine core stays parked,
+    # so the DP coordinator its API server runs stays up (``coordinator_host.py``).
     if outcome != "settled":
         return f"recovery ended {outcome}"
-    if 0 in lost and len(survivors) >= 2:
-        return "rank 0 lost with >= 2 survivors (vLLM's DP coordinator goes with it)"
     return None
 
 

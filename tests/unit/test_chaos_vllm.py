@@ -71,24 +71,23 @@ def test_victims(kind: ChaosKind, pick: int, live: list[int], expected: tuple[in
 
 def test_rebuild_first_when_a_fault_cannot_run_on_what_is_left() -> None:
     full = [0, 1, 2]
-    assert rebuild_first(fault(ChaosKind.STEP_RAISE), full, []) is None
-    why = rebuild_first(fault(ChaosKind.STEP_RAISE), [0, 1], [2])
-    assert why is not None and "retry after a scale-down" in why
-    assert rebuild_first(fault(ChaosKind.SIGKILL), [0, 1], [2]) is None
-    assert rebuild_first(fault(ChaosKind.SIGKILL), [0], [1, 2]) is not None  # no victim
-    assert rebuild_first(fault(ChaosKind.RANK0), [0], [1, 2]) is not None  # no survivor
-    assert rebuild_first(fault(ChaosKind.RANK0), [1, 2], [0]) is not None  # rank 0 gone
-    assert rebuild_first(fault(ChaosKind.TWO_RANKS), full, []) is None
-    assert rebuild_first(fault(ChaosKind.TWO_RANKS), full, [], extra_lost=1) is not None
+    assert rebuild_first(fault(ChaosKind.STEP_RAISE), full) is None
+    # after a scale-down too: the retry rebuilds among the survivors
+    assert rebuild_first(fault(ChaosKind.STEP_RAISE), [0, 1]) is None
+    assert rebuild_first(fault(ChaosKind.SIGKILL), [0, 1]) is None
+    assert rebuild_first(fault(ChaosKind.SIGKILL), [0]) is not None  # no victim
+    assert rebuild_first(fault(ChaosKind.RANK0), [0]) is not None  # no survivor
+    assert rebuild_first(fault(ChaosKind.RANK0), [1, 2]) is not None  # rank 0 gone
+    assert rebuild_first(fault(ChaosKind.TWO_RANKS), full) is None
+    assert rebuild_first(fault(ChaosKind.TWO_RANKS), full, extra_lost=1) is not None
 
 
-def test_rebuild_after_a_recovery_that_did_not_settle_or_lost_rank_0_with_two_survivors() -> None:
-    assert rebuild_after("settled", [2], [0, 1]) is None
-    assert rebuild_after("settled", [0], [1]) is None  # one survivor needs no coordinator
-    why = rebuild_after("settled", [0], [1, 2])
-    assert why is not None and "rank 0" in why
-    assert rebuild_after("dead", [], [0, 1, 2]) == "recovery ended dead"
-    assert rebuild_after("stuck", [1], [0]) == "recovery ended stuck"
+def test_rebuild_after_only_a_recovery_that_did_not_settle() -> None:
+    """Rank 0 lost with two survivors goes on: its parked engine core keeps the DP
+    coordinator up (coordinator_host.py)."""
+    assert rebuild_after("settled") is None
+    assert rebuild_after("dead") == "recovery ended dead"
+    assert rebuild_after("stuck") == "recovery ended stuck"
 
 
 def test_a_follow_up_sigkill_lands_during_recovery_only_with_a_survivor_to_spare() -> None:
