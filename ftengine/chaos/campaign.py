@@ -16,7 +16,7 @@ from pathlib import Path
 import attrs
 
 from ftengine.chaos.actions import Injected, inject
-from ftengine.chaos.catalogue import ChaosKind, PlannedFault, When, plan
+from ftengine.chaos.catalogue import ChaosKind, PlannedFault, When, plan, sub_plan
 from ftengine.chaos.deployment import Census, Deployment
 from ftengine.chaos.history import History
 from ftengine.chaos.invariants import FaultResult, Violation, check_fault, detection_bound
@@ -54,6 +54,9 @@ class CampaignOptions:
     netns: bool = False
     """Each worker in its own network namespace (``ftengine.cluster.netns``), which adds
     the network cut to the kinds."""
+    only: tuple[int, ...] | None = None
+    """Run only these fault numbers of the ``faults``-fault plan (``--only``), each as it is
+    planned there: replays a reported fault without the ones before it."""
 
     @property
     def planned_kinds(self) -> tuple[ChaosKind, ...]:
@@ -84,7 +87,8 @@ class Campaign:
         self.progress = progress
         self.history = History()
         self.census = Census()
-        self.plan = plan(options.seed, options.faults, options.planned_kinds)
+        whole = plan(options.seed, options.faults, options.planned_kinds)
+        self.plan = sub_plan(whole, options.only)
         self.hosts: Hosts | None = None
         self.results: list[FaultResult] = []
         self.violations: list[Violation] = []
@@ -110,6 +114,9 @@ class Campaign:
             self.checkpoint, dp_size=o.dp_size, policy=o.policy, op_timeout_s=o.op_timeout_s,
             max_reinference=o.max_reinference, recovery_timeout_s=o.recover_deadline_s,
             num_redundant_experts=self._redundant(),
+            # A campaign relaunches its cluster dozens of times: forked workers skip the
+            # seconds of torch and ftengine imports a spawned interpreter pays each time.
+            worker_start="forkserver",
         )  # fmt: skip
         if hosts is None:
             return config

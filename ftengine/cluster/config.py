@@ -90,6 +90,12 @@ class ClusterConfig:
     """One network namespace per rank (``ftengine.cluster.netns.Hosts.namespaces``): each
     worker enters its own at start and heartbeats over the network; ``host`` is then the
     supervisor's address on the bridge. None: every worker in the supervisor's namespace."""
+    worker_start: str = attrs.field(
+        default="spawn", validator=attrs.validators.in_(("spawn", "forkserver"))
+    )
+    """How workers start (``ftengine.cluster.starts``): ``spawn``, a fresh interpreter each;
+    ``forkserver``, forked from a server process that imported torch and ftengine once, so a
+    relaunch costs no imports (the chaos campaign's rebuilds)."""
     fault_tolerance: bool = True
     """False: the baseline a cluster without ftengine is. Gloo ops and group set-up use
     torch's default timeout (30 min, ``op_timeout_s`` is ignored); no heartbeats; the
