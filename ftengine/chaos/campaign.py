@@ -20,7 +20,7 @@ from ftengine.chaos.catalogue import ChaosKind, PlannedFault, When, plan, sub_pl
 from ftengine.chaos.deployment import Census, Deployment
 from ftengine.chaos.history import History
 from ftengine.chaos.invariants import FaultResult, Violation, check_fault, detection_bound
-from ftengine.chaos.orchestrate import Orchestrator, Outcome
+from ftengine.chaos.orchestrate import Orchestrator, Outcome, settled_state
 from ftengine.chaos.traffic import Traffic
 from ftengine.cluster import ClusterConfig
 from ftengine.cluster.netns import Hosts
@@ -96,6 +96,7 @@ class Campaign:
         self.rss_ratios: list[float] = []
         self.recoveries_per_deployment: list[int] = []
         self.rebuilds = 0
+        self.unplanned = 0  # faults nobody injected, recovered before the next planned one
         self.error: str | None = None  # what ended the campaign early, if anything did
         self.interrupted = threading.Event()
         """Set (by a signal handler) to stop injecting; the campaign then ends cleanly and
@@ -206,7 +207,8 @@ class Campaign:
         cluster = generation.deployment.cluster
         return sorted(cluster.live_ranks() - cluster.removed_ranks)
 
-    def _one(self, generation: Generation, position: int) -> tuple[Generation, int]:
+    def _pair(self, position: int) -> tuple[PlannedFault, PlannedFault | None]:
+        """The fault at ``position`` and the one to inject during its recovery, if any."""
         fault = self.plan[position]
         if fault.when is When.RECOVERY:
             # Reached on its own: no recovery was running for it to land in (there was no
@@ -219,10 +221,15 @@ class Campaign:
             < self.options.min_survivors
         ):
             follow = None  # run as a steady fault of its own: even a fresh cluster cannot take both
+        return fault, follow
+
+    def _one(self, generation: Generation, position: int) -> tuple[Generation, int]:
+        fault, follow = self._pair(position)
         need = fault.ranks_lost + (follow.ranks_lost if follow else 0)
         if len(self._live(generation)) - need < self.options.min_survivors:
             generation = self._rebuild(generation, f"{len(self._live(generation))} ranks left")
         self._wait_steps(generation, fault.delay_steps)
+        generation = self._steady(generation, fault.index)
         if not generation.rss_start:
             generation.rss_start = generation.deployment.rss()
         first = self._inject(generation, fault)
@@ -236,15 +243,59 @@ class Campaign:
         # Past the engines' own recovery deadline, so an engine left waiting ends DEAD first.
         deadline = self.options.recover_deadline_s + 15.0
         outcome = generation.orchestrator.recover(fault.index, deadline, during)
+        final = self._after_follows(generation, fault.index, followed, outcome)
         generation.recoveries += 1
         for injected in reversed((first, *followed)):
             injected.repair()  # newest first: each puts back what was there before it
-        for injected in (first, *followed):
-            self._judge(generation, injected, outcome)
+        self._judge(generation, first, outcome)
+        for injected in followed:
+            self._judge(generation, injected, final)
         after = position + 1 + len(followed)
-        if outcome.state != "settled" and after < len(self.plan):
-            generation = self._rebuild(generation, f"recovery ended {outcome.state}")
+        if final.state != "settled" and after < len(self.plan):
+            generation = self._rebuild(generation, f"recovery ended {final.state}")
         return generation, after
+
+    def _after_follows(
+        self, generation: Generation, index: int, followed: list[Injected], outcome: Outcome
+    ) -> Outcome:
+        """The outcome once every fault injected during ``outcome``'s recovery has shown.
+
+        Such a fault may show only after that recovery settled: a SIGKILLed victim reads
+        alive until the supervisor files its exit, an armed step exception fires at the next
+        step. Judged at the settle, its victim read alive (fault 29 of seed 19), and the next
+        fault landed on a cluster already down (30, 36: no fresh quarantine to time). So wait
+        for it to show, then drive the recovery it started, as an orchestrator would."""
+        if outcome.state != "settled" or not followed:
+            return outcome
+        for injected in followed:
+            bound = 2 * detection_bound(injected.fault.kind, self.options.op_timeout_s) + 1.0
+            deadline = injected.at + bound
+            while not self._shown(generation, injected) and time.monotonic() < deadline:
+                time.sleep(0.01)
+        return generation.orchestrator.recover(index, self.options.recover_deadline_s + 15.0)
+
+    def _shown(self, generation: Generation, injected: Injected) -> bool:
+        """``injected`` took effect: its victims are gone (every kind but the step
+        exception kills or stops them), or, for an armed step exception, it was detected."""
+        if injected.fault.kind is ChaosKind.STEP_RAISE:
+            return self._detect(generation, injected) is not None
+        return not set(injected.victims) & generation.deployment.cluster.live_ranks()
+
+    def _steady(self, generation: Generation, index: int) -> Generation:
+        """The cluster is serving before fault ``index`` goes in: a fault nobody planned
+        (a worker fenced as hung on a starved machine) is recovered first, or the
+        deployment rebuilt, and counted in ``unplanned``, so no planned fault is judged on
+        a cluster that was already down."""
+        engines = generation.deployment.cluster.status()["engines"]
+        if settled_state(engines) == "settled":
+            return generation
+        self.unplanned += 1
+        self.history.add("unplanned", index, engines=[(e["id"], e["phase"]) for e in engines])
+        self.progress(f"unplanned fault before #{index}: recovering it first")
+        outcome = generation.orchestrator.recover(index, self.options.recover_deadline_s + 15.0)
+        if outcome.state != "settled":
+            generation = self._rebuild(generation, f"an unplanned fault ended {outcome.state}")
+        return generation
 
     def _wait_steps(self, generation: Generation, steps: int) -> None:
         cluster = generation.deployment.cluster

@@ -36,7 +36,7 @@ def _engines(http: httpx.Client) -> list[dict[str, Any]]:
     return list(http.get("/fault_tolerance/status").json()["engines"])
 
 
-def _settled(engines: list[dict[str, Any]]) -> str | None:
+def settled_state(engines: list[dict[str, Any]]) -> str | None:
     """``settled`` (every live engine healthy, every dead rank removed and every removed
     rank reads dead), ``dead`` (an engine ended DEAD and none is still unhealthy), or None
     (recovery is still running)."""
@@ -103,7 +103,7 @@ class Orchestrator:
         started = time.monotonic()
         while True:
             engines = _engines(self.http)
-            state = _settled(engines)
+            state = settled_state(engines)
             if state is None and time.monotonic() > deadline:
                 state = "stuck"
             if state is not None:

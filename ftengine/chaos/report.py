@@ -105,6 +105,7 @@ def summary(
         "recover_s": _by_kind(campaign, "recover_s"),
         "outcomes": dict(collections.Counter(r.outcome for r in campaign.results)),
         "rebuilds": campaign.rebuilds,
+        "unplanned_faults": campaign.unplanned,
         "violations": [v.to_dict() for v in violations],
         **_about(campaign, duration_s),
     }

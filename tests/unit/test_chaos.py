@@ -19,7 +19,7 @@ from ftengine.chaos.invariants import (
     fault_at,
     tally,
 )
-from ftengine.chaos.orchestrate import _command, _settled
+from ftengine.chaos.orchestrate import _command, settled_state
 from ftengine.chaos.traffic import StreamRecord
 
 KINDS = tuple(ChaosKind)
@@ -213,15 +213,17 @@ def test_the_orchestrator_scales_down_past_the_dead_and_retries_otherwise() -> N
 
 def test_recovery_settles_only_with_the_dead_removed() -> None:
     dead = engine(3, "dead", "dead", ft_error="gone", alive=False)
-    assert _settled([engine(0, "healthy", "healthy", removed_ranks=[3]), dead]) == "settled"
-    assert _settled([engine(0, "healthy", "healthy"), dead]) is None
-    assert _settled([engine(0, "dead", "dead", alive=True, ft_error="gave up"), dead]) == "dead"
+    assert settled_state([engine(0, "healthy", "healthy", removed_ranks=[3]), dead]) == "settled"
+    assert settled_state([engine(0, "healthy", "healthy"), dead]) is None
+    assert (
+        settled_state([engine(0, "dead", "dead", alive=True, ft_error="gave up"), dead]) == "dead"
+    )
     # One engine dead while another still recovers: not over yet (judged stuck at the end).
     recovering = engine(1, "unhealthy", "scaling_down")
-    assert _settled([engine(0, "dead", "dead", ft_error="x"), recovering, dead]) is None
+    assert settled_state([engine(0, "dead", "dead", ft_error="x"), recovering, dead]) is None
     # A removed rank whose process has not exited yet still reads healthy: wait for it.
     fenced = engine(3, "healthy", "healthy", alive=True)
-    assert _settled([engine(0, "healthy", "healthy", removed_ranks=[3]), fenced]) is None
+    assert settled_state([engine(0, "healthy", "healthy", removed_ranks=[3]), fenced]) is None
 
 
 def test_history_excerpts_name_the_fault() -> None:
