@@ -20,7 +20,7 @@ from ftengine.chaos.catalogue import ChaosKind, PlannedFault, When, plan, sub_pl
 from ftengine.chaos.deployment import Census, Deployment
 from ftengine.chaos.history import History
 from ftengine.chaos.invariants import FaultResult, Violation, check_fault, detection_bound
-from ftengine.chaos.orchestrate import Orchestrator, Outcome, settled_state
+from ftengine.chaos.orchestrate import Orchestrator, Outcome
 from ftengine.chaos.traffic import Traffic
 from ftengine.cluster import ClusterConfig
 from ftengine.cluster.netns import Hosts
@@ -268,10 +268,7 @@ class Campaign:
         if outcome.state != "settled" or not followed:
             return outcome
         for injected in followed:
-            bound = 2 * detection_bound(injected.fault.kind, self.options.op_timeout_s) + 1.0
-            deadline = injected.at + bound
-            while not self._shown(generation, injected) and time.monotonic() < deadline:
-                time.sleep(0.01)
+            self._await_detection(generation, injected)
         return generation.orchestrator.recover(index, self.options.recover_deadline_s + 15.0)
 
     def _shown(self, generation: Generation, injected: Injected) -> bool:
@@ -286,10 +283,10 @@ class Campaign:
         (a worker fenced as hung on a starved machine) is recovered first, or the
         deployment rebuilt, and counted in ``unplanned``, so no planned fault is judged on
         a cluster that was already down."""
-        engines = generation.deployment.cluster.status()["engines"]
-        if settled_state(engines) == "settled":
+        if generation.orchestrator.state() == "settled":
             return generation
         self.unplanned += 1
+        engines = generation.deployment.cluster.status()["engines"]
         self.history.add("unplanned", index, engines=[(e["id"], e["phase"]) for e in engines])
         self.progress(f"unplanned fault before #{index}: recovering it first")
         outcome = generation.orchestrator.recover(index, self.options.recover_deadline_s + 15.0)
@@ -354,11 +351,16 @@ class Campaign:
         return False
 
     def _await_detection(self, generation: Generation, injected: Injected) -> None:
-        """Wait until every rank that must see ``injected`` did (or its bound passed twice
-        over: the judge reports it), so recovery is never judged before the fault showed."""
+        """Wait until every rank that must see ``injected`` did and it shows in the status
+        (or its bound passed twice over: the judge reports it), so recovery is never judged
+        before the fault showed: the survivors quarantine as soon as a peer's socket closes,
+        before the supervisor has filed that peer's exit, and a status read in between is
+        every engine healthy, victims included."""
         bound = 2 * detection_bound(injected.fault.kind, self.options.op_timeout_s) + 1.0
         deadline = injected.at + bound
-        while self._detect(generation, injected) is None and time.monotonic() < deadline:
+        while time.monotonic() < deadline and (
+            self._detect(generation, injected) is None or not self._shown(generation, injected)
+        ):
             time.sleep(0.01)
 
     def _detect(self, generation: Generation, injected: Injected) -> float | None:

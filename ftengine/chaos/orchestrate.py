@@ -92,6 +92,11 @@ class Orchestrator:
     def close(self) -> None:
         self.http.close()
 
+    def state(self) -> str | None:
+        """``settled``, ``dead`` or None (a recovery is running or due), as
+        :meth:`recover` reads the engines over HTTP."""
+        return settled_state(_engines(self.http))
+
     def recover(
         self, fault: int, deadline_s: float, on_command: Callable[[], None] | None = None
     ) -> Outcome:

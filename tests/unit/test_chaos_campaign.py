@@ -1,8 +1,9 @@
 """The campaign driver's sequencing on a fake cluster and orchestrator (real signatures):
-a fault injected during a recovery that shows only after that recovery settled (a
-SIGKILLed victim read alive until its exit is filed, as faults 29, 30 and 36 of seed 19
-met) is waited for and recovered before it is judged, and a fault nobody planned is
-recovered before the next planned one goes in."""
+a SIGKILLed victim reads alive until the supervisor files its exit, after the survivors
+quarantined; recovery is driven only once a fault shows, a fault injected during a
+recovery that shows only after that recovery settled (faults 29, 30 and 36 of seed 19) is
+waited for and recovered before it is judged, and a fault nobody planned is recovered
+before the next planned one goes in."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ import pytest
 
 from ftengine.chaos.campaign import Campaign, CampaignOptions, Generation
 from ftengine.chaos.catalogue import ChaosKind, PlannedFault, When
-from ftengine.chaos.orchestrate import Outcome
+from ftengine.chaos.orchestrate import Outcome, settled_state
 from ftengine.cluster import FaultSpec
 from ftengine.cluster.protocol import PhaseEvent
 from ftengine.weights.checkpoint_gen import make_checkpoint
@@ -41,6 +42,11 @@ class FakeCluster:
 
     def kill(self, rank: int, sig: int = signal.SIGKILL) -> None:
         assert sig == signal.SIGKILL
+        with self.lock:
+            for other in self.ranks - self.gone - {rank}:  # its sockets closed: quarantined
+                self.changes[other].append(
+                    PhaseEvent(other, "running", "quarantined", time.monotonic(), "dead_peer")
+                )
         timer = threading.Timer(EXIT_FILED_AFTER_S, self._exit, args=(rank,))
         timer.daemon = True
         timer.start()
@@ -48,10 +54,6 @@ class FakeCluster:
     def _exit(self, rank: int) -> None:
         with self.lock:
             self.gone.add(rank)
-            for other in self.ranks - self.gone:  # the survivors are told: quarantined
-                self.changes[other].append(
-                    PhaseEvent(other, "running", "quarantined", time.monotonic(), "dead_peer")
-                )
 
     def inject(self, spec: FaultSpec) -> bool:
         return True
@@ -115,6 +117,9 @@ class FakeOrchestrator:
             on_command()  # the recovery-phase fault, right after the command was accepted
         return Outcome("settled", time.monotonic(), cluster.engines(), ("scale_down",))
 
+    def state(self) -> str | None:
+        return settled_state(list(self.cluster.engines()))
+
     def close(self) -> None:
         return None
 
@@ -149,6 +154,15 @@ def test_a_kill_during_recovery_that_shows_after_the_settle_is_recovered_before_
     assert campaign.violations == [], [v.detail for v in campaign.violations]
     assert orchestrator.calls[-1] == {0, 1, 2}, "recovered again once its exit was filed"
     assert cluster.live_ranks() == {3}
+
+
+def test_recovery_waits_until_the_victims_exit_is_filed(campaign: Campaign) -> None:
+    campaign.plan = [PlannedFault(6, ChaosKind.TWO_RANKS, When.STEADY, delay_steps=0, pick=2)]
+    generation, _cluster, orchestrator = _generation(campaign.checkpoint)
+    campaign._one(generation, 0)
+    # Driven at the survivors' quarantine, the recovery read victims 2 and 3 alive.
+    assert campaign.violations == [], [v.detail for v in campaign.violations]
+    assert orchestrator.calls == [{2, 3}]
 
 
 def test_a_fault_nobody_planned_is_recovered_before_the_next_planned_one(
