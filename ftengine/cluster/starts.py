@@ -15,14 +15,13 @@ from multiprocessing.context import BaseContext
 
 from ftengine.cluster.worker import WorkerSpec, worker_main
 
-WORKER_STARTS = ("spawn", "forkserver")
 FORKSERVER_PRELOAD = ["ftengine.cluster.worker"]
 """What the fork server imports before its first fork (torch, the model, the backend)."""
 
 
 def worker_context(method: str) -> BaseContext:
     """The multiprocessing context that starts workers by ``method`` (one of
-    ``WORKER_STARTS``)."""
+    ``ftengine.cluster.config.WORKER_STARTS``)."""
     context = multiprocessing.get_context(method)
     if method == "forkserver":
         # Read when the fork server starts (once per process); ignored after.
