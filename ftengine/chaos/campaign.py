@@ -272,11 +272,20 @@ class Campaign:
         return generation.orchestrator.recover(index, self.options.recover_deadline_s + 15.0)
 
     def _shown(self, generation: Generation, injected: Injected) -> bool:
-        """``injected`` took effect: its victims are gone (every kind but the step
-        exception kills or stops them), or, for an armed step exception, it was detected."""
-        if injected.fault.kind is ChaosKind.STEP_RAISE:
-            return self._detect(generation, injected) is not None
-        return not set(injected.victims) & generation.deployment.cluster.live_ranks()
+        """``injected`` shows in the status: its victims are gone (every kind but the step
+        exception kills or stops them), or, for an armed step exception, every live rank's
+        status counts a new fault episode (its phase change reaches the supervisor before
+        the status that goes with it: read in between, every engine is still healthy)."""
+        cluster = generation.deployment.cluster
+        if injected.fault.kind is not ChaosKind.STEP_RAISE:
+            return not set(injected.victims) & cluster.live_ranks()
+        live = cluster.live_ranks()
+        engines = {e["id"]: e for e in cluster.status()["engines"]}
+        return all(
+            int(engines[rank].get("fault_episodes") or 0) > before
+            for rank, before in injected.episodes.items()
+            if rank in live
+        )
 
     def _steady(self, generation: Generation, index: int) -> Generation:
         """The cluster is serving before fault ``index`` goes in: a fault nobody planned

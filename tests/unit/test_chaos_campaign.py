@@ -38,6 +38,7 @@ class FakeCluster:
         self.changes: dict[int, list[PhaseEvent]] = {r: [] for r in self.ranks}
         self.steps_run = 0
         self.broken: set[int] = set()  # ranks a fault nobody planned took down
+        self.episodes = 0  # fault episodes every engine's status counts
         self.lock = threading.Lock()
 
     def kill(self, rank: int, sig: int = signal.SIGKILL) -> None:
@@ -56,7 +57,20 @@ class FakeCluster:
             self.gone.add(rank)
 
     def inject(self, spec: FaultSpec) -> bool:
+        """An armed step exception: every rank quarantines at once (phase changes), and
+        its status counts the new episode ``EXIT_FILED_AFTER_S`` later."""
+        now = time.monotonic()
+        with self.lock:
+            for rank in self.ranks - self.gone:
+                self.changes[rank].append(PhaseEvent(rank, "running", "quarantined", now, "raise"))
+        timer = threading.Timer(EXIT_FILED_AFTER_S, self._count_episode)
+        timer.daemon = True
+        timer.start()
         return True
+
+    def _count_episode(self) -> None:
+        with self.lock:
+            self.episodes += 1
 
     def live_ranks(self) -> frozenset[int]:
         with self.lock:
@@ -80,6 +94,7 @@ class FakeCluster:
                     "phase": "dead" if r in self.gone else "running",
                     "fault_info": "killed by SIGKILL" if r in self.gone else None,
                     "removed_ranks": sorted(self.removed),
+                    "fault_episodes": self.episodes,
                 }
                 if r not in self.broken
                 else {"id": r, "alive": True, "status": "unhealthy", "phase": "quarantined"}
@@ -104,6 +119,7 @@ class FakeOrchestrator:
     def __init__(self, cluster: FakeCluster) -> None:
         self.cluster = cluster
         self.calls: list[frozenset[int]] = []  # the ranks read dead at each call
+        self.episodes_seen: list[int] = []  # the episodes the status counted at each call
 
     def recover(
         self, fault: int, deadline_s: float, on_command: Callable[[], None] | None = None
@@ -111,6 +127,7 @@ class FakeOrchestrator:
         cluster = self.cluster
         with cluster.lock:
             self.calls.append(frozenset(cluster.gone))
+            self.episodes_seen.append(cluster.episodes)
             cluster.removed |= cluster.gone
             cluster.broken.clear()
         if on_command is not None:
@@ -163,6 +180,17 @@ def test_recovery_waits_until_the_victims_exit_is_filed(campaign: Campaign) -> N
     # Driven at the survivors' quarantine, the recovery read victims 2 and 3 alive.
     assert campaign.violations == [], [v.detail for v in campaign.violations]
     assert orchestrator.calls == [{2, 3}]
+
+
+def test_recovery_waits_until_the_status_counts_a_step_exceptions_episode(
+    campaign: Campaign,
+) -> None:
+    campaign.plan = [PlannedFault(162, ChaosKind.STEP_RAISE, When.STEADY, delay_steps=0, pick=3)]
+    generation, _cluster, orchestrator = _generation(campaign.checkpoint)
+    campaign._one(generation, 0)
+    # Driven at the phase change, the status still read every engine healthy: "settled",
+    # and the quarantine it did not see was left for the next fault to land on.
+    assert orchestrator.episodes_seen == [1]
 
 
 def test_a_fault_nobody_planned_is_recovered_before_the_next_planned_one(
