@@ -33,6 +33,9 @@ class Injected:
     detectors: tuple[int, ...]  # the live ranks that must see it
     step: int
     repairs: list[Callable[[], None]] = attrs.field(factory=list)
+    episodes: dict[int, int] = attrs.field(factory=dict)
+    """Each detector's ``fault_episodes`` in the status just before: a step exception has
+    shown in the status once every live detector's count went past it."""
 
     def repair(self) -> None:
         """Undo what the fault broke on disk (idempotent)."""
@@ -83,7 +86,11 @@ def inject(
     victims = fault.victims(live)
     survivors = tuple(r for r in sorted(live) if r not in victims)
     detectors = tuple(sorted(live)) if kind is ChaosKind.STEP_RAISE else survivors
-    injected = Injected(fault, time.monotonic(), victims, detectors, cluster.steps_run)
+    engines = {e["id"]: e for e in cluster.status()["engines"]}
+    episodes = {r: int(engines[r].get("fault_episodes") or 0) for r in detectors}
+    injected = Injected(
+        fault, time.monotonic(), victims, detectors, cluster.steps_run, episodes=episodes
+    )
     if kind is ChaosKind.NET_CUT:
         if hosts is None:
             raise ConfigError("a net_cut fault needs the cluster's workers in network namespaces")

@@ -16,7 +16,7 @@ from pathlib import Path
 import attrs
 
 from ftengine.chaos.actions import Injected, inject
-from ftengine.chaos.catalogue import ChaosKind, PlannedFault, When, plan
+from ftengine.chaos.catalogue import ChaosKind, PlannedFault, When, plan, sub_plan
 from ftengine.chaos.deployment import Census, Deployment
 from ftengine.chaos.history import History
 from ftengine.chaos.invariants import FaultResult, Violation, check_fault, detection_bound
@@ -54,6 +54,9 @@ class CampaignOptions:
     netns: bool = False
     """Each worker in its own network namespace (``ftengine.cluster.netns``), which adds
     the network cut to the kinds."""
+    only: tuple[int, ...] | None = None
+    """Run only these fault numbers of the ``faults``-fault plan (``--only``), each as it is
+    planned there: replays a reported fault without the ones before it."""
 
     @property
     def planned_kinds(self) -> tuple[ChaosKind, ...]:
@@ -84,7 +87,8 @@ class Campaign:
         self.progress = progress
         self.history = History()
         self.census = Census()
-        self.plan = plan(options.seed, options.faults, options.planned_kinds)
+        whole = plan(options.seed, options.faults, options.planned_kinds)
+        self.plan = sub_plan(whole, options.only)
         self.hosts: Hosts | None = None
         self.results: list[FaultResult] = []
         self.violations: list[Violation] = []
@@ -92,6 +96,7 @@ class Campaign:
         self.rss_ratios: list[float] = []
         self.recoveries_per_deployment: list[int] = []
         self.rebuilds = 0
+        self.unplanned = 0  # faults nobody injected, recovered before the next planned one
         self.error: str | None = None  # what ended the campaign early, if anything did
         self.interrupted = threading.Event()
         """Set (by a signal handler) to stop injecting; the campaign then ends cleanly and
@@ -110,6 +115,9 @@ class Campaign:
             self.checkpoint, dp_size=o.dp_size, policy=o.policy, op_timeout_s=o.op_timeout_s,
             max_reinference=o.max_reinference, recovery_timeout_s=o.recover_deadline_s,
             num_redundant_experts=self._redundant(),
+            # A campaign relaunches its cluster dozens of times: forked workers skip the
+            # seconds of torch and ftengine imports a spawned interpreter pays each time.
+            worker_start="forkserver",
         )  # fmt: skip
         if hosts is None:
             return config
@@ -199,7 +207,8 @@ class Campaign:
         cluster = generation.deployment.cluster
         return sorted(cluster.live_ranks() - cluster.removed_ranks)
 
-    def _one(self, generation: Generation, position: int) -> tuple[Generation, int]:
+    def _pair(self, position: int) -> tuple[PlannedFault, PlannedFault | None]:
+        """The fault at ``position`` and the one to inject during its recovery, if any."""
         fault = self.plan[position]
         if fault.when is When.RECOVERY:
             # Reached on its own: no recovery was running for it to land in (there was no
@@ -212,10 +221,15 @@ class Campaign:
             < self.options.min_survivors
         ):
             follow = None  # run as a steady fault of its own: even a fresh cluster cannot take both
+        return fault, follow
+
+    def _one(self, generation: Generation, position: int) -> tuple[Generation, int]:
+        fault, follow = self._pair(position)
         need = fault.ranks_lost + (follow.ranks_lost if follow else 0)
         if len(self._live(generation)) - need < self.options.min_survivors:
             generation = self._rebuild(generation, f"{len(self._live(generation))} ranks left")
         self._wait_steps(generation, fault.delay_steps)
+        generation = self._steady(generation, fault.index)
         if not generation.rss_start:
             generation.rss_start = generation.deployment.rss()
         first = self._inject(generation, fault)
@@ -229,15 +243,65 @@ class Campaign:
         # Past the engines' own recovery deadline, so an engine left waiting ends DEAD first.
         deadline = self.options.recover_deadline_s + 15.0
         outcome = generation.orchestrator.recover(fault.index, deadline, during)
+        final = self._after_follows(generation, fault.index, followed, outcome)
         generation.recoveries += 1
         for injected in reversed((first, *followed)):
             injected.repair()  # newest first: each puts back what was there before it
-        for injected in (first, *followed):
-            self._judge(generation, injected, outcome)
+        self._judge(generation, first, outcome)
+        for injected in followed:
+            self._judge(generation, injected, final)
         after = position + 1 + len(followed)
-        if outcome.state != "settled" and after < len(self.plan):
-            generation = self._rebuild(generation, f"recovery ended {outcome.state}")
+        if final.state != "settled" and after < len(self.plan):
+            generation = self._rebuild(generation, f"recovery ended {final.state}")
         return generation, after
+
+    def _after_follows(
+        self, generation: Generation, index: int, followed: list[Injected], outcome: Outcome
+    ) -> Outcome:
+        """The outcome once every fault injected during ``outcome``'s recovery has shown.
+
+        Such a fault may show only after that recovery settled: a SIGKILLed victim reads
+        alive until the supervisor files its exit, an armed step exception fires at the next
+        step. Judged at the settle, its victim read alive (fault 29 of seed 19), and the next
+        fault landed on a cluster already down (30, 36: no fresh quarantine to time). So wait
+        for it to show, then drive the recovery it started, as an orchestrator would."""
+        if outcome.state != "settled" or not followed:
+            return outcome
+        for injected in followed:
+            self._await_detection(generation, injected)
+        return generation.orchestrator.recover(index, self.options.recover_deadline_s + 15.0)
+
+    def _shown(self, generation: Generation, injected: Injected) -> bool:
+        """``injected`` shows in the status: its victims are gone (every kind but the step
+        exception kills or stops them), or, for an armed step exception, every live rank's
+        status counts a new fault episode (its phase change reaches the supervisor before
+        the status that goes with it: read in between, every engine is still healthy)."""
+        cluster = generation.deployment.cluster
+        if injected.fault.kind is not ChaosKind.STEP_RAISE:
+            return not set(injected.victims) & cluster.live_ranks()
+        live = cluster.live_ranks()
+        engines = {e["id"]: e for e in cluster.status()["engines"]}
+        return all(
+            int(engines[rank].get("fault_episodes") or 0) > before
+            for rank, before in injected.episodes.items()
+            if rank in live
+        )
+
+    def _steady(self, generation: Generation, index: int) -> Generation:
+        """The cluster is serving before fault ``index`` goes in: a fault nobody planned
+        (a worker fenced as hung on a starved machine) is recovered first, or the
+        deployment rebuilt, and counted in ``unplanned``, so no planned fault is judged on
+        a cluster that was already down."""
+        if generation.orchestrator.state() == "settled":
+            return generation
+        self.unplanned += 1
+        engines = generation.deployment.cluster.status()["engines"]
+        self.history.add("unplanned", index, engines=[(e["id"], e["phase"]) for e in engines])
+        self.progress(f"unplanned fault before #{index}: recovering it first")
+        outcome = generation.orchestrator.recover(index, self.options.recover_deadline_s + 15.0)
+        if outcome.state != "settled":
+            generation = self._rebuild(generation, f"an unplanned fault ended {outcome.state}")
+        return generation
 
     def _wait_steps(self, generation: Generation, steps: int) -> None:
         cluster = generation.deployment.cluster
@@ -296,11 +360,16 @@ class Campaign:
         return False
 
     def _await_detection(self, generation: Generation, injected: Injected) -> None:
-        """Wait until every rank that must see ``injected`` did (or its bound passed twice
-        over: the judge reports it), so recovery is never judged before the fault showed."""
+        """Wait until every rank that must see ``injected`` did and it shows in the status
+        (or its bound passed twice over: the judge reports it), so recovery is never judged
+        before the fault showed: the survivors quarantine as soon as a peer's socket closes,
+        before the supervisor has filed that peer's exit, and a status read in between is
+        every engine healthy, victims included."""
         bound = 2 * detection_bound(injected.fault.kind, self.options.op_timeout_s) + 1.0
         deadline = injected.at + bound
-        while self._detect(generation, injected) is None and time.monotonic() < deadline:
+        while time.monotonic() < deadline and (
+            self._detect(generation, injected) is None or not self._shown(generation, injected)
+        ):
             time.sleep(0.01)
 
     def _detect(self, generation: Generation, injected: Injected) -> float | None:

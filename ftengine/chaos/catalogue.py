@@ -113,3 +113,36 @@ def plan(
             )
         )
     return faults
+
+
+def parse_only(text: str) -> tuple[int, ...]:
+    """Fault numbers from ``29,30,36`` or ``24-40`` (ranges inclusive, mixable): the
+    sub-plan ``--only`` replays."""
+    chosen: set[int] = set()
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        low, dash, high = part.partition("-")
+        try:
+            first, last = int(low), int(high) if dash else int(low)
+        except ValueError as exc:
+            raise ValueError(
+                f"expected fault numbers like 29,30,36 or 24-40, found {part!r}"
+            ) from exc
+        if first < 0 or last < first:
+            raise ValueError(f"expected a range low-high with 0 <= low <= high, found {part!r}")
+        chosen.update(range(first, last + 1))
+    if not chosen:
+        raise ValueError(f"expected at least one fault number, found {text!r}")
+    return tuple(sorted(chosen))
+
+
+def sub_plan(faults: Sequence[PlannedFault], only: Sequence[int] | None) -> list[PlannedFault]:
+    """The faults of ``faults`` numbered in ``only`` (all when None), each keeping its number,
+    kind, phase, delay and pick: the same faults as in the whole plan, on whatever ranks are
+    live when they run."""
+    if only is None:
+        return list(faults)
+    missing = sorted(set(only) - {f.index for f in faults})
+    if missing:
+        raise ValueError(f"faults {missing} are not in a plan of {len(faults)} faults")
+    wanted = set(only)
+    return [f for f in faults if f.index in wanted]

@@ -36,7 +36,7 @@ def _engines(http: httpx.Client) -> list[dict[str, Any]]:
     return list(http.get("/fault_tolerance/status").json()["engines"])
 
 
-def _settled(engines: list[dict[str, Any]]) -> str | None:
+def settled_state(engines: list[dict[str, Any]]) -> str | None:
     """``settled`` (every live engine healthy, every dead rank removed and every removed
     rank reads dead), ``dead`` (an engine ended DEAD and none is still unhealthy), or None
     (recovery is still running)."""
@@ -92,6 +92,11 @@ class Orchestrator:
     def close(self) -> None:
         self.http.close()
 
+    def state(self) -> str | None:
+        """``settled``, ``dead`` or None (a recovery is running or due), as
+        :meth:`recover` reads the engines over HTTP."""
+        return settled_state(_engines(self.http))
+
     def recover(
         self, fault: int, deadline_s: float, on_command: Callable[[], None] | None = None
     ) -> Outcome:
@@ -103,7 +108,7 @@ class Orchestrator:
         started = time.monotonic()
         while True:
             engines = _engines(self.http)
-            state = _settled(engines)
+            state = settled_state(engines)
             if state is None and time.monotonic() > deadline:
                 state = "stuck"
             if state is not None:

@@ -50,13 +50,14 @@ def request_violations(campaign: Campaign, reference: Sequence[Sequence[int]]) -
     order = sorted(range(len(starts)), key=starts.__getitem__)
     starts_sorted = [starts[i] for i in order]
     indices = [campaign.injections[i].fault.index for i in order]
+    kinds = {f.index: f.kind.value for f in campaign.plan}
     violations = []
     for record, problems in zip(records, verdicts, strict=True):
         for problem in problems:
             name, _, detail = problem.partition(": ")
             ended = record.ended if record.ended is not None else record.started
             blamed = fault_at(starts_sorted, indices, ended)
-            kind = None if blamed is None else campaign.plan[blamed].kind.value
+            kind = None if blamed is None else kinds[blamed]
             excerpt = tuple(campaign.history.excerpt(record.started - 1.0, ended + 1.0))
             violations.append(Violation(name, blamed, kind, None, detail, excerpt))
     return tally(records, verdicts), violations, records
@@ -81,6 +82,7 @@ def summary(
     return {
         "faults_injected": len(campaign.results),
         "faults_planned": len(campaign.plan),
+        "only": None if campaign.options.only is None else list(campaign.options.only),
         "interrupted": campaign.interrupted.is_set(),
         "by_kind": dict(
             sorted(collections.Counter(r.kind.value for r in campaign.results).items())
@@ -103,6 +105,7 @@ def summary(
         "recover_s": _by_kind(campaign, "recover_s"),
         "outcomes": dict(collections.Counter(r.outcome for r in campaign.results)),
         "rebuilds": campaign.rebuilds,
+        "unplanned_faults": campaign.unplanned,
         "violations": [v.to_dict() for v in violations],
         **_about(campaign, duration_s),
     }

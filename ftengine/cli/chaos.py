@@ -26,6 +26,13 @@ def register(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--seed", type=int, default=0, help="the plan's seed (same seed, same plan)"
     )
+    parser.add_argument(
+        "--only",
+        type=_only,
+        default=None,
+        help="run only these fault numbers of the --faults plan (29,30,36 or 24-40): "
+        "replays a reported fault without the ones before it",
+    )
     parser.add_argument("--json", action="store_true", help="(always JSON; kept for symmetry)")
     parser.add_argument("--plot", type=Path, default=None, help="write a PNG of the timings here")
     parser.add_argument("--clients", type=at_least(1), default=6, help="concurrent streams")
@@ -52,6 +59,15 @@ def register(parser: argparse.ArgumentParser) -> None:
     parser.set_defaults(func=run)
 
 
+def _only(text: str) -> tuple[int, ...]:
+    from ftengine.chaos.catalogue import parse_only
+
+    try:
+        return parse_only(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from exc
+
+
 def run(args: argparse.Namespace) -> int:
     """Run the campaign and print its JSON object."""
     with bench_extra(COMMAND):
@@ -64,7 +80,7 @@ def run(args: argparse.Namespace) -> int:
     options = CampaignOptions(
         faults=args.faults, seed=args.seed, policy=args.policy, dp_size=args.dp_size,
         clients=args.clients, max_tokens=args.max_tokens, op_timeout_s=args.op_timeout,
-        netns=args.netns,
+        netns=args.netns, only=args.only,
     )  # fmt: skip
 
     def progress(line: str) -> None:

@@ -17,6 +17,10 @@ from ftengine.reinference import DEFAULT_MAX_REINFERENCE, Reinference
 # for a peer in a cluster without ftengine.
 TORCH_DEFAULT_TIMEOUT_S = 1800.0
 
+WORKER_STARTS = ("spawn", "forkserver")
+"""How the supervisor may start workers (``ftengine.cluster.starts``); never ``fork``, which
+would copy the supervisor's threads and locks into each worker."""
+
 
 def _policy_name(_instance: object, _attribute: object, value: object) -> None:
     """A registered policy name or a factory's import path (imported and checked now)."""
@@ -90,6 +94,10 @@ class ClusterConfig:
     """One network namespace per rank (``ftengine.cluster.netns.Hosts.namespaces``): each
     worker enters its own at start and heartbeats over the network; ``host`` is then the
     supervisor's address on the bridge. None: every worker in the supervisor's namespace."""
+    worker_start: str = attrs.field(default="spawn", validator=attrs.validators.in_(WORKER_STARTS))
+    """How workers start (``ftengine.cluster.starts``): ``spawn``, a fresh interpreter each;
+    ``forkserver``, forked from a server process that imported torch and ftengine once, so a
+    relaunch costs no imports (the chaos campaign's rebuilds)."""
     fault_tolerance: bool = True
     """False: the baseline a cluster without ftengine is. Gloo ops and group set-up use
     torch's default timeout (30 min, ``op_timeout_s`` is ignored); no heartbeats; the

@@ -11,7 +11,6 @@ and the event log are the ``roster`` these parts share; ``Cluster`` composes the
 from __future__ import annotations
 
 import logging
-import multiprocessing
 import signal
 import threading
 import time
@@ -44,8 +43,9 @@ from ftengine.cluster.protocol import (
 )
 from ftengine.cluster.relay import CommandRelay
 from ftengine.cluster.roster import ClusterError, Roster
+from ftengine.cluster.starts import worker_context, worker_target
 from ftengine.cluster.watch import ExitWatch
-from ftengine.cluster.worker import WorkerSpec, worker_main
+from ftengine.cluster.worker import WorkerSpec
 from ftengine.commands import CommandResult
 from ftengine.faults import Phase
 from ftengine.weights.index import CheckpointIndex
@@ -100,14 +100,15 @@ class Cluster:
         if redundant is None:
             redundant = index.num_experts
         fault = cfg.inject_fault if cfg.inject_fault is not None else FaultSpec.from_env()
-        ctx = multiprocessing.get_context("spawn")
+        ctx = worker_context(cfg.worker_start)
         for rank in range(cfg.dp_size):
             spec = WorkerSpec.from_config(
                 cfg, rank, store_port=self._store.port, num_redundant=redundant, inject_fault=fault
             )
             parent, child = ctx.Pipe(duplex=True)
-            process = ctx.Process(
-                target=worker_main, args=(spec, child), name=f"ftengine-worker-{rank}", daemon=True
+            target, args = worker_target(cfg.worker_start, spec, child)
+            process = ctx.Process(  # type: ignore[attr-defined]
+                target=target, args=args, name=f"ftengine-worker-{rank}", daemon=True
             )
             process.start()
             child.close()

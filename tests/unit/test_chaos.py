@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from ftengine.chaos.catalogue import ChaosKind, PlannedFault, When, plan
+from ftengine.chaos.catalogue import ChaosKind, PlannedFault, When, parse_only, plan, sub_plan
 from ftengine.chaos.history import History
 from ftengine.chaos.invariants import (
     FaultResult,
@@ -19,7 +19,7 @@ from ftengine.chaos.invariants import (
     fault_at,
     tally,
 )
-from ftengine.chaos.orchestrate import _command, _settled
+from ftengine.chaos.orchestrate import _command, settled_state
 from ftengine.chaos.traffic import StreamRecord
 
 KINDS = tuple(ChaosKind)
@@ -42,6 +42,34 @@ def test_a_plan_covers_every_kind_and_lands_some_faults_during_recovery() -> Non
 def test_a_plan_needs_kinds() -> None:
     with pytest.raises(ValueError, match="at least one fault kind"):
         plan(0, 3, ())
+
+
+def test_only_replays_the_named_faults_exactly_as_the_whole_plan_has_them() -> None:
+    whole = plan(19, 200, KINDS)
+    assert parse_only("29,30, 36") == (29, 30, 36)
+    assert parse_only("24-26,30,25") == (24, 25, 26, 30)
+    chosen = sub_plan(whole, parse_only("28-30,36"))
+    assert chosen == [whole[28], whole[29], whole[30], whole[36]]
+    assert sub_plan(whole, None) == whole
+
+
+@pytest.mark.parametrize(
+    ("text", "needle"),
+    [
+        ("", "at least one"),
+        ("a", "fault numbers like"),
+        ("5-3", "low <= high"),
+        ("-2", "fault numbers like"),
+    ],
+)
+def test_only_refuses_what_is_no_list_of_fault_numbers(text: str, needle: str) -> None:
+    with pytest.raises(ValueError, match=needle):
+        parse_only(text)
+
+
+def test_only_refuses_faults_the_plan_does_not_have() -> None:
+    with pytest.raises(ValueError, match=r"faults \[20\] are not in a plan of 20"):
+        sub_plan(plan(3, 20, KINDS), (19, 20))
 
 
 @pytest.mark.parametrize(
@@ -185,15 +213,17 @@ def test_the_orchestrator_scales_down_past_the_dead_and_retries_otherwise() -> N
 
 def test_recovery_settles_only_with_the_dead_removed() -> None:
     dead = engine(3, "dead", "dead", ft_error="gone", alive=False)
-    assert _settled([engine(0, "healthy", "healthy", removed_ranks=[3]), dead]) == "settled"
-    assert _settled([engine(0, "healthy", "healthy"), dead]) is None
-    assert _settled([engine(0, "dead", "dead", alive=True, ft_error="gave up"), dead]) == "dead"
+    assert settled_state([engine(0, "healthy", "healthy", removed_ranks=[3]), dead]) == "settled"
+    assert settled_state([engine(0, "healthy", "healthy"), dead]) is None
+    assert (
+        settled_state([engine(0, "dead", "dead", alive=True, ft_error="gave up"), dead]) == "dead"
+    )
     # One engine dead while another still recovers: not over yet (judged stuck at the end).
     recovering = engine(1, "unhealthy", "scaling_down")
-    assert _settled([engine(0, "dead", "dead", ft_error="x"), recovering, dead]) is None
+    assert settled_state([engine(0, "dead", "dead", ft_error="x"), recovering, dead]) is None
     # A removed rank whose process has not exited yet still reads healthy: wait for it.
     fenced = engine(3, "healthy", "healthy", alive=True)
-    assert _settled([engine(0, "healthy", "healthy", removed_ranks=[3]), fenced]) is None
+    assert settled_state([engine(0, "healthy", "healthy", removed_ranks=[3]), fenced]) is None
 
 
 def test_history_excerpts_name_the_fault() -> None:

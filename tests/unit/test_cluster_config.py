@@ -37,6 +37,7 @@ def test_inject_fault_accepts_text() -> None:
         {"dp_size": 0},
         {"policy": "eager"},
         {"heartbeat_misses": 1},
+        {"worker_start": "fork"},  # forking the supervisor's threads: never offered
     ],
 )
 def test_invalid_values_are_refused(kwargs: dict[str, object]) -> None:
@@ -64,6 +65,7 @@ NON_DEFAULT: dict[str, object] = {
     "reinference": False,
     "max_reinference": 5,
     "worker_netns": ("ns0", "ns1", "ns2"),
+    "worker_start": "forkserver",
 }
 
 
