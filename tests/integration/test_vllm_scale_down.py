@@ -4,7 +4,8 @@ test. SIGKILL of one rank's worker mid-traffic -> survivor ``unhealthy``, victim
 ``scale_down`` commands answered in vLLM's shape -> ``scale_down`` to the survivor -> healthy,
 the survivor hosting all 8 experts, and its greedy answers (official ``openai`` client) equal
 those before the fault. Rank 1 as the victim, then rank 0 (its engine core leads the DP wave
-and hosts the DP store, its API server the DP coordinator).
+and hosts the DP store, its API server the DP coordinator), that deployment with ftengine's
+failure-aware placement: the survivor activates its standby expert copies and reloads nothing.
 
 DP=2 rather than 3: a rank costs ~1.9 GB and 25-50 s to start on this shared machine.
 """
@@ -21,6 +22,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from ftengine.integrations.vllm.bench_scale_down import adopted, standby
 from ftengine.integrations.vllm.launcher import DeploymentConfig, VllmDeployment
 from tests.integration.test_vllm_deployment import (
     MAX_TOKENS,
@@ -45,8 +47,18 @@ def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return write_tiny_qwen3_moe(tmp_path_factory.mktemp("vllm-sd") / "qwen3-moe")
 
 
-def deploy(checkpoint: Path, logs: Path, dp_size: int, reinference: bool = False) -> VllmDeployment:
-    options = {"cpu_distributed_timeout_sec": OP_TIMEOUT_S, "reinference": reinference}
+def deploy(
+    checkpoint: Path,
+    logs: Path,
+    dp_size: int,
+    reinference: bool = False,
+    placement: str = "default",
+) -> VllmDeployment:
+    options = {
+        "cpu_distributed_timeout_sec": OP_TIMEOUT_S,
+        "reinference": reinference,
+        "placement": placement,
+    }
     config = DeploymentConfig(
         checkpoint,
         dp_size=dp_size,
@@ -64,7 +76,9 @@ def deploy(checkpoint: Path, logs: Path, dp_size: int, reinference: bool = False
 def deployment(
     checkpoint: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[VllmDeployment]:
-    with deploy(checkpoint, tmp_path_factory.mktemp("logs"), 2) as started:
+    """DP=2 with ftengine's failure-aware placement (standby expert copies)."""
+    logs = tmp_path_factory.mktemp("logs")
+    with deploy(checkpoint, logs, 2, placement="failure-aware") as started:
         yield started
 
 
@@ -237,11 +251,18 @@ def test_sigkill_mid_traffic_then_scale_down_answers_as_before(
 def test_rank0_the_wave_leader_and_store_host_can_be_scaled_down(
     deployment: VllmDeployment, checkpoint: Path
 ) -> None:
+    """With failure-aware placement: the survivor activates its standby copies of rank 0's
+    experts (4 per layer) in place and reloads nothing."""
     before = [complete(url, checkpoint) for url in deployment.urls]
+    assert before[0] == before[1] == transformers_greedy(checkpoint, PROMPTS, MAX_TOKENS)
+    log = deployment.ranks[1].log_path
+    assert standby(log)[:2] == (8, 8 * 3 * 64 * 128 * 2)  # all 8 of rank 0's, bfloat16
     kill_mid_traffic(deployment, checkpoint, victim=0, survivors=[1])
     victim_refuses(deployment, victim=0)
     seconds = scale_down_answers_as_before(deployment, checkpoint, [0], {1: before[1]})
     print(f"scale_down of rank 0: healthy and answering {seconds:.3f} s after the command")
+    assert adopted(log) == (0, 0, 0) and standby(log)[2] == 8  # no reload, 8 activated
+    assert complete(deployment.urls[1], checkpoint) == before[0]  # = transformers' answers
 
 
 @pytest.mark.timeout(1500)

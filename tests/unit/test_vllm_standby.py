@@ -200,3 +200,34 @@ def test_the_placement_option_is_checked_and_picks_the_rehoster(checkpoint: Path
     standby = cpu_rehoster(worker, hooks, "failure-aware")
     assert isinstance(standby, StandbyRehoster)
     assert layers[0].w13_weight.shape[0] == 8  # loaded at once (after load_model)
+
+
+def test_the_bench_reads_the_standby_copies_from_each_rank_log(tmp_path: Path) -> None:
+    from ftengine.integrations.vllm.bench_scale_down import standby
+
+    log = tmp_path / "rank1.log"
+    log.write_text(
+        "(Worker pid=1) INFO [experts_standby.py:151] [FT] EP rank 1 holds 8 standby expert "
+        "copies (393216 bytes, failure-aware placement)\n"
+        "(Worker pid=1) INFO [experts_standby.py:170] [FT] EP rank 1 activated 8 standby "
+        "expert copies in place (no reload)\n"
+    )
+    assert standby(log) == (8, 393216, 8)
+    assert standby(tmp_path / "missing.log") == (0, 0, 0)
+
+
+@pytest.mark.parametrize(("ep_size", "experts", "layers"), [(4, 8, 2), (4, 8, 4), (4, 16, 3)])
+def test_a_one_rank_loss_spreads_the_orphans_over_every_survivor(
+    ep_size: int, experts: int, layers: int
+) -> None:
+    """The planner breaks each layer's ties by the lowest slot; across layers the adoptions
+    (so the standby copies) must not all land on ranks 0 and 1."""
+    hosting = Hosting.initial(layers, experts, ep_size, "linear")
+    for lost in range(ep_size):
+        plan = plan_rehost(hosting, frozenset({lost}))
+        totals = [sum(len(layer[r]) for layer in plan.adopted) for r in range(ep_size)]
+        survivors = [t for r, t in enumerate(totals) if r != lost]
+        assert totals[lost] == 0 and max(survivors) - min(survivors) <= 1, (lost, totals)
+        for layer in plan.adopted:  # each layer as balanced as the planner made it
+            counts = [len(layer[r]) for r in range(ep_size) if r != lost]
+            assert max(counts) - min(counts) <= 1, (lost, counts)

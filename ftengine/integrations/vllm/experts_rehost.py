@@ -103,6 +103,7 @@ def plan_rehost(hosting: Hosting, dead: frozenset[int]) -> RehostPlan:
     adopted = [[list[int]() for _ in range(hosting.ep_size)] for _ in hosting.hosts]
     for move in plan.moves:  # sorted by (layer, slot): local ids follow slot order
         adopted[move.layer][move.slot // width].append(move.logical_expert)
+    balance_ties(hosting, dead, adopted)
     after = tuple(
         tuple(
             () if rank in dead else own + tuple(adopted[layer][rank])
@@ -112,6 +113,29 @@ def plan_rehost(hosting: Hosting, dead: frozenset[int]) -> RehostPlan:
     )
     adopted_t = tuple(tuple(tuple(r) for r in layer) for layer in adopted)
     return RehostPlan(hosting, Hosting(after, hosting.num_logical), adopted_t, plan.lower_bound)
+
+
+def balance_ties(hosting: Hosting, dead: frozenset[int], adopted: list[list[list[int]]]) -> None:
+    """Spread each layer's adoptions over the survivors the planner found tied, by what they
+    adopted in earlier layers (in place).
+
+    The planner balances each layer alone and breaks ties by the lowest slot, so with
+    uniform load every layer's orphans went to the same lowest survivors (DP=4: ranks 0 and
+    1 in every layer). Only whole lists move between ranks that held the same number of
+    experts in that layer before the scale-down, so each layer's balance is the planner's.
+    """
+    taken = [0] * hosting.ep_size
+    for layer, ranks in enumerate(hosting.hosts):
+        lists = adopted[layer]
+        ties: dict[int, list[int]] = {}
+        for rank, own in enumerate(ranks):
+            if rank not in dead:
+                ties.setdefault(len(own), []).append(rank)
+        for group in ties.values():
+            shares = sorted((lists[r] for r in group), key=len, reverse=True)
+            for rank, share in zip(sorted(group, key=lambda r: (taken[r], r)), shares, strict=True):
+                lists[rank] = share
+                taken[rank] += len(share)
 
 
 def moe_layer_index(module: Any) -> int:
