@@ -231,3 +231,21 @@ def test_a_one_rank_loss_spreads_the_orphans_over_every_survivor(
         for layer in plan.adopted:  # each layer as balanced as the planner made it
             counts = [len(layer[r]) for r in range(ep_size) if r != lost]
             assert max(counts) - min(counts) <= 1, (lost, counts)
+
+
+def test_vllm_up_puts_the_placement_into_ftengines_additional_config() -> None:
+    import argparse
+
+    from ftengine.cli import vllm as cli
+
+    parser = argparse.ArgumentParser()
+    cli.register(parser)
+    args = parser.parse_args(["up", "--checkpoint", "/ckpt", "--placement", "failure-aware"])
+    assert cli._additional(args) == {"ftengine": {"placement": "failure-aware"}}
+    args = parser.parse_args(
+        ["up", "--checkpoint", "/ckpt", "--policy", "auto", "--additional-config", "{}"]
+    )
+    assert cli._additional(args) == {"ftengine": {"policy": "auto"}}
+    assert cli._additional(parser.parse_args(["up", "--checkpoint", "/ckpt"])) == {}
+    with pytest.raises(SystemExit):
+        parser.parse_args(["up", "--checkpoint", "/ckpt", "--placement", "balanced"])
