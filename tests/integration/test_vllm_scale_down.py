@@ -5,7 +5,9 @@ test. SIGKILL of one rank's worker mid-traffic -> survivor ``unhealthy``, victim
 the survivor hosting all 8 experts, and its greedy answers (official ``openai`` client) equal
 those before the fault. Rank 1 as the victim, then rank 0 (its engine core leads the DP wave
 and hosts the DP store, its API server the DP coordinator), that deployment with ftengine's
-failure-aware placement: the survivor activates its standby expert copies and reloads nothing.
+failure-aware placement: the survivor activates its standby expert copies and reloads nothing;
+DP=4 (4 -> 3 -> 2) with it too: no reload for the first loss, only the uncovered experts for
+the second.
 
 DP=2 rather than 3: a rank costs ~1.9 GB and 25-50 s to start on this shared machine.
 """
@@ -269,17 +271,29 @@ def test_rank0_the_wave_leader_and_store_host_can_be_scaled_down(
 def test_two_successive_scale_downs_4_to_3_to_2(
     checkpoint: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> None:
-    """DP=4 (~7.6 GB here): rank 3, then rank 2; the second command names both."""
-    with deploy(checkpoint, tmp_path_factory.mktemp("logs4"), 4) as deployment:
+    """DP=4 (~7.6 GB here) with failure-aware placement: rank 3, then rank 2; the second
+    command names both. The first loss activates standby copies only; the second reloads
+    exactly what no live standby copy covers (what rank 2 had adopted from rank 3, and
+    rank 2's experts whose standby copy sat on rank 3)."""
+    logs = tmp_path_factory.mktemp("logs4")
+    with deploy(checkpoint, logs, 4, placement="failure-aware") as deployment:
         before = {r: complete(url, checkpoint) for r, url in enumerate(deployment.urls)}
         assert len({tuple(map(tuple, v)) for v in before.values()}) == 1
         kill_mid_traffic(deployment, checkpoint, victim=3, survivors=[0, 1, 2])
         first = {r: before[r] for r in (0, 1, 2)}
         seconds = scale_down_answers_as_before(deployment, checkpoint, [3], first)
+        rank_logs = [deployment.ranks[r].log_path for r in range(4)]
+        assert [adopted(rank_logs[r])[0] for r in (0, 1, 2)] == [0, 0, 0]
+        assert sum(standby(rank_logs[r])[2] for r in (0, 1, 2)) == 4  # rank 3's 2 x 2 layers
         kill_mid_traffic(deployment, checkpoint, victim=2, survivors=[0, 1])
         refused = apply(deployment.urls[0], scale_down_body([2]))
         reason = str(answer(deployment, 0, refused.json()["request_id"], 30)["ft_error"])
         assert "must include the ranks already removed [3]" in reason, reason
         second = {r: before[r] for r in (0, 1)}
         seconds2 = scale_down_answers_as_before(deployment, checkpoint, [3, 2], second, epoch=2)
+        reloads = [adopted(rank_logs[r]) for r in (0, 1)]
+        activated = sum(standby(rank_logs[r])[2] for r in (0, 1))
+        # rank 2 served 5: its own 4 and 5 in both layers, and 6 of layer 1 adopted from 3
+        assert sum(r[0] for r in reloads) == reloads[0][2] and activated + reloads[0][2] == 5
+        assert activated > 0 and reloads[0][2] > 0, (activated, reloads)
     print(f"4 -> 3 -> 2: healthy and answering {seconds:.3f} s, then {seconds2:.3f} s")
