@@ -140,8 +140,13 @@ def kill_and_scale_down(client: Client, victim: int) -> tuple[float, bool]:
 
 def worker_rss_mib(deployment: VllmDeployment) -> float:
     """The largest resident set of the deployment's workers, MiB (after start-up)."""
-    workers = [pids["worker"] for pids in deployment.pids().values()]
-    return max(psutil.Process(pid).memory_info().rss for pid in workers) / 2**20
+    for _ in range(20):  # a process title can be unreadable for a moment on a loaded host
+        workers = [pids.get("worker") for pids in deployment.pids().values()]
+        if all(workers):
+            break
+        time.sleep(0.5)
+    found = [psutil.Process(pid).memory_info().rss for pid in workers if pid]
+    return max(found, default=0) / 2**20
 
 
 def trial(launch: Launch, make_client: MakeClient, index: int, placement: str) -> Trial:
