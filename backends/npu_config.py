@@ -17,6 +17,10 @@ from ftengine.policies.registry import check_name
 from ftengine.reinference import DEFAULT_MAX_REINFERENCE
 
 FTENGINE_KEY = "ftengine"
+PLACEMENTS = ("default", "failure-aware")
+"""``ftengine.placement`` values. On vLLM's CPU platform "failure-aware" loads standby expert
+copies at start-up (``ftengine.integrations.vllm.experts_standby``); on an NPU the slot
+layout is vLLM-Ascend's expert map (``ftengine plan --placement failure-aware`` writes one)."""
 
 
 def _positive_seconds(value: object, key: str) -> float:
@@ -48,6 +52,12 @@ def _count(value: object, key: str) -> int:
     return value
 
 
+def _placement(value: object, key: str) -> str:
+    if value not in PLACEMENTS:
+        raise ConfigError(f"{key} must be one of {', '.join(PLACEMENTS)}, found {value!r}")
+    return str(value)
+
+
 def ftengine_options(additional_config: Mapping[str, object]) -> Mapping[str, object]:
     """The ``ftengine`` sub-dict of ``additional_config`` ({} if absent); ``ConfigError`` if it
     is not a JSON object."""
@@ -72,7 +82,7 @@ class NpuFtConfig:
     (None = torch's default). ``reinference``: a fault holds the engine core's requests and
     resumes them after recovery instead of aborting them (vLLM's CPU path; see
     ``ftengine.integrations.vllm.reinference``); ``max_reinference``: re-runs of one request
-    after faults before it is aborted.
+    after faults before it is aborted. ``placement``: one of :data:`PLACEMENTS`.
     """
 
     communication_abort_timeout_s: int = 0
@@ -82,6 +92,7 @@ class NpuFtConfig:
     cpu_distributed_timeout_s: float | None = None
     reinference: bool = False
     max_reinference: int = DEFAULT_MAX_REINFERENCE
+    placement: str = "default"
 
     @classmethod
     def from_additional_config(cls, additional_config: Mapping[str, object] | None) -> NpuFtConfig:
@@ -102,6 +113,7 @@ class NpuFtConfig:
             "cpu_distributed_timeout_sec": ("cpu_distributed_timeout_s", _optional_seconds),
             "reinference": ("reinference", _flag),
             "max_reinference": ("max_reinference", _count),
+            "placement": ("placement", _placement),
         }
         values: dict[str, object] = {}
         for key, value in options.items():

@@ -11,6 +11,7 @@ import threading
 from pathlib import Path
 from types import FrameType
 
+from ftengine.backends.npu_config import PLACEMENTS
 from ftengine.errors import ConfigError
 
 COMMAND = "vllm"
@@ -26,6 +27,13 @@ def register(parser: argparse.ArgumentParser) -> None:
     up.add_argument("--host", default="127.0.0.1", help="bind address of every server")
     up.add_argument(
         "--policy", default=None, help="ftengine policy: orchestrator, auto or module:factory"
+    )
+    up.add_argument(
+        "--placement",
+        choices=PLACEMENTS,
+        default=None,
+        help="ftengine placement: failure-aware loads standby expert copies at start-up, so "
+        "that a one-rank scale-down reloads nothing (default: vLLM's, survivors reload)",
     )
     up.add_argument(
         "--additional-config",
@@ -54,11 +62,13 @@ def _additional(args: argparse.Namespace) -> dict[str, object]:
         raise ConfigError(f"--additional-config must be JSON, found {raw!r}: {exc}") from exc
     if not isinstance(additional, dict):
         raise ConfigError(f"--additional-config must be a JSON object, found {raw!r}")
-    if args.policy is not None:
+    options = {"policy": args.policy, "placement": args.placement}
+    given = {key: value for key, value in options.items() if value is not None}
+    if given:
         sub = additional.setdefault("ftengine", {})
         if not isinstance(sub, dict):
             raise ConfigError(f"--additional-config's ftengine must be an object, found {sub!r}")
-        sub["policy"] = args.policy
+        sub.update(given)
     return additional
 
 

@@ -4,7 +4,10 @@ test. SIGKILL of one rank's worker mid-traffic -> survivor ``unhealthy``, victim
 ``scale_down`` commands answered in vLLM's shape -> ``scale_down`` to the survivor -> healthy,
 the survivor hosting all 8 experts, and its greedy answers (official ``openai`` client) equal
 those before the fault: rank 1 as the victim at DP=2 (with re-inference's held streams);
-rank 0, then rank 2 at DP=4 (4 -> 3 -> 2, rank 0's server kept up past its deadline).
+rank 0 at DP=2 with ftengine's failure-aware placement (the survivor activates its standby
+expert copies and reloads nothing); rank 0, then rank 2 at DP=4 with failure-aware placement
+too (4 -> 3 -> 2: no reload for the first loss, only the uncovered experts for the second;
+rank 0's server kept up past its deadline; then a retry among the survivors).
 
 DP=2 where one survivor shows it: a rank costs ~1.9 GB and 25-50 s to start here.
 """
@@ -22,6 +25,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from ftengine.integrations.vllm.bench_scale_down import adopted, standby
 from ftengine.integrations.vllm.launcher import DeploymentConfig, VllmDeployment
 from ftengine.integrations.vllm.plugin import FAULT_FILE_ENV
 from tests.integration.test_vllm_deployment import (
@@ -55,8 +59,13 @@ def deploy(
     reinference: bool = False,
     recovery_timeout_s: float = 300.0,
     env: dict[str, str] | None = None,
+    placement: str = "default",
 ) -> VllmDeployment:
-    options = {"cpu_distributed_timeout_sec": OP_TIMEOUT_S, "reinference": reinference}
+    options = {
+        "cpu_distributed_timeout_sec": OP_TIMEOUT_S,
+        "reinference": reinference,
+        "placement": placement,
+    }
     config = DeploymentConfig(
         checkpoint,
         dp_size=dp_size,
@@ -69,6 +78,16 @@ def deploy(
         startup_timeout_s=600.0,
     )
     return VllmDeployment.start(config)
+
+
+@pytest.fixture
+def deployment(
+    checkpoint: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[VllmDeployment]:
+    """DP=2 with ftengine's failure-aware placement (standby expert copies)."""
+    logs = tmp_path_factory.mktemp("logs")
+    with deploy(checkpoint, logs, 2, placement="failure-aware") as started:
+        yield started
 
 
 @pytest.fixture
@@ -236,6 +255,24 @@ def test_sigkill_mid_traffic_then_scale_down_answers_as_before(
     assert victims.tokens == reference[0].tokens[: len(victims.tokens)]
 
 
+@pytest.mark.timeout(900)
+def test_rank0_the_wave_leader_and_store_host_can_be_scaled_down(
+    deployment: VllmDeployment, checkpoint: Path
+) -> None:
+    """With failure-aware placement: the survivor activates its standby copies of rank 0's
+    experts (4 per layer) in place and reloads nothing."""
+    before = [complete(url, checkpoint) for url in deployment.urls]
+    assert before[0] == before[1] == transformers_greedy(checkpoint, PROMPTS, MAX_TOKENS)
+    log = deployment.ranks[1].log_path
+    assert standby(log)[:2] == (8, 8 * 3 * 64 * 128 * 2)  # all 8 of rank 0's, bfloat16
+    kill_mid_traffic(deployment, checkpoint, victim=0, survivors=[1])
+    victim_refuses(deployment, victim=0)
+    seconds = scale_down_answers_as_before(deployment, checkpoint, [0], {1: before[1]})
+    print(f"scale_down of rank 0: healthy and answering {seconds:.3f} s after the command")
+    assert adopted(log) == (0, 0, 0) and standby(log)[2] == 8  # no reload, 8 activated
+    assert complete(deployment.urls[1], checkpoint) == before[0]  # = transformers' answers
+
+
 @pytest.mark.timeout(1500)
 def test_rank0_then_rank2_4_to_3_to_2_and_rank0_keeps_the_coordinator_up(
     checkpoint: Path, tmp_path_factory: pytest.TempPathFactory
@@ -245,11 +282,14 @@ def test_rank0_then_rank2_4_to_3_to_2_and_rank0_keeps_the_coordinator_up(
     Past rank 0's recovery deadline its server still answers ``dead`` (it is parked, not
     exited, see coordinator_host.py), and a request to ONE survivor completes: the
     coordinator still wakes the other survivor into each wave. Then a transient fault and
-    ``retry`` among the two survivors."""
+    ``retry`` among the two survivors. With failure-aware placement: the first loss activates
+    standby copies only, the second reloads exactly what no live standby copy covers."""
     logs = tmp_path_factory.mktemp("logs4")
     fault_file = logs / "inject"
     env = {FAULT_FILE_ENV: str(fault_file)}
-    with deploy(checkpoint, logs, 4, recovery_timeout_s=RANK0_DEADLINE_S, env=env) as deployment:
+    options = {"recovery_timeout_s": RANK0_DEADLINE_S, "env": env, "placement": "failure-aware"}
+    with deploy(checkpoint, logs, 4, **options) as deployment:  # type: ignore[arg-type]
+        rank_logs = [deployment.ranks[r].log_path for r in range(4)]
         before = {r: complete(url, checkpoint) for r, url in enumerate(deployment.urls)}
         assert len({tuple(map(tuple, v)) for v in before.values()}) == 1
         killed_at = time.monotonic()
@@ -257,12 +297,19 @@ def test_rank0_then_rank2_4_to_3_to_2_and_rank0_keeps_the_coordinator_up(
         victim_refuses(deployment, victim=0)
         first = {r: before[r] for r in (1, 2, 3)}
         seconds = scale_down_answers_as_before(deployment, checkpoint, [0], first)
+        assert [adopted(rank_logs[r])[0] for r in (1, 2, 3)] == [0, 0, 0]
+        assert sum(standby(rank_logs[r])[2] for r in (1, 2, 3)) == 4  # rank 0's 2 x 2 layers
+        took_from_0 = standby(rank_logs[2])[2]  # rank 2 now serves these too
         kill_mid_traffic(deployment, checkpoint, victim=2, survivors=[1, 3])
         refused = apply(deployment.urls[1], scale_down_body([2]))
         reason = str(answer(deployment, 1, refused.json()["request_id"], 30)["ft_error"])
         assert "must include the ranks already removed [0]" in reason, reason
         second = {r: before[r] for r in (1, 3)}
         seconds2 = scale_down_answers_as_before(deployment, checkpoint, [0, 2], second, epoch=2)
+        reloads = [adopted(rank_logs[r]) for r in (1, 3)]
+        activated = sum(standby(rank_logs[r])[2] for r in (1, 3))
+        assert sum(r[0] for r in reloads) == reloads[0][2], reloads  # = the lower bound
+        assert activated + reloads[0][2] == 4 + took_from_0, (activated, reloads, took_from_0)
         time.sleep(max(0.0, killed_at + RANK0_DEADLINE_S + 5.0 - time.monotonic()))
         assert deployment.ranks[0].process.poll() is None, "rank 0's server exited"
         assert "engine_core" in deployment.pids()[0], "rank 0's engine core exited"

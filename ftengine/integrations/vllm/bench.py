@@ -167,9 +167,15 @@ def _swallow(client: Client) -> None:
 
 
 def _launch(
-    config: BenchConfig, index: int, ft: bool, env: dict[str, str], port_offset: int = 0
+    config: BenchConfig,
+    index: int,
+    ft: bool,
+    env: dict[str, str],
+    port_offset: int = 0,
+    placement: str = "default",
 ) -> VllmDeployment:
-    additional = {"ftengine": {"cpu_distributed_timeout_sec": OP_TIMEOUT_S}} if ft else {}
+    options = {"cpu_distributed_timeout_sec": OP_TIMEOUT_S, "placement": placement}
+    additional = {"ftengine": options} if ft else {}
     return VllmDeployment.start(
         DeploymentConfig(
             config.checkpoint,
@@ -218,8 +224,8 @@ def run_overhead(config: BenchConfig) -> dict[str, object]:
 
 
 def _scale_down(config: BenchConfig) -> dict[str, object]:
-    def launch(index: int) -> VllmDeployment:
-        return _launch(config, 200 + index, True, {})
+    def launch(index: int, placement: str) -> VllmDeployment:
+        return _launch(config, 200 + index, True, {}, placement=placement)
 
     def client(deployment: VllmDeployment) -> Client:
         return Client(deployment, str(config.checkpoint))

@@ -9,7 +9,9 @@
 - ``--additional-config '{"ft_communication_abort_timeout": T, "ftengine": {...}}'``: the NPU
   op timeout and ftengine's own options, parsed by ``ftengine.backends.npu_config``
   (``"reinference": true`` and ``"max_reinference": N`` hold in-flight requests through a
-  fault, see ``ftengine.integrations.vllm.reinference``).
+  fault, see ``ftengine.integrations.vllm.reinference``; ``"placement": "failure-aware"``
+  loads standby expert copies so that a one-rank scale-down reloads nothing, see
+  ``ftengine.integrations.vllm.experts_standby``).
 
 Invalid values raise :class:`VllmConfigError` at start-up, naming the flag and the key.
 """
@@ -92,6 +94,11 @@ class VllmFtSettings:
     @property
     def max_reinference(self) -> int:
         return self.npu.max_reinference
+
+    @property
+    def placement(self) -> str:
+        """``ftengine.placement``: "failure-aware" loads standby copies (``experts_standby``)."""
+        return self.npu.placement
 
     @classmethod
     def from_vllm_config(cls, vllm_config: VllmConfigLike) -> VllmFtSettings:

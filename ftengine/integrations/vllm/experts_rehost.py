@@ -22,7 +22,7 @@ from __future__ import annotations
 import logging
 import math
 import re
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import attrs
@@ -103,6 +103,7 @@ def plan_rehost(hosting: Hosting, dead: frozenset[int]) -> RehostPlan:
     adopted = [[list[int]() for _ in range(hosting.ep_size)] for _ in hosting.hosts]
     for move in plan.moves:  # sorted by (layer, slot): local ids follow slot order
         adopted[move.layer][move.slot // width].append(move.logical_expert)
+    balance_ties(hosting, dead, adopted)
     after = tuple(
         tuple(
             () if rank in dead else own + tuple(adopted[layer][rank])
@@ -112,6 +113,29 @@ def plan_rehost(hosting: Hosting, dead: frozenset[int]) -> RehostPlan:
     )
     adopted_t = tuple(tuple(tuple(r) for r in layer) for layer in adopted)
     return RehostPlan(hosting, Hosting(after, hosting.num_logical), adopted_t, plan.lower_bound)
+
+
+def balance_ties(hosting: Hosting, dead: frozenset[int], adopted: list[list[list[int]]]) -> None:
+    """Spread each layer's adoptions over the survivors the planner found tied, by what they
+    adopted in earlier layers (in place).
+
+    The planner balances each layer alone and breaks ties by the lowest slot, so with
+    uniform load every layer's orphans went to the same lowest survivors (DP=4: ranks 0 and
+    1 in every layer). Only whole lists move between ranks that held the same number of
+    experts in that layer before the scale-down, so each layer's balance is the planner's.
+    """
+    taken = [0] * hosting.ep_size
+    for layer, ranks in enumerate(hosting.hosts):
+        lists = adopted[layer]
+        ties: dict[int, list[int]] = {}
+        for rank, own in enumerate(ranks):
+            if rank not in dead:
+                ties.setdefault(len(own), []).append(rank)
+        for group in ties.values():
+            shares = sorted((lists[r] for r in group), key=len, reverse=True)
+            for rank, share in zip(sorted(group, key=lambda r: (taken[r], r)), shares, strict=True):
+                lists[rank] = share
+                taken[rank] += len(share)
 
 
 def moe_layer_index(module: Any) -> int:
@@ -145,10 +169,21 @@ def grow_layer(module: Any, experts: Sequence[int], index: CheckpointIndex) -> i
     """Append ``experts`` (logical ids) to one RoutedExperts module: weights from the
     checkpoint through the layer's own post-load transform, then ``expert_map`` (in place)
     and ``local_num_experts``. Returns the bytes read."""
-    if not experts:
-        return 0
-    layer = moe_layer_index(module)
+    first, read = append_rows(module, experts, index)
+    route(module, {expert: first + offset for offset, expert in enumerate(experts)})
+    return read
+
+
+def append_rows(module: Any, experts: Sequence[int], index: CheckpointIndex) -> tuple[int, int]:
+    """Append ``experts``' weights (from the checkpoint, through the layer's own post-load
+    transform) as new rows of ``w13_weight`` / ``w2_weight`` and count them in
+    ``local_num_experts``; ``expert_map`` is left alone (no token reaches the new rows yet).
+    Returns (the first new row, the bytes read)."""
     old13, old2 = module.w13_weight, module.w2_weight
+    first = int(old13.shape[0])
+    if not experts:
+        return first, 0
+    layer = moe_layer_index(module)
     w13, w2, read = expert_weights(index, layer, experts, old13.dtype)
     scratch = torch.nn.Module()
     scratch.register_parameter("w13_weight", torch.nn.Parameter(w13, requires_grad=False))
@@ -166,16 +201,22 @@ def grow_layer(module: Any, experts: Sequence[int], index: CheckpointIndex) -> i
     replace = import_vllm(UTILS_MODULE).replace_parameter
     replace(module, "w13_weight", torch.cat((old13.data, new13)))
     replace(module, "w2_weight", torch.cat((old2.data, new2)))
-    first = int(old13.shape[0])
-    expert_map = module._expert_map  # the buffer the manager also holds: write in place
-    for offset, expert in enumerate(experts):
-        expert_map[expert] = first + offset
+    # vLLM's modular kernel reads the local count off w1.shape[0]; the layer and its
+    # expert-map manager say the same.
     count = first + len(experts)
     module.local_num_experts = count
     manager = getattr(module, "expert_map_manager", None)
     if manager is not None:
         manager._local_num_experts = count
-    return read
+    return first, read
+
+
+def route(module: Any, rows: Mapping[int, int]) -> None:
+    """Route each logical expert of ``rows`` to its local row: ``expert_map`` written in
+    place (vLLM's expert-map manager holds the same tensor)."""
+    expert_map = module._expert_map
+    for expert, row in rows.items():
+        expert_map[expert] = row
 
 
 def _param(module: torch.nn.Module, name: str) -> torch.Tensor:
@@ -205,6 +246,15 @@ def rehost(
     return RepairReport(len(reloaded), plan.lower_bound, read, tuple(reloaded))
 
 
+def start_hosting(layers: Sequence[Any], ep_size: int) -> Hosting:
+    """vLLM's start-up hosting of the model's RoutedExperts ``layers`` over ``ep_size`` ranks."""
+    if not layers:
+        raise PlacementError("the model has no MoE layer: there are no experts to re-host")
+    first = layers[0]
+    strategy = str(getattr(first, "expert_placement_strategy", "linear"))
+    return Hosting.initial(len(layers), int(first.global_num_experts), ep_size, strategy)
+
+
 class CpuExpertRehoster:
     """One CPU worker's re-hosting state: the cluster-wide hosting every survivor tracks
     alike (vLLM's start-up placement, then each scale-down's plan applied in turn).
@@ -227,17 +277,10 @@ class CpuExpertRehoster:
         self.ep_size = ep_size
         self.hosting: Hosting | None = None
 
-    def _start(self, layers: Sequence[Any]) -> Hosting:
-        if not layers:
-            raise PlacementError("the model has no MoE layer: there are no experts to re-host")
-        first = layers[0]
-        strategy = str(getattr(first, "expert_placement_strategy", "linear"))
-        return Hosting.initial(len(layers), int(first.global_num_experts), self.ep_size, strategy)
-
     def repair(self, dead_ranks: frozenset[int]) -> RepairReport:
         """Adopt this rank's share of the experts of ``dead_ranks`` (cumulative)."""
         layers = self._layers()
-        hosting = self.hosting if self.hosting is not None else self._start(layers)
+        hosting = self.hosting if self.hosting is not None else start_hosting(layers, self.ep_size)
         plan = plan_rehost(hosting, dead_ranks)
         report = rehost(layers, plan, self.ep_rank, self._checkpoint())
         self.hosting = plan.after

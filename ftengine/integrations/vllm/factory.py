@@ -77,24 +77,31 @@ def vllm_cpu_backend(
     hooks.keep_request_states = settings.reinference  # held requests resume (v1 runner)
     parallel = worker.parallel_config
     backend = VllmCpuBackend(
-        real_process_groups, rank=parallel.data_parallel_rank, rehost=cpu_rehoster(worker, hooks)
+        real_process_groups,
+        rank=parallel.data_parallel_rank,
+        rehost=cpu_rehoster(worker, hooks, settings.placement),
     )
     return DeviceBackend(backend, serving_op_timeout_s=timeout)
 
 
-def cpu_rehoster(worker: WorkerLike, hooks: VllmWorkerHooks) -> Rehost | None:
-    """Scale-down's expert re-hosting on CPU (TP = 1: one EP rank per DP rank), else None."""
+def cpu_rehoster(
+    worker: WorkerLike, hooks: VllmWorkerHooks, placement: str = "default"
+) -> Rehost | None:
+    """Scale-down's expert re-hosting on CPU (TP = 1: one EP rank per DP rank), else None.
+    With the "failure-aware" ``placement`` the standby copies are loaded here (the model is
+    loaded; vLLM has not warmed up yet)."""
     from ftengine.integrations.vllm.experts_rehost import CpuExpertRehoster
+    from ftengine.integrations.vllm.experts_standby import PLACEMENT, StandbyRehoster
 
     parallel = worker.parallel_config
     if parallel.tensor_parallel_size != 1:
         return None
-    return CpuExpertRehoster(
-        hooks.expert_layers,
-        hooks.checkpoint,
-        ep_rank=parallel.data_parallel_rank,
-        ep_size=parallel.data_parallel_size,
-    )
+    rank, size = parallel.data_parallel_rank, parallel.data_parallel_size
+    if placement != PLACEMENT:
+        return CpuExpertRehoster(hooks.expert_layers, hooks.checkpoint, ep_rank=rank, ep_size=size)
+    standby = StandbyRehoster(hooks.expert_layers, hooks.checkpoint, ep_rank=rank, ep_size=size)
+    standby.load()
+    return standby
 
 
 def backend_for_platform(device_type: str) -> BackendFactory:
