@@ -9,7 +9,8 @@
 - ``--additional-config '{"ft_communication_abort_timeout": T, "ftengine": {...}}'``: the NPU
   op timeout and ftengine's own options, parsed by ``ftengine.backends.npu_config``
   (``"reinference": true`` and ``"max_reinference": N`` hold in-flight requests through a
-  fault, see ``ftengine.integrations.vllm.reinference``).
+  fault, see ``ftengine.integrations.vllm.reinference``; ``"handoff_urls": [...]`` hands a
+  DEAD engine core's held requests to those survivors, see ``...vllm.handoff``).
 
 Invalid values raise :class:`VllmConfigError` at start-up, naming the flag and the key.
 """
@@ -92,6 +93,12 @@ class VllmFtSettings:
     @property
     def max_reinference(self) -> int:
         return self.npu.max_reinference
+
+    @property
+    def handoff_urls(self) -> tuple[str, ...]:
+        """``ftengine.handoff_urls``: survivors a DEAD engine core resumes its requests on
+        (``integrations.vllm.handoff``)."""
+        return self.npu.handoff_urls
 
     @classmethod
     def from_vllm_config(cls, vllm_config: VllmConfigLike) -> VllmFtSettings:
