@@ -4,13 +4,17 @@ test. SIGKILL of one rank's worker mid-traffic -> survivor ``unhealthy``, victim
 ``scale_down`` commands answered in vLLM's shape -> ``scale_down`` to the survivor -> healthy,
 the survivor hosting all 8 experts, and its greedy answers (official ``openai`` client) equal
 those before the fault. Rank 1 as the victim, then rank 0 (its engine core leads the DP wave
-and hosts the DP store, its API server the DP coordinator).
+and hosts the DP store, its API server the DP coordinator). With re-inference and the handoff
+on (test 1), streams in flight on both ranks at the kill end with exactly the fault-free
+tokens: the survivor's held, the victim's handed to the survivor and streamed on by the
+victim's own server.
 
 DP=2 rather than 3: a rank costs ~1.9 GB and 25-50 s to start on this shared machine.
 """
 
 from __future__ import annotations
 
+import itertools
 import os
 import signal
 import statistics
@@ -182,17 +186,35 @@ def scale_down_body(ranks: object) -> dict[str, object]:
     return {"instruction": "scale_down", "params": {"removed_dp_ranks": ranks}}
 
 
+class TimedChunks(list[list[int]]):
+    """``OpenAIStream.chunks`` that also records when each chunk came (``time.monotonic``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.times: list[float] = []
+
+    def append(self, chunk: list[int]) -> None:
+        self.times.append(time.monotonic())
+        super().append(chunk)
+
+
 class TimedStream(OpenAIStream):
-    """An :class:`OpenAIStream` that records when it began and ended (``time.monotonic``)."""
+    """An :class:`OpenAIStream` that records when it began, each chunk came and it ended."""
 
     began = ended = 0.0
 
     def run(self) -> None:
+        self.chunks = TimedChunks()
         self.began = time.monotonic()
         try:
             super().run()
         finally:
             self.ended = time.monotonic()
+
+    def longest_wait(self) -> float:
+        """The longest time between two chunks (or from the start to the first)."""
+        times: list[float] = [self.began, *getattr(self.chunks, "times", [])]
+        return max(b - a for a, b in itertools.pairwise(times))
 
 
 def both_ranks_streams(deployment: VllmDeployment, checkpoint: Path) -> list[TimedStream]:
@@ -256,16 +278,28 @@ def test_sigkill_mid_traffic_then_scale_down_answers_as_before(
 
 
 def report_latency(streams: Sequence[TimedStream], reference: Sequence[TimedStream]) -> None:
-    """Each stream's extra seconds over the same prompt's fault-free run on the same rank:
-    the survivor's held ones, then the victim's handed-off ones."""
+    """Per stream: extra seconds over the same prompt's fault-free run on the same rank, and
+    the longest wait for a chunk; then what the handoff adds: each handed-off stream's end
+    against the held stream of the same prompt on the survivor (same fault and recovery)."""
     pairs = zip(streams, reference, strict=True)
     extra = [(s.ended - s.began) - (r.ended - r.began) for s, r in pairs]
-    for name, part in (("held", extra[: len(STREAMED)]), ("handed off", extra[len(STREAMED) :])):
+    n = len(STREAMED)
+    for name, part, mine in (
+        ("held", extra[:n], streams[:n]),
+        ("handed-off", extra[n:], streams[n:]),
+    ):
+        waits = [s.longest_wait() for s in mine]
+        largest = max(len(c) for s in mine for c in s.chunks)
         print(
-            f"extra latency of the {name} streams: median {statistics.median(part):.2f} s, "
-            f"max {max(part):.2f} s, n={len(part)}"
+            f"{name} streams: extra latency median {statistics.median(part):.2f} s, max "
+            f"{max(part):.2f} s; longest wait for a chunk median {statistics.median(waits):.2f}"
+            f" s, max {max(waits):.2f} s; largest chunk {largest} tokens"
         )
-    print("victim's chunk sizes:", [max(map(len, s.chunks)) for s in streams[len(STREAMED) :]])
+    added = [v.ended - h.ended for h, v in zip(streams[:n], streams[n:], strict=True)]
+    print(
+        f"handoff's own share (handed-off end - held end, same prompt): median "
+        f"{statistics.median(added):.2f} s, max {max(added):.2f} s, n={len(added)}"
+    )
 
 
 @pytest.mark.timeout(900)

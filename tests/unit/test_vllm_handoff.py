@@ -315,3 +315,15 @@ def test_the_launcher_gives_each_rank_the_others_urls(tmp_path: Path) -> None:
         DeploymentConfig(tmp_path, dp_size=2, handoff=True)
     with pytest.raises(ConfigError, match="dp_size must be >= 2, found 1"):
         DeploymentConfig(tmp_path, dp_size=1, handoff=True, additional_config=options)
+
+
+def test_the_vllm_fields_the_handoff_reads_are_where_it_expects_them() -> None:
+    """A renamed sampling field would silently stop being refused; a renamed request field
+    would fail only at a fault: both fail here first."""
+    fields = set(sampling.SamplingParams.__struct_fields__)
+    assert set(handoff.NOT_EXACT) <= fields, set(handoff.NOT_EXACT) - fields
+    assert {"temperature", "seed", "min_tokens", "ignore_eos", "stop_token_ids"} <= fields
+    assert {"repetition_penalty"} <= fields
+    body = handoff.resume_state(request("x", [1], emitted=0, max_tokens=2)).body([], "m")
+    assert set(body) <= set(protocol.CompletionRequest.model_fields)
+    assert {"STOP", "LENGTH", "ABORT"} <= set(v1.FinishReason.__members__)
