@@ -256,6 +256,7 @@ def test_sigkill_mid_traffic_then_scale_down_answers_as_before(
     kill_mid_traffic(deployment, checkpoint, victim=1, survivors=[0], held=streams)
     counts = [len(s.tokens) for s in streams]
     assert all(0 < n < STREAM_TOKENS for n in counts), f"not all mid-generation: {counts}"
+    at_kill = [len(s.chunks) for s in streams]
     victim_refuses(deployment, victim=1)
     survivor_url = deployment.urls[0]
     malformed = apply(survivor_url, scale_down_body("1"))
@@ -272,8 +273,12 @@ def test_sigkill_mid_traffic_then_scale_down_answers_as_before(
         where = "survivor's" if i < len(STREAMED) else "victim's (handed off)"
         assert stream.finish_reason == "length", (where, stream.stop_reason, stream.tokens)
         assert stream.tokens == want.tokens, f"{where} prompt {stream.prompt}: {stream.chunks}"
-    for stream in streams[: len(STREAMED)]:  # held by the survivor: one step, one token
-        assert all(len(chunk) <= 1 for chunk in stream.chunks), stream.chunks
+    for stream, seen in zip(streams, at_kill, strict=True):
+        # Before the kill one step, one token; after it still a stream, not one late burst
+        # (an API server that lags its engine merges deltas: the survivor's, serving six
+        # streams on these loaded cores, was seen to send chunks of up to 8 tokens).
+        assert all(len(chunk) <= 1 for chunk in stream.chunks[:seen]), stream.chunks
+        assert sum(1 for chunk in stream.chunks[seen:] if chunk) >= 2, stream.chunks
     report_latency(streams, reference)
 
 
