@@ -25,7 +25,7 @@ from ftengine.integrations.vllm import handoff
 from ftengine.integrations.vllm.handoff import HANDOFF_ATTR, Handoff, refusal
 from ftengine.integrations.vllm.launcher import DeploymentConfig
 from ftengine.integrations.vllm.patches import check_reinference_seams
-from ftengine.integrations.vllm.reinference import install, on_fault
+from ftengine.integrations.vllm.reinference import abort, install, on_fault
 from tests.unit.test_vllm_reinference import (
     Engine,
     Executor,
@@ -153,7 +153,8 @@ def dead_engine(*requests: Any) -> Engine:
 def hand_off(urls: list[str], engine: Engine, deadline_s: float = 30.0) -> Handoff:
     held = list(engine.scheduler.requests.values())
     ho = Handoff(tuple(urls), "tiny", deadline_s)
-    ho.take(engine, held, DEAD)
+    for reason, refused in ho.take(engine, held, DEAD).items():
+        abort(engine, refused, reason)  # as re-inference's on_fault does
     for thread in ho.threads:
         thread.join(timeout=30)
         assert not thread.is_alive()

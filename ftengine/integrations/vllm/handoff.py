@@ -208,12 +208,10 @@ class Handoff:
     deadline_s: float
     threads: list[threading.Thread] = attrs.field(factory=list)
 
-    def take(self, engine: Any, requests: Sequence[Any], dead_reason: str) -> None:
-        """On the DEAD engine's fault (busy-loop thread): abort, with the reason, what
-        cannot resume exactly; take the rest out of the scheduler (no abort sent) and
-        resume each on a survivor on its own thread."""
-        from ftengine.integrations.vllm.reinference import abort
-
+    def take(self, engine: Any, requests: Sequence[Any], dead_reason: str) -> dict[str, list[Any]]:
+        """On the DEAD engine's fault (busy-loop thread): take what can resume exactly out
+        of the scheduler (no abort sent) and resume each on a survivor on its own thread.
+        Returns the rest, by the reason the caller aborts them with."""
         refused: dict[str, list[Any]] = {}
         states = []
         for request in requests:
@@ -223,8 +221,6 @@ class Handoff:
             else:
                 reason = f"{dead_reason}; not handed to a survivor: {why}"
                 refused.setdefault(reason, []).append(request)
-        for reason, batch in refused.items():
-            abort(engine, batch, reason)
         status = import_vllm("vllm.v1.request").RequestStatus
         engine.scheduler.finish_requests([s.request_id for s in states], status.FINISHED_ABORTED)
         deadline = time.monotonic() + self.deadline_s - MARGIN_S
@@ -237,6 +233,7 @@ class Handoff:
             thread.start()
         if states:
             logger.warning("[FT] handing %d held requests to %s", len(states), list(self.urls))
+        return refused
 
     def resume(self, engine: Any, state: Resume, deadline: float) -> None:
         """Ask survivors in turn until the request ends or ``deadline`` (``time.monotonic``)
@@ -310,11 +307,13 @@ def install(sentinel: Any, settings: VllmFtSettings) -> None:
         setattr(sentinel, HANDOFF_ATTR, handoff)
 
 
-def release_dead(sentinel: Any, engine: Any, requests: Sequence[Any], reason: str) -> bool:
-    """A DEAD engine's held ``requests``: handed to survivors when this engine core has a
-    :class:`Handoff` (True), else left to the caller to abort (False)."""
+def release_dead(
+    sentinel: Any, engine: Any, requests: Sequence[Any], reason: str
+) -> dict[str, list[Any]] | None:
+    """A DEAD engine's held ``requests``: None when this engine core has no
+    :class:`Handoff` (the caller aborts them all); else they are handed to survivors and
+    what could not be is returned, by abort reason (see :meth:`Handoff.take`)."""
     handoff: Handoff | None = getattr(sentinel, HANDOFF_ATTR, None)
     if handoff is None:
-        return False
-    handoff.take(engine, requests, reason)
-    return True
+        return None
+    return handoff.take(engine, requests, reason)

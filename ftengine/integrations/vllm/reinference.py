@@ -183,8 +183,13 @@ def on_fault(sentinel: Any, exc: BaseException, vllm_on_fault: Any) -> None:
     if dead:
         why = f"engine {sentinel.engine_index}'s worker process died ({type(exc).__name__})"
         # With survivors to hand them to (``handoff_urls``) they resume there instead.
-        if not handoff.release_dead(sentinel, engine, held_requests(engine), Reinference.dead(why)):
+        refused = handoff.release_dead(
+            sentinel, engine, held_requests(engine), Reinference.dead(why)
+        )
+        if refused is None:
             hold.release(engine, Reinference.dead(why))
+        for reason, requests in (refused or {}).items():
+            abort(engine, requests, reason)
     else:
         hold.hold(engine)
     logger.info(
