@@ -8,6 +8,7 @@ the top-level key is the one vLLM-Ascend defines; ftengine's own options live in
 from __future__ import annotations
 
 from collections.abc import Mapping
+from urllib.parse import urlsplit
 
 import attrs
 
@@ -58,6 +59,28 @@ def _placement(value: object, key: str) -> str:
     return str(value)
 
 
+def _urls(value: object, key: str) -> tuple[str, ...]:
+    """Base URLs of OpenAI servers (``http://host:port``, no path), trailing ``/`` dropped."""
+    if not isinstance(value, list | tuple) or not all(isinstance(v, str) for v in value):
+        raise ConfigError(
+            f'{key} must be a list of URLs such as ["http://10.0.0.2:8000"], found {value!r}'
+        )
+    urls = tuple(v.rstrip("/") for v in value)
+    for url in urls:
+        parts = urlsplit(url)
+        try:
+            port = parts.port
+        except ValueError:
+            port = None
+        if parts.scheme not in ("http", "https") or not parts.hostname or port is None:
+            raise ConfigError(f"{key}: expected http(s)://host:port, found {url!r}")
+        if parts.path or parts.query or parts.fragment:
+            raise ConfigError(f"{key}: expected a server's base URL without a path, found {url!r}")
+    if len(set(urls)) != len(urls):
+        raise ConfigError(f"{key}: each URL at most once, found {list(urls)}")
+    return urls
+
+
 def ftengine_options(additional_config: Mapping[str, object]) -> Mapping[str, object]:
     """The ``ftengine`` sub-dict of ``additional_config`` ({} if absent); ``ConfigError`` if it
     is not a JSON object."""
@@ -83,6 +106,8 @@ class NpuFtConfig:
     resumes them after recovery instead of aborting them (vLLM's CPU path; see
     ``ftengine.integrations.vllm.reinference``); ``max_reinference``: re-runs of one request
     after faults before it is aborted. ``placement``: one of :data:`PLACEMENTS`.
+    ``handoff_urls``: the survivors' OpenAI servers a DEAD engine core hands its held
+    requests to (needs ``reinference``; see ``ftengine.integrations.vllm.handoff``).
     """
 
     communication_abort_timeout_s: int = 0
@@ -93,6 +118,7 @@ class NpuFtConfig:
     reinference: bool = False
     max_reinference: int = DEFAULT_MAX_REINFERENCE
     placement: str = "default"
+    handoff_urls: tuple[str, ...] = ()
 
     @classmethod
     def from_additional_config(cls, additional_config: Mapping[str, object] | None) -> NpuFtConfig:
@@ -114,6 +140,7 @@ class NpuFtConfig:
             "reinference": ("reinference", _flag),
             "max_reinference": ("max_reinference", _count),
             "placement": ("placement", _placement),
+            "handoff_urls": ("handoff_urls", _urls),
         }
         values: dict[str, object] = {}
         for key, value in options.items():
@@ -124,4 +151,10 @@ class NpuFtConfig:
                 )
             field, parse = parsers[key]
             values[field] = parse(value, f"{FTENGINE_KEY}.{key}")
+        if values.get("handoff_urls") and not values.get("reinference"):
+            raise ConfigError(
+                f"{FTENGINE_KEY}.handoff_urls needs {FTENGINE_KEY}.reinference: true (only held "
+                "requests are handed off), found reinference "
+                f"{values.get('reinference', False)}"
+            )
         return cls(communication_abort_timeout_s=communication_abort_timeout_s, **values)  # type: ignore[arg-type]

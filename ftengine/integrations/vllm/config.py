@@ -11,7 +11,9 @@
   (``"reinference": true`` and ``"max_reinference": N`` hold in-flight requests through a
   fault, see ``ftengine.integrations.vllm.reinference``; ``"placement": "failure-aware"``
   loads standby expert copies so that a one-rank scale-down reloads nothing, see
-  ``ftengine.integrations.vllm.experts_standby``).
+  ``ftengine.integrations.vllm.experts_standby``;
+  ``"handoff_urls": [...]`` hands a DEAD engine core's held requests to those survivors,
+  see ``...vllm.handoff``).
 
 Invalid values raise :class:`VllmConfigError` at start-up, naming the flag and the key.
 """
@@ -99,6 +101,12 @@ class VllmFtSettings:
     def placement(self) -> str:
         """``ftengine.placement``: "failure-aware" loads standby copies (``experts_standby``)."""
         return self.npu.placement
+
+    @property
+    def handoff_urls(self) -> tuple[str, ...]:
+        """``ftengine.handoff_urls``: survivors a DEAD engine core resumes its requests on
+        (``integrations.vllm.handoff``)."""
+        return self.npu.handoff_urls
 
     @classmethod
     def from_vllm_config(cls, vllm_config: VllmConfigLike) -> VllmFtSettings:

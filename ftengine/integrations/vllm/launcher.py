@@ -32,7 +32,7 @@ import attrs
 import httpx
 import psutil
 
-from ftengine.backends.npu_config import NpuFtConfig
+from ftengine.backends.npu_config import FTENGINE_KEY, NpuFtConfig
 from ftengine.errors import ConfigError, FTEngineError
 from ftengine.integrations.vllm.status_file import ENGINE_CORE_TITLE, remove_dead_status_files
 
@@ -96,7 +96,9 @@ class DeploymentConfig:
     compared with transformers' (bfloat16 serving differs, docs/vllm-dev-notes.md).
     ``enforce_eager`` (default on): torch.compile's full-graph capture cannot trace the CPU
     all-gatherv's per-rank sizes (data-dependent shapes), and compiling costs minutes of
-    start-up on 2 cores.
+    start-up on 2 cores. ``handoff``: each rank's ``ftengine.handoff_urls`` are the other
+    ranks' URLs, so a rank whose worker dies resumes its held requests there (needs
+    ``"reinference": true``; ``ftengine.integrations.vllm.handoff``).
     """
 
     checkpoint: Path = attrs.field(converter=Path, validator=_checkpoint)
@@ -115,19 +117,34 @@ class DeploymentConfig:
     env: Mapping[str, str] = attrs.field(factory=dict)
     log_dir: Path = attrs.field(default=Path("vllm-logs"), converter=Path)
     startup_timeout_s: float = 600.0
+    handoff: bool = False
 
     def __attrs_post_init__(self) -> None:
         if self.port + self.dp_size - 1 > 65535:
             raise ConfigError(f"ports {self.port}..{self.port + self.dp_size - 1} exceed 65535")
         if not self.recovery_timeout_s > 0:
             raise ConfigError(f"recovery_timeout_s must be > 0, found {self.recovery_timeout_s}")
+        if self.handoff and self.dp_size < 2:
+            raise ConfigError(
+                f"handoff needs a survivor: dp_size must be >= 2, found {self.dp_size}"
+            )
         try:  # the same parser the workers use: a bad key stops us before any process starts
-            NpuFtConfig.from_additional_config(self.additional_config)
+            NpuFtConfig.from_additional_config(self.additional(0))
         except ConfigError as exc:
             raise ConfigError(f"Invalid --additional-config: {exc}") from exc
 
     def url(self, rank: int) -> str:
         return f"http://{self.host}:{self.port + rank}"
+
+    def additional(self, rank: int) -> dict[str, object]:
+        """Rank ``rank``'s ``--additional-config``: ``additional_config``, with the other
+        ranks' URLs as ``ftengine.handoff_urls`` when ``handoff``."""
+        config = dict(self.additional_config)
+        sub = config.get(FTENGINE_KEY, {})
+        if self.handoff and isinstance(sub, Mapping):  # (not a mapping: the parser says so)
+            others = [self.url(r) for r in range(self.dp_size) if r != rank]
+            config[FTENGINE_KEY] = {**sub, "handoff_urls": others}
+        return config
 
     def argv(self, rank: int, rpc_port: int) -> list[str]:
         """The command line of rank ``rank``'s API server."""
@@ -153,8 +170,9 @@ class DeploymentConfig:
         if self.fault_tolerance:
             ft = {"engine_recovery_timeout_sec": self.recovery_timeout_s}
             args += ["--enable-fault-tolerance", "--fault-tolerance-config", json.dumps(ft)]
-        if self.additional_config:
-            args += ["--additional-config", json.dumps(dict(self.additional_config))]
+        additional = self.additional(rank)
+        if additional:
+            args += ["--additional-config", json.dumps(additional)]
         return args + list(self.extra_args)
 
 

@@ -17,6 +17,8 @@ Bounds (``ftengine.reinference.Reinference``, one definition with the CPU cluste
 request running in more than ``max_reinference`` faulted steps is aborted with the reason
 in ``stop_reason``; an engine whose fault leaves it DEAD aborts what it held; a wait past
 ``engine_recovery_timeout_sec`` aborts every held request before vLLM's wrapper gives up.
+With ``"handoff_urls"`` a DEAD engine hands what it held to a survivor instead
+(``ftengine.integrations.vllm.handoff``).
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from typing import Any
 
 import attrs
 
+from ftengine.integrations.vllm import handoff
 from ftengine.integrations.vllm.config import VllmFtSettings
 from ftengine.integrations.vllm.messages import import_vllm
 from ftengine.reinference import Reinference
@@ -157,6 +160,7 @@ def install(sentinel: Any, settings: VllmFtSettings, check_seams: Callable[[], N
         resumed.set()
     sentinel.resumed = resumed
     setattr(sentinel, HOLD_ATTR, hold)
+    handoff.install(sentinel, settings)
 
 
 def on_fault(sentinel: Any, exc: BaseException, vllm_on_fault: Any) -> None:
@@ -178,7 +182,14 @@ def on_fault(sentinel: Any, exc: BaseException, vllm_on_fault: Any) -> None:
     sentinel.fault_info = type(exc).__name__
     if dead:
         why = f"engine {sentinel.engine_index}'s worker process died ({type(exc).__name__})"
-        hold.release(engine, Reinference.dead(why))
+        # With survivors to hand them to (``handoff_urls``) they resume there instead.
+        refused = handoff.release_dead(
+            sentinel, engine, held_requests(engine), Reinference.dead(why)
+        )
+        if refused is None:
+            hold.release(engine, Reinference.dead(why))
+        for reason, requests in (refused or {}).items():
+            abort(engine, requests, reason)
     else:
         hold.hold(engine)
     logger.info(

@@ -1,0 +1,330 @@
+"""Handing a DEAD engine core's held requests to a survivor, against vLLM's real
+``Request``, ``SamplingParams`` and output types and a fake survivor: a real HTTP server
+that checks each body against vLLM's own ``CompletionRequest`` fields and streams a
+deterministic "model" in vLLM's SSE shape. The tokens reach the engine core's output queue
+exactly as the fault-free run would have produced them (none missing, none repeated), from
+a survivor that breaks its stream midway or after one that cannot be reached too; what
+cannot resume exactly, a survivor's refusal and the recovery deadline abort with the
+reason; the options are checked at start-up and the launcher gives each rank the others."""
+
+from __future__ import annotations
+
+import json
+import re
+import threading
+from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any
+
+import attrs
+import pytest
+
+from ftengine.errors import ConfigError
+from ftengine.integrations.vllm import handoff
+from ftengine.integrations.vllm.handoff import HANDOFF_ATTR, Handoff, refusal
+from ftengine.integrations.vllm.launcher import DeploymentConfig
+from ftengine.integrations.vllm.patches import check_reinference_seams
+from ftengine.integrations.vllm.reinference import abort, install, on_fault
+from tests.unit.test_vllm_reinference import (
+    Engine,
+    Executor,
+    FakeScheduler,
+    Sentinel,
+    settings,
+)
+
+sampling = pytest.importorskip("vllm.sampling_params", reason="vLLM is not installed")
+vllm_request = pytest.importorskip("vllm.v1.request")
+v1 = pytest.importorskip("vllm.v1.engine")
+protocol = pytest.importorskip("vllm.entrypoints.openai.completion.protocol")
+
+DEAD = "recovery ended DEAD, the held request cannot resume: engine 1's worker process died"
+
+
+@attrs.define
+class ModelConfig:
+    """``ModelConfig``'s names the handoff reads."""
+
+    served_model_name: str | list[str] | None = attrs.field(factory=lambda: ["tiny-served"])
+    model: str = "/ckpt"
+
+
+@attrs.define
+class VllmConfig:
+    model_config: ModelConfig = attrs.field(factory=ModelConfig)
+
+
+@attrs.define
+class ServingEngine(Engine):
+    """The engine stand-in with the ``vllm_config`` the handoff reads its model name from."""
+
+    vllm_config: VllmConfig = attrs.field(factory=VllmConfig)
+
+
+def next_token(sequence: list[int]) -> int:
+    """The fake survivor's greedy model: a deterministic function of the whole sequence."""
+    return (sum(sequence) * 31 + len(sequence)) % 512
+
+
+def fault_free(prompt: list[int], n: int) -> list[int]:
+    sequence = list(prompt)
+    for _ in range(n):
+        sequence.append(next_token(sequence))
+    return sequence[len(prompt) :]
+
+
+@attrs.define
+class Survivor:
+    """What the fake survivor answers, ask by ask: "ok", "break:N" (N tokens, then the
+    connection closes without a finish reason) or an HTTP status code; then "ok"."""
+
+    script: list[str] = attrs.field(factory=list)
+    bodies: list[dict[str, Any]] = attrs.field(factory=list)
+    url: str = ""
+
+    def next_move(self) -> str:
+        return self.script.pop(0) if self.script else "ok"
+
+
+def handler(survivor: Survivor) -> type[BaseHTTPRequestHandler]:
+    class Handler(BaseHTTPRequestHandler):
+        def log_message(self, *args: object) -> None:  # quiet
+            pass
+
+        def do_POST(self) -> None:
+            assert self.path == "/v1/completions", self.path
+            body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+            unknown = set(body) - set(protocol.CompletionRequest.model_fields)
+            assert not unknown, f"not vLLM CompletionRequest fields: {unknown}"
+            request = protocol.CompletionRequest.model_validate(body)
+            survivor.bodies.append(body)
+            move = survivor.next_move()
+            if move.isdigit():
+                self.send_response(int(move))
+                self.end_headers()
+                self.wfile.write(b'{"error": {"message": "no such model"}}')
+                return
+            stop_after = int(move.split(":")[1]) if move.startswith("break:") else None
+            self.send_response(200)
+            self.send_header("Content-Type", "text/event-stream")
+            self.end_headers()
+            sequence = list(request.prompt)
+            for i in range(request.max_tokens or 0):
+                if stop_after is not None and i == stop_after:
+                    return  # connection closes mid-stream
+                sequence.append(next_token(sequence))
+                last = i == (request.max_tokens or 0) - 1
+                choice = {"index": 0, "text": "x", "token_ids": [sequence[-1]]}
+                choice |= {"finish_reason": "length" if last else None, "stop_reason": None}
+                self.wfile.write(f"data: {json.dumps({'choices': [choice]})}\n\n".encode())
+                self.wfile.flush()
+            self.wfile.write(b"data: [DONE]\n\n")
+
+    return Handler
+
+
+@pytest.fixture
+def survivor() -> Iterator[Survivor]:
+    found = Survivor()
+    server = ThreadingHTTPServer(("127.0.0.1", 0), handler(found))
+    found.url = f"http://127.0.0.1:{server.server_address[1]}"
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield found
+    server.shutdown()
+    server.server_close()
+
+
+def request(rid: str, prompt: list[int], emitted: int, max_tokens: int, **params: Any) -> Any:
+    """A real vLLM request that already emitted its first ``emitted`` fault-free tokens."""
+    params = {"temperature": 0.0, "ignore_eos": True} | params
+    made = vllm_request.Request(
+        rid, prompt, sampling.SamplingParams(max_tokens=max_tokens, **params), None, client_index=1
+    )
+    made.append_output_token_ids(fault_free(prompt, emitted))
+    return made
+
+
+def dead_engine(*requests: Any) -> Engine:
+    return Engine(FakeScheduler(list(requests), []), model_executor=Executor(is_failed=True))
+
+
+def hand_off(urls: list[str], engine: Engine, deadline_s: float = 30.0) -> Handoff:
+    held = list(engine.scheduler.requests.values())
+    ho = Handoff(tuple(urls), "tiny", deadline_s)
+    for reason, refused in ho.take(engine, held, DEAD).items():
+        abort(engine, refused, reason)  # as re-inference's on_fault does
+    for thread in ho.threads:
+        thread.join(timeout=30)
+        assert not thread.is_alive()
+    return ho
+
+
+def outputs(engine: Engine) -> dict[str, list[Any]]:
+    """Per request id, every ``EngineCoreOutput`` the engine core queued (client 1's)."""
+    found: dict[str, list[Any]] = {}
+    while not engine.output_queue.empty():
+        client, batch = engine.output_queue.get_nowait()
+        assert client == 1 and isinstance(batch, v1.EngineCoreOutputs)
+        for output in batch.outputs:
+            found.setdefault(output.request_id, []).append(output)
+            if output.finish_reason is not None:
+                assert batch.finished_requests == {output.request_id}
+    return found
+
+
+def streamed(outs: list[Any]) -> list[int]:
+    return [t for out in outs for t in out.new_token_ids]
+
+
+def test_a_held_greedy_request_ends_on_the_survivor_with_exactly_the_fault_free_tokens(
+    survivor: Survivor,
+) -> None:
+    engine = dead_engine(request("a", [1, 2, 3], emitted=3, max_tokens=10, min_tokens=5))
+    hand_off([survivor.url], engine)
+    assert engine.scheduler.requests == {}  # out of the DEAD scheduler, no abort sent
+    outs = outputs(engine)["a"]
+    assert streamed(outs) == fault_free([1, 2, 3], 10)[3:]
+    assert [len(o.new_token_ids) for o in outs] == [1] * 7  # one output per survivor chunk
+    assert outs[-1].finish_reason == v1.FinishReason.LENGTH
+    assert all(o.finish_reason is None for o in outs[:-1])
+    [body] = survivor.bodies
+    assert body["prompt"] == [1, 2, 3, *fault_free([1, 2, 3], 3)]
+    assert (body["max_tokens"], body["min_tokens"], body["temperature"]) == (7, 2, 0.0)
+    assert body["stream"] and body["return_token_ids"] and body["ignore_eos"]
+
+
+def test_a_stream_cut_short_is_asked_again_from_the_tokens_already_out(
+    survivor: Survivor,
+) -> None:
+    survivor.script = ["break:2", "break:0"]
+    engine = dead_engine(request("b", [7, 8], emitted=1, max_tokens=9))
+    hand_off([survivor.url], engine)
+    outs = outputs(engine)["b"]
+    assert streamed(outs) == fault_free([7, 8], 9)[1:]  # no gap, no repeat
+    assert outs[-1].finish_reason == v1.FinishReason.LENGTH
+    assert [b["max_tokens"] for b in survivor.bodies] == [8, 6, 6]
+    assert survivor.bodies[2]["prompt"] == [7, 8, *fault_free([7, 8], 3)]
+
+
+def test_an_unreachable_survivor_is_skipped_for_the_next_one(survivor: Survivor) -> None:
+    survivor.script = ["503"]
+    engine = dead_engine(request("c", [4], emitted=2, max_tokens=5))
+    hand_off(["http://127.0.0.1:9", survivor.url], engine)  # port 9: nothing listens
+    outs = outputs(engine)["c"]
+    assert streamed(outs) == fault_free([4], 5)[2:]
+    assert len(survivor.bodies) == 2  # the 503, then the answer (the dead URL in between)
+
+
+def test_what_cannot_resume_exactly_is_aborted_saying_why(survivor: Survivor) -> None:
+    seeded = request("s", [1], emitted=1, max_tokens=5, temperature=0.8, seed=7)
+    logprobs = request("l", [1], emitted=1, max_tokens=5, logprobs=2)
+    penalty = request("p", [1], emitted=1, max_tokens=5, presence_penalty=0.5)
+    greedy = request("g", [1], emitted=1, max_tokens=5)
+    engine = dead_engine(seeded, logprobs, penalty, greedy)
+    hand_off([survivor.url], engine)
+    outs = outputs(engine)
+    for rid, why in (("s", "temperature 0.8 with seed 7"), ("l", "logprobs"), ("p", "presence")):
+        [out] = outs[rid]
+        assert out.finish_reason == v1.FinishReason.ABORT and out.new_token_ids == []
+        assert out.stop_reason.startswith(DEAD + "; not handed to a survivor: ")
+        assert why in out.stop_reason, out.stop_reason
+    assert streamed(outs["g"]) == fault_free([1], 5)[1:]
+    assert [b["prompt"] for b in survivor.bodies] == [[1, fault_free([1], 1)[0]]]
+
+
+def test_a_survivors_refusal_and_the_deadline_abort_with_the_reason(survivor: Survivor) -> None:
+    survivor.script = ["400"]
+    engine = dead_engine(request("r", [1, 2], emitted=1, max_tokens=4))
+    hand_off([survivor.url], engine)
+    [out] = outputs(engine)["r"]
+    assert out.finish_reason == v1.FinishReason.ABORT
+    assert "refused" in out.stop_reason and "answered 400" in out.stop_reason
+    assert "no such model" in out.stop_reason
+    survivor.script = ["503"] * 100
+    engine = dead_engine(request("t", [1, 2], emitted=1, max_tokens=4))
+    hand_off([survivor.url], engine, deadline_s=handoff.MARGIN_S + 1.2)
+    [out] = outputs(engine)["t"]
+    assert out.finish_reason == v1.FinishReason.ABORT
+    assert "did not finish within the 2.2s recovery deadline" in out.stop_reason
+    assert "answered 503" in out.stop_reason and 2 <= len(survivor.bodies) - 1 <= 4
+
+
+def test_a_dead_engine_with_survivors_hands_its_held_requests_over(survivor: Survivor) -> None:
+    """Through re-inference's ``on_fault``: handed off, not aborted (without
+    ``handoff_urls`` test_vllm_reinference shows the abort)."""
+    held = request("h", [3, 1], emitted=2, max_tokens=6)
+    engine = ServingEngine(FakeScheduler([held], []), model_executor=Executor(is_failed=True))
+    sentinel = Sentinel(engine)
+    options = settings(reinference=True, handoff_urls=[survivor.url])
+    install(sentinel, options, check_reinference_seams)
+    on_fault(sentinel, RuntimeError("worker died"), None)
+    assert sentinel.status_type == v1.EngineStatusType.DEAD
+    ho: Handoff = getattr(sentinel, HANDOFF_ATTR)
+    assert ho.model == "tiny-served" and ho.deadline_s == options.recovery_timeout_s
+    for thread in ho.threads:
+        thread.join(timeout=30)
+    outs = outputs(sentinel.engine)["h"]
+    assert streamed(outs) == fault_free([3, 1], 6)[2:]
+    assert outs[-1].finish_reason == v1.FinishReason.LENGTH
+
+
+def test_the_served_model_name_falls_back_to_the_model() -> None:
+    assert handoff.served_model(VllmConfig(ModelConfig(None))) == "/ckpt"
+    assert handoff.served_model(VllmConfig(ModelConfig("name"))) == "name"
+
+
+def test_a_greedy_request_with_the_supported_fields_is_accepted() -> None:
+    plain = request("ok", [1], emitted=0, max_tokens=3, stop_token_ids=[5], min_tokens=1)
+    assert refusal(plain) is None
+    assert refusal(request("rep", [1], emitted=0, max_tokens=3, repetition_penalty=1.2)) is None
+
+
+@pytest.mark.parametrize(
+    ("urls", "message"),
+    [
+        ("http://a:1", "must be a list of URLs"),
+        (["ftp://a:1"], "expected http(s)://host:port"),
+        (["http://a"], "expected http(s)://host:port"),
+        (["http://a:1/v1"], "without a path"),
+        (["http://a:1", "http://a:1/"], "each URL at most once"),
+    ],
+)
+def test_handoff_urls_are_checked_at_start_up(urls: object, message: str) -> None:
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        settings(reinference=True, handoff_urls=urls)
+
+
+def test_handoff_urls_need_reinference() -> None:
+    with pytest.raises(ConfigError, match=r"handoff_urls needs ftengine\.reinference: true"):
+        settings(handoff_urls=["http://a:1"])
+    assert settings(reinference=True, handoff_urls=["http://a:1/"]).handoff_urls == ("http://a:1",)
+
+
+def test_the_launcher_gives_each_rank_the_others_urls(tmp_path: Path) -> None:
+    (tmp_path / "config.json").write_text("{}")
+    options = {"ftengine": {"reinference": True}}
+    config = DeploymentConfig(tmp_path, dp_size=3, port=8100, additional_config=options)
+    assert "handoff_urls" not in config.additional(0)["ftengine"]  # type: ignore[operator]
+    config = attrs.evolve(config, handoff=True)
+    argv = config.argv(1, 9999)
+    sent = json.loads(argv[argv.index("--additional-config") + 1])
+    urls = ["http://127.0.0.1:8100", "http://127.0.0.1:8102"]
+    assert sent == {"ftengine": {"reinference": True, "handoff_urls": urls}}
+    with pytest.raises(ConfigError, match=r"handoff_urls needs ftengine\.reinference"):
+        DeploymentConfig(tmp_path, dp_size=2, handoff=True)
+    with pytest.raises(ConfigError, match="dp_size must be >= 2, found 1"):
+        DeploymentConfig(tmp_path, dp_size=1, handoff=True, additional_config=options)
+
+
+def test_the_vllm_fields_the_handoff_reads_are_where_it_expects_them() -> None:
+    """A renamed sampling field would silently stop being refused; a renamed request field
+    would fail only at a fault: both fail here first."""
+    fields = set(sampling.SamplingParams.__struct_fields__)
+    assert set(handoff.NOT_EXACT) <= fields, set(handoff.NOT_EXACT) - fields
+    assert {"temperature", "seed", "min_tokens", "ignore_eos", "stop_token_ids"} <= fields
+    assert {"repetition_penalty"} <= fields
+    body = handoff.resume_state(request("x", [1], emitted=0, max_tokens=2)).body([], "m")
+    assert set(body) <= set(protocol.CompletionRequest.model_fields)
+    assert {"STOP", "LENGTH", "ABORT"} <= set(v1.FinishReason.__members__)
