@@ -36,6 +36,17 @@ def register(parser: argparse.ArgumentParser) -> None:
         "that a one-rank scale-down reloads nothing (default: vLLM's, survivors reload)",
     )
     up.add_argument(
+        "--reinference",
+        action="store_true",
+        help="hold in-flight requests through a fault and resume them (ftengine.reinference)",
+    )
+    up.add_argument(
+        "--handoff",
+        action="store_true",
+        help="with --reinference: a rank whose worker died hands its held requests to the "
+        "other ranks' servers (each rank's ftengine.handoff_urls)",
+    )
+    up.add_argument(
         "--additional-config",
         default=None,
         help="vLLM's --additional-config JSON (ftengine's options under \"ftengine\")",
@@ -62,7 +73,11 @@ def _additional(args: argparse.Namespace) -> dict[str, object]:
         raise ConfigError(f"--additional-config must be JSON, found {raw!r}: {exc}") from exc
     if not isinstance(additional, dict):
         raise ConfigError(f"--additional-config must be a JSON object, found {raw!r}")
-    options = {"policy": args.policy, "placement": args.placement}
+    options = {
+        "policy": args.policy,
+        "placement": args.placement,
+        "reinference": True if args.reinference else None,
+    }
     given = {key: value for key, value in options.items() if value is not None}
     if given:
         sub = additional.setdefault("ftengine", {})
@@ -98,6 +113,7 @@ def run_up(args: argparse.Namespace) -> int:
             additional_config=_additional(args),
             extra_args=tuple(extra),
             log_dir=args.log_dir,
+            handoff=args.handoff,
         )
     except ConfigError as exc:
         print(f"ftengine vllm up: {exc}", file=sys.stderr)
