@@ -7,6 +7,8 @@ ftengine's :class:`~ftengine.integrations.vllm.engine_agent.EngineCoreAgent`,
 ``handle_command`` (vLLM's input thread) waits for ``on_fault`` after the agent's early
 ``unhealthy`` report, and ``EngineCoreProc._handle_client_request`` lets the agent's
 input-queue marker raise a peer fault into the busy loop (vLLM's own fault path then runs).
+With re-inference on, ``Scheduler._handle_blocked_waiting_request`` and
+``Scheduler.update_from_output`` run the poison probe (``poison.py``; vLLM's own otherwise).
 ``scale_down`` (vLLM 0.32 has only ``retry``): the router's ``_validate_payload`` passes it
 (400 when malformed) and ``EngineCoreSentinel.scale_down`` is added for vLLM's own dispatch
 (``scale_down.py``).
@@ -43,6 +45,7 @@ from ftengine.integrations.vllm.cpu_collectives import (
     reduce_scatterv,
 )
 from ftengine.integrations.vllm.messages import import_vllm
+from ftengine.integrations.vllm.poison import noting_clean_steps, skipping_suspects
 
 logger = logging.getLogger(__name__)
 
@@ -198,6 +201,16 @@ def _after_fault(handle: Callable[..., None]) -> Callable[..., None]:
     return handle_when_faulted
 
 
+def _marked(make: Callable[[Callable[..., Any]], Callable[..., Any]]) -> Any:
+    def make_marked(original: Callable[..., Any]) -> Callable[..., Any]:
+        replacement = make(original)
+        setattr(replacement, PATCHED_MARK, original)
+        return replacement
+
+    return make_marked
+
+
+SCHEDULER_MODULE = "vllm.v1.core.sched.scheduler"
 ENGINE_CORE_PATCHES = (
     Patch(
         CORE_SENTINEL_MODULE, "EngineCoreSentinel", "__init__", ("engine", "parallel_config"),
@@ -212,6 +225,15 @@ ENGINE_CORE_PATCHES = (
     Patch(
         CORE_MODULE, "EngineCoreProc", "_handle_client_request", ("request_type", "request"),
         _with_fault_marker,
+    ),
+    # The poison probe (poison.py); vLLM's own behaviour unless re-inference installed one.
+    Patch(
+        SCHEDULER_MODULE, "Scheduler", "_handle_blocked_waiting_request", ("request",),
+        _marked(skipping_suspects),
+    ),
+    Patch(
+        SCHEDULER_MODULE, "Scheduler", "update_from_output",
+        ("scheduler_output", "model_runner_output"), _marked(noting_clean_steps),
     ),
 )  # fmt: skip
 
@@ -322,9 +344,6 @@ def apply_scale_down_patches() -> None:
     SCALE_DOWN_METHOD.install()
     if multiprocessing.parent_process() is None:
         apply_patches(SCALE_DOWN_PATCHES)
-
-
-SCHEDULER_MODULE = "vllm.v1.core.sched.scheduler"
 
 
 def _unchanged(original: Callable[..., Any]) -> Callable[..., Any]:

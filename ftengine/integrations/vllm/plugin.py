@@ -24,7 +24,7 @@ import functools
 import logging
 import os
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 from ftengine.faults import FaultKind
@@ -64,7 +64,11 @@ SENTINEL_NAME = "WorkerSentinel"
 WRAPPED_STEPS = ("execute_model", "sample_tokens")
 WARM_UP = "compile_or_warm_up_model"
 FAULT_FILE_ENV = "FTENGINE_VLLM_FAULT_FILE"
-"""Tests' fault injection: a file there holding DP rank R makes R's next model step raise."""
+"""Tests' fault injection: a file there holding DP rank R makes R's next model step raise
+(once: the file is removed); one holding ``token:T`` makes every model step that runs a
+request whose prompt holds token id T raise, on any rank, for as long as the file exists
+(a poison request)."""
+POISON_PREFIX = "token:"
 
 _upstream: dict[str, Any] = {}
 _warned: list[str] = []
@@ -206,20 +210,22 @@ def _wrap_worker(worker: WorkerLike, sentinel: PluginWorkerSentinel) -> None:
             return out
 
         setattr(worker, WARM_UP, warm_up_then_serve)
-    rank = worker.parallel_config.data_parallel_rank
     for name in WRAPPED_STEPS:
         step = getattr(worker, name, None)
         if callable(step):
-            setattr(worker, name, _reporting(step, sentinel, rank))
+            setattr(worker, name, _reporting(step, sentinel, worker))
 
 
 def _reporting(
-    step: Callable[..., Any], sentinel: PluginWorkerSentinel, rank: int
+    step: Callable[..., Any], sentinel: PluginWorkerSentinel, worker: WorkerLike
 ) -> Callable[..., Any]:
+    rank = worker.parallel_config.data_parallel_rank
+    scheduled = step.__name__ == "execute_model"  # its first argument: the SchedulerOutput
+
     @functools.wraps(step)
     def run(*args: Any, **kwargs: Any) -> Any:
         try:
-            _maybe_inject(rank)
+            _maybe_inject(rank, worker, args[0] if scheduled and args else None)
             return step(*args, **kwargs)
         except Exception as exc:
             sentinel.on_fault(exc)
@@ -228,20 +234,56 @@ def _reporting(
     return run
 
 
-def _maybe_inject(rank: int) -> None:
-    """Raise once if ``$FTENGINE_VLLM_FAULT_FILE`` exists and names this DP rank (tests)."""
+def _maybe_inject(rank: int, worker: WorkerLike, scheduler_output: Any) -> None:
+    """Raise if ``$FTENGINE_VLLM_FAULT_FILE`` exists and names this DP rank (once) or a
+    token in the prompt of a request this step runs (tests)."""
     path = os.environ.get(FAULT_FILE_ENV)
     if not path or not os.path.exists(path):
         return
     try:
         with open(path) as handle:
             target = handle.read().strip()
+        if target.startswith(POISON_PREFIX):
+            _maybe_poison(worker, scheduler_output, target, path)
+            return
         if target != str(rank):
             return
         os.unlink(path)
     except OSError:
         return  # another step raced us to it
     raise RuntimeError(f"[FT] fault injected on DP rank {rank} ({FAULT_FILE_ENV}={path})")
+
+
+def _maybe_poison(worker: WorkerLike, scheduler_output: Any, target: str, path: str) -> None:
+    """Raise if a request ``scheduler_output`` runs has the poison token in its prompt."""
+    try:
+        token = int(target.removeprefix(POISON_PREFIX))
+    except ValueError as exc:
+        raise ValueError(
+            f"{FAULT_FILE_ENV}={path}: expected a DP rank or {POISON_PREFIX}<token id>, "
+            f"found {target!r}"
+        ) from exc
+    for request_id, prompt in scheduled_prompts(worker, scheduler_output).items():
+        if token in prompt:
+            raise RuntimeError(
+                f"[FT] fault injected: poison token {token} in the prompt of request "
+                f"{request_id} ({FAULT_FILE_ENV}={path})"
+            )
+
+
+def scheduled_prompts(worker: WorkerLike, scheduler_output: Any) -> dict[str, Sequence[int]]:
+    """The prompt token ids of each request a vLLM ``SchedulerOutput`` runs: a new one's
+    from the output, one the model runner already holds from its cached state."""
+    if scheduler_output is None:
+        return {}
+    prompts: dict[str, Sequence[int]] = {
+        new.req_id: new.prompt_token_ids or () for new in scheduler_output.scheduled_new_reqs
+    }
+    cached = getattr(getattr(worker, "model_runner", None), "requests", {})
+    for request_id in scheduler_output.num_scheduled_tokens:
+        if request_id not in prompts and request_id in cached:
+            prompts[request_id] = getattr(cached[request_id], "prompt_token_ids", None) or ()
+    return prompts
 
 
 @contextlib.contextmanager
