@@ -3,7 +3,8 @@ signatures, ``test_vllm_reinference``): after an own fault the requests that ran
 one at a time through the patched ``Scheduler._handle_blocked_waiting_request``, the one
 whose lone re-run faults again is aborted alone with the poison reason and its batch-mates
 keep their re-run count; a peer's fault suspects nobody; the tests' content-keyed fault
-injection fires on a prompt holding the marker token, on every step, and on nothing else."""
+injection fires on every step of a request whose prompt holds the marker token once it has
+emitted a token, and on nothing else."""
 
 from __future__ import annotations
 
@@ -137,17 +138,20 @@ def test_without_a_probe_vllms_own_check_and_update_run() -> None:
 
 
 @attrs.frozen
-class NewRequest:
-    """``vllm.v1.core.sched.output.NewRequestData``'s fields the injection reads."""
+class CachedRequests:
+    """``vllm.v1.core.sched.output.CachedRequestData``'s fields the injection reads."""
 
-    req_id: str
-    prompt_token_ids: list[int] | None
+    req_ids: list[str]
+    num_output_tokens: list[int]
 
 
 @attrs.frozen
 class SchedulerOutput:
-    scheduled_new_reqs: list[NewRequest]
-    num_scheduled_tokens: dict[str, int]
+    scheduled_cached_reqs: CachedRequests
+
+
+def running(**emitted: int) -> SchedulerOutput:
+    return SchedulerOutput(CachedRequests(list(emitted), list(emitted.values())))
 
 
 @attrs.frozen
@@ -162,33 +166,30 @@ def worker_holding(**cached: list[int]) -> Any:
     return attrs.make_class("W", {"model_runner": attrs.field()})(runner)
 
 
-def test_the_scheduled_prompts_come_from_new_requests_and_the_runners_cached_ones() -> None:
-    output = SchedulerOutput([NewRequest("a", [1, 2]), NewRequest("b", None)], {"a": 2, "c": 1})
-    assert plugin.scheduled_prompts(worker_holding(c=[7]), output) == {
-        "a": [1, 2], "b": (), "c": [7],
-    }  # fmt: skip
-    assert plugin.scheduled_prompts(worker_holding(), None) == {}
+def test_the_decoding_requests_prompts_come_from_the_runners_states() -> None:
+    worker = worker_holding(a=[1, 2], b=[3], c=[7])
+    assert plugin.scheduled_decodes(worker, running(a=0, b=2, c=1)) == {"b": [3], "c": [7]}
+    assert plugin.scheduled_decodes(worker, None) == {}
 
 
-def test_a_poison_token_faults_every_step_that_runs_its_request(
+def test_a_poison_token_faults_every_step_of_its_request_after_its_first_token(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     fault_file = tmp_path / "inject"
     monkeypatch.setenv(plugin.FAULT_FILE_ENV, str(fault_file))
     worker = worker_holding(p=[5, 42, 6], q=[5, 6])
-    poisoned = SchedulerOutput([], {"q": 1, "p": 1})
+    poisoned = running(q=3, p=1)
     plugin._maybe_inject(1, worker, poisoned)  # no file: no fault
     fault_file.write_text("token:42\n")
     for _ in range(2):  # every re-run, on any rank; the file stays
         with pytest.raises(RuntimeError, match="poison token 42 in the prompt of request p"):
             plugin._maybe_inject(0, worker, poisoned)
     assert fault_file.exists()
-    plugin._maybe_inject(0, worker, SchedulerOutput([], {"q": 1}))  # its mate alone: clean
+    plugin._maybe_inject(0, worker, running(q=3, p=0))  # its first step (its first token)
+    plugin._maybe_inject(0, worker, running(q=3))  # its mate alone: clean
     plugin._maybe_inject(0, worker, None)  # sample_tokens: not keyed on requests
     fault_file.write_text("token:x")
-    with pytest.raises(
-        ValueError, match=r"expected a DP rank or token:<token id>, found 'token:x'"
-    ):
+    with pytest.raises(ValueError, match=r"a DP rank or token:<token id>, found 'token:x'"):
         plugin._maybe_inject(0, worker, poisoned)
     fault_file.write_text("1")  # the rank form: once, on that rank
     plugin._maybe_inject(0, worker, poisoned)

@@ -66,8 +66,9 @@ WARM_UP = "compile_or_warm_up_model"
 FAULT_FILE_ENV = "FTENGINE_VLLM_FAULT_FILE"
 """Tests' fault injection: a file there holding DP rank R makes R's next model step raise
 (once: the file is removed); one holding ``token:T`` makes every model step that runs a
-request whose prompt holds token id T raise, on any rank, for as long as the file exists
-(a poison request)."""
+request whose prompt holds token id T, once it has emitted a token, raise, on any rank, for
+as long as the file exists (a poison request: its first token streams, then its every step
+faults, re-runs included)."""
 POISON_PREFIX = "token:"
 
 _upstream: dict[str, Any] = {}
@@ -255,7 +256,8 @@ def _maybe_inject(rank: int, worker: WorkerLike, scheduler_output: Any) -> None:
 
 
 def _maybe_poison(worker: WorkerLike, scheduler_output: Any, target: str, path: str) -> None:
-    """Raise if a request ``scheduler_output`` runs has the poison token in its prompt."""
+    """Raise if a request ``scheduler_output`` runs has emitted a token and has the poison
+    token in its prompt."""
     try:
         token = int(target.removeprefix(POISON_PREFIX))
     except ValueError as exc:
@@ -263,7 +265,7 @@ def _maybe_poison(worker: WorkerLike, scheduler_output: Any, target: str, path: 
             f"{FAULT_FILE_ENV}={path}: expected a DP rank or {POISON_PREFIX}<token id>, "
             f"found {target!r}"
         ) from exc
-    for request_id, prompt in scheduled_prompts(worker, scheduler_output).items():
+    for request_id, prompt in scheduled_decodes(worker, scheduler_output).items():
         if token in prompt:
             raise RuntimeError(
                 f"[FT] fault injected: poison token {token} in the prompt of request "
@@ -271,19 +273,19 @@ def _maybe_poison(worker: WorkerLike, scheduler_output: Any, target: str, path: 
             )
 
 
-def scheduled_prompts(worker: WorkerLike, scheduler_output: Any) -> dict[str, Sequence[int]]:
-    """The prompt token ids of each request a vLLM ``SchedulerOutput`` runs: a new one's
-    from the output, one the model runner already holds from its cached state."""
+def scheduled_decodes(worker: WorkerLike, scheduler_output: Any) -> dict[str, Sequence[int]]:
+    """The prompt token ids of each request a vLLM ``SchedulerOutput`` runs that has emitted
+    a token already (decoding, or resumed after a fault): vLLM sends those as cached
+    requests, with their output counts; their prompts are in the model runner's states."""
     if scheduler_output is None:
         return {}
-    prompts: dict[str, Sequence[int]] = {
-        new.req_id: new.prompt_token_ids or () for new in scheduler_output.scheduled_new_reqs
+    cached = scheduler_output.scheduled_cached_reqs
+    states = getattr(getattr(worker, "model_runner", None), "requests", {})
+    return {
+        request_id: getattr(states.get(request_id), "prompt_token_ids", None) or ()
+        for request_id, emitted in zip(cached.req_ids, cached.num_output_tokens, strict=True)
+        if emitted > 0
     }
-    cached = getattr(getattr(worker, "model_runner", None), "requests", {})
-    for request_id in scheduler_output.num_scheduled_tokens:
-        if request_id not in prompts and request_id in cached:
-            prompts[request_id] = getattr(cached[request_id], "prompt_token_ids", None) or ()
-    return prompts
 
 
 @contextlib.contextmanager

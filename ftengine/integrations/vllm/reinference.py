@@ -82,8 +82,9 @@ class Hold:
             self._charge(engine, running)
         self.since = self.since or time.monotonic()
         logger.warning(
-            "[FT] engine %s holds %d requests (%d were running) for re-inference",
-            getattr(engine, "engine_index", "?"), len(scheduler.requests), len(running),
+            "[FT] engine %s holds %d requests (%d were running; %s fault, %d suspected) for "
+            "re-inference", getattr(engine, "engine_index", "?"), len(scheduler.requests),
+            len(running), "its own" if own else "a peer's", len(self.probe.probe.suspects),
         )  # fmt: skip
 
     def _charge(self, engine: Any, running: Sequence[Any]) -> None:
