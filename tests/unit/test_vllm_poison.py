@@ -16,6 +16,7 @@ import pytest
 
 from ftengine.errors import PeerDead
 from ftengine.integrations.vllm import plugin
+from ftengine.integrations.vllm.patches import AGENT_ATTR
 from ftengine.integrations.vllm.poison import (
     PROBE_ATTR,
     EngineProbe,
@@ -108,7 +109,9 @@ def test_a_fault_while_a_not_yet_clean_mate_ran_suspects_everyone_again() -> Non
     "exc", [TimeoutError("gloo"), RuntimeError("Connection closed by peer"), PeerDead("engine 1")]
 )
 def test_a_peers_fault_suspects_nobody_and_finds_no_poison(exc: BaseException) -> None:
-    assert not own_fault(exc) and own_fault(RuntimeError("Worker failed with error 'boom'"))
+    assert not own_fault(exc, {}) and own_fault(
+        RuntimeError("Worker failed: 'boom'"), {1: "healthy"}
+    )
     sentinel = held_sentinel(running=1, waiting=0)
     on_fault(sentinel, exc, vllm_abort_all)
     assert scheduled(sentinel) == ["r0"]
@@ -116,6 +119,22 @@ def test_a_peers_fault_suspects_nobody_and_finds_no_poison(exc: BaseException) -
     on_fault(sentinel, exc, vllm_abort_all)  # alone again: still the peer's fault
     assert aborts(sentinel.engine) == {}
     assert getattr(sentinel, HOLD_ATTR).reruns == {"r0": 2}
+
+
+def test_any_error_after_a_peer_faulted_is_the_peers() -> None:
+    group_gone = RuntimeError("Worker failed with error 'Process group is not initialized'")
+    assert not own_fault(group_gone, {1: "unhealthy"}) and not own_fault(group_gone, {1: "dead"})
+    sentinel = held_sentinel(running=1, waiting=0)
+    setattr(sentinel, AGENT_ATTR, Agent({1: "unhealthy"}))
+    on_fault(sentinel, group_gone, vllm_abort_all)
+    assert getattr(sentinel.engine.scheduler, PROBE_ATTR).probe.suspects == []
+
+
+@attrs.define
+class Agent:
+    """``EngineCoreAgent``'s view of its peers' statuses, all the hold reads of it."""
+
+    peers: dict[int, str]
 
 
 def test_a_suspect_its_client_aborted_never_holds_the_others_back() -> None:

@@ -35,6 +35,7 @@ import attrs
 
 from ftengine.integrations.vllm.config import VllmFtSettings
 from ftengine.integrations.vllm.messages import import_vllm
+from ftengine.integrations.vllm.patches import AGENT_ATTR
 from ftengine.integrations.vllm.poison import EngineProbe, own_fault
 from ftengine.integrations.vllm.poison import install as install_probe
 from ftengine.reinference import Reinference
@@ -202,7 +203,8 @@ def on_fault(sentinel: Any, exc: BaseException, vllm_on_fault: Any) -> None:
         why = f"engine {sentinel.engine_index}'s worker process died ({type(exc).__name__})"
         hold.release(engine, Reinference.dead(why))
     else:
-        hold.hold(engine, own_fault(exc))
+        agent = getattr(sentinel, AGENT_ATTR, None)
+        hold.hold(engine, own_fault(exc, getattr(agent, "peers", {})))
     logger.info(
         "[FT] Engine %d status -> %s:", sentinel.engine_index, sentinel.status_type.name,
         exc_info=exc,
