@@ -16,7 +16,6 @@ import pytest
 
 from ftengine.errors import PeerDead
 from ftengine.integrations.vllm import plugin
-from ftengine.integrations.vllm.patches import AGENT_ATTR
 from ftengine.integrations.vllm.poison import (
     PROBE_ATTR,
     EngineProbe,
@@ -125,16 +124,8 @@ def test_any_error_after_a_peer_faulted_is_the_peers() -> None:
     group_gone = RuntimeError("Worker failed with error 'Process group is not initialized'")
     assert not own_fault(group_gone, {1: "unhealthy"}) and not own_fault(group_gone, {1: "dead"})
     sentinel = held_sentinel(running=1, waiting=0)
-    setattr(sentinel, AGENT_ATTR, Agent({1: "unhealthy"}))
-    on_fault(sentinel, group_gone, vllm_abort_all)
+    on_fault(sentinel, group_gone, vllm_abort_all, {1: "unhealthy"})  # the agent's view
     assert getattr(sentinel.engine.scheduler, PROBE_ATTR).probe.suspects == []
-
-
-@attrs.define
-class Agent:
-    """``EngineCoreAgent``'s view of its peers' statuses, all the hold reads of it."""
-
-    peers: dict[int, str]
 
 
 def test_a_suspect_its_client_aborted_never_holds_the_others_back() -> None:

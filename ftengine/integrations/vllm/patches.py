@@ -149,7 +149,7 @@ def _agent_on_fault(on_fault: Callable[..., None]) -> Callable[..., None]:
         # re-inference on the same with requests held (ftengine.integrations.vllm.reinference)
         from ftengine.integrations.vllm.reinference import on_fault as hold_or_abort
 
-        hold_or_abort(self, exc, on_fault)
+        hold_or_abort(self, exc, on_fault, getattr(agent, "peers", None))
         if agent is not None:
             agent.after_fault()
             self._push_status()  # the same status, now with the worker's ftengine phase

@@ -28,14 +28,13 @@ import logging
 import threading
 import time
 from collections import defaultdict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import attrs
 
 from ftengine.integrations.vllm.config import VllmFtSettings
 from ftengine.integrations.vllm.messages import import_vllm
-from ftengine.integrations.vllm.patches import AGENT_ATTR
 from ftengine.integrations.vllm.poison import EngineProbe, own_fault
 from ftengine.integrations.vllm.poison import install as install_probe
 from ftengine.reinference import Reinference
@@ -182,10 +181,16 @@ def install(sentinel: Any, settings: VllmFtSettings, check_seams: Callable[[], N
     setattr(sentinel, HOLD_ATTR, hold)
 
 
-def on_fault(sentinel: Any, exc: BaseException, vllm_on_fault: Any) -> None:
+def on_fault(
+    sentinel: Any,
+    exc: BaseException,
+    vllm_on_fault: Any,
+    peers: Mapping[int, str] | None = None,
+) -> None:
     """``EngineCoreSentinel.on_fault``: vLLM's own without a :class:`Hold`; with one, the
     same steps (vLLM 0.32's) except that requests are held, or aborted with the reason when
-    the engine is DEAD (its worker process died: nothing can resume them here)."""
+    the engine is DEAD (its worker process died: nothing can resume them here). ``peers``:
+    the engine-core agent's view of its peers' statuses (``poison.own_fault``)."""
     hold: Hold | None = getattr(sentinel, HOLD_ATTR, None)
     if hold is None:
         vllm_on_fault(sentinel, exc)
@@ -203,8 +208,7 @@ def on_fault(sentinel: Any, exc: BaseException, vllm_on_fault: Any) -> None:
         why = f"engine {sentinel.engine_index}'s worker process died ({type(exc).__name__})"
         hold.release(engine, Reinference.dead(why))
     else:
-        agent = getattr(sentinel, AGENT_ATTR, None)
-        hold.hold(engine, own_fault(exc, getattr(agent, "peers", {})))
+        hold.hold(engine, own_fault(exc, peers or {}))
     logger.info(
         "[FT] Engine %d status -> %s:", sentinel.engine_index, sentinel.status_type.name,
         exc_info=exc,
