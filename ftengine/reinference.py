@@ -13,6 +13,8 @@ could drive the same objects.
 
 from __future__ import annotations
 
+from collections.abc import Collection
+
 import attrs
 
 from ftengine.errors import FTEngineError
@@ -159,3 +161,12 @@ class PoisonProbe:
         """``request_id`` ran a clean step, or ended: it is no longer suspected."""
         if request_id in self.suspects:
             self.suspects.remove(request_id)
+
+    def culprit(self, ran: Collection[str], clean: Collection[str]) -> str | None:
+        """The poison request, if a step that faulted on one rank is the probe's: the probe
+        ran there (``ran``: that rank's requests in the step) and every other one had run
+        clean steps without it since the fault (``clean``). None: the fault may be anyone's."""
+        probe = self.probe()
+        if probe is None or probe not in ran:
+            return None
+        return probe if all(rid in clean for rid in ran if rid != probe) else None

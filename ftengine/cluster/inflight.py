@@ -99,12 +99,12 @@ class Held:
         return endings
 
     def _lone_probe(self, ran: Sequence[Ran]) -> tuple[str, int] | None:
-        """The probe, if it ran and every other request on its rank had run clean steps
-        without it since the fault (so a fault on that rank now is the probe's)."""
-        probe = self.probe.probe()
+        """The probe and its rank, if it ran and every other request on its rank had run
+        clean steps without it since the fault (so a fault on that rank now is the probe's)."""
         ranks = {rid: rank for rid, rank, _ in ran}
+        probe = self.probe.probe()
         if probe is None or probe not in ranks:
             return None
         rank = ranks[probe]
-        mates = [rid for rid, r in ranks.items() if r == rank and rid != probe]
-        return (probe, rank) if all(rid in self.clean for rid in mates) else None
+        on_rank = [rid for rid, r in ranks.items() if r == rank]
+        return (probe, rank) if self.probe.culprit(on_rank, self.clean) is not None else None

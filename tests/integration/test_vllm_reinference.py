@@ -4,7 +4,10 @@ streaming through an injected fault and ``retry``, and each ends with exactly th
 the same requests without a fault, every token streamed once (no gap, no repeat). The bound
 holds with ``max_reinference`` 1: requests running in two faulted steps are aborted with the
 reason in ``stop_reason``. With re-inference off the same fault aborts them (vLLM's
-behaviour), so the first test can fail.
+behaviour), so the first test can fail. A poison request (its prompt holds a token the
+fault injection keys on: after its first token every step that runs it raises) sent to rank
+1 beside three streams mid-generation is aborted alone with the poison reason after its lone
+re-run faults again; its batch-mates end with exactly the fault-free tokens.
 
 One deployment per setting (``deployed`` is parametrised indirectly, module-scoped: pytest
 runs the tests of one setting together and stops its deployment before it starts the next,
@@ -61,19 +64,37 @@ def start_streams(deployed: Deployed) -> list[OpenAIStream]:
     return streams
 
 
-def statuses(deployed: Deployed) -> dict[int, str]:
-    found: dict[int, str] = {}
+def engines(deployed: Deployed) -> dict[int, dict[str, Any]]:
+    found: dict[int, dict[str, Any]] = {}
     for url in deployed.started.urls:
         for engine in httpx.get(f"{url}/fault_tolerance/status", timeout=10).json()["engines"]:
-            found[int(engine["id"])] = str(engine["status"])
+            found[int(engine["id"])] = engine
     return found
 
 
-def wait_status(deployed: Deployed, want: str, timeout_s: float) -> None:
+def statuses(deployed: Deployed) -> dict[int, str]:
+    return {rank: str(engine["status"]) for rank, engine in engines(deployed).items()}
+
+
+def wait_status(deployed: Deployed, want: str, timeout_s: float, epoch: int = 0) -> None:
+    """Every engine ``want``, at recovery epoch ``epoch`` or later (the worker's rebuilds)."""
     deadline = time.monotonic() + timeout_s
-    while set((seen := statuses(deployed)).values()) != {want}:
+    while not reached(seen := engines(deployed), want, epoch):
         assert time.monotonic() < deadline, f"expected every engine {want}, found {seen}"
         time.sleep(0.02)
+
+
+def reached(seen: dict[int, dict[str, Any]], want: str, epoch: int) -> bool:
+    return all(e["status"] == want and int(e.get("epoch") or 0) >= epoch for e in seen.values())
+
+
+def retry(deployed: Deployed) -> int:
+    """``retry`` to every engine; the recovery epoch it leads to."""
+    epoch = max(int(e.get("epoch") or 0) for e in engines(deployed).values()) + 1
+    for url in deployed.started.urls:
+        reply = httpx.post(f"{url}/fault_tolerance/apply", json={"instruction": "retry"})
+        assert reply.status_code == 202, reply.text
+    return epoch
 
 
 def wait_tokens(streams: list[OpenAIStream], at_least: int) -> None:
@@ -93,10 +114,7 @@ def fault_then_retry(deployed: Deployed, streams: list[OpenAIStream]) -> list[in
     deployed.fault_file.write_text("1")
     wait_status(deployed, "unhealthy", OP_TIMEOUT_S + 30)
     counts = [len(s.tokens) for s in streams]
-    for url in deployed.started.urls:
-        reply = httpx.post(f"{url}/fault_tolerance/apply", json={"instruction": "retry"})
-        assert reply.status_code == 202, reply.text
-    wait_status(deployed, "healthy", 60)
+    wait_status(deployed, "healthy", 60, retry(deployed))
     return counts
 
 
@@ -178,3 +196,38 @@ def test_requests_in_more_faulted_steps_than_max_reinference_are_aborted_with_th
     for stream, want in zip(served, reference, strict=True):
         stream.finish()
         assert stream.tokens == want
+
+
+POISON = 42  # a token id in no prompt of PROMPTS
+
+
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("deployed", [True], ids=["on"], indirect=True)
+def test_a_poison_request_is_aborted_alone_and_its_batch_mates_finish_exact(
+    deployed: Deployed, reference: list[list[int]]
+) -> None:
+    url = deployed.started.urls[1]  # where the reference ran PROMPTS[1::2], concurrently
+    mates = [OpenAIStream(url, deployed.model, p, TOKENS, STREAM_TIMEOUT_S) for p in PROMPTS[1::2]]
+    for stream in mates:
+        stream.start()
+    wait_tokens(mates, 2)
+    deployed.fault_file.write_text(f"token:{POISON}")  # its steps after its first token raise
+    try:
+        poison = OpenAIStream(url, deployed.model, [7, POISON, 8], TOKENS, STREAM_TIMEOUT_S)
+        poison.start()
+        wait_status(deployed, "unhealthy", OP_TIMEOUT_S + 30)  # its second step, with mates
+        epoch = retry(deployed)  # its mates re-run one at a time, then it alone: faults again
+        wait_status(deployed, "unhealthy", OP_TIMEOUT_S + 60, epoch)
+        wait_status(deployed, "healthy", 60, retry(deployed))
+        poison.finish()
+    finally:
+        deployed.fault_file.unlink(missing_ok=True)
+    # its first token streamed (vLLM's stream drops an abort before any token: no reason)
+    assert (poison.finish_reason, len(poison.tokens)) == ("abort", 1), poison.chunks
+    assert str(poison.stop_reason).startswith("poison request: re-run alone on rank 1 after")
+    for stream, want in zip(mates, reference[1::2], strict=True):
+        stream.finish()
+        assert stream.finish_reason == "length", (stream.prompt, stream.stop_reason)
+        assert stream.tokens == want, f"prompt {stream.prompt}: {stream.chunks}"
+        merged = [(i, chunk) for i, chunk in enumerate(stream.chunks) if len(chunk) > 1]
+        assert merged == [], f"chunks of more than one token (index, ids): {merged}"

@@ -56,6 +56,16 @@ def test_the_probe_runs_suspects_one_at_a_time() -> None:
     assert probe.probe() == "b" and not probe.waits("b") and probe.waits("c")
 
 
+def test_the_culprit_is_the_probe_only_when_every_mate_ran_clean_without_it() -> None:
+    probe = PoisonProbe()
+    assert probe.culprit(["a"], set()) is None  # nobody suspected
+    probe.suspect(["a", "b"])
+    probe.cleared("a")
+    assert probe.culprit(["a", "b"], {"a"}) == "b" and probe.culprit(["b"], set()) == "b"
+    assert probe.culprit(["a", "b", "new"], {"a"}) is None  # "new" never ran clean
+    assert probe.culprit(["a"], {"a"}) is None  # the probe did not run
+
+
 class Clock:
     def __init__(self) -> None:
         self.now = 0.0

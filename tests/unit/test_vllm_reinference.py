@@ -22,6 +22,7 @@ from ftengine.integrations.vllm.patches import (
     VllmSeamMoved,
     check_reinference_seams,
 )
+from ftengine.integrations.vllm.poison import PROBE_ATTR
 from ftengine.integrations.vllm.reinference import HOLD_ATTR, Hold, install, on_fault
 
 vllm_request = pytest.importorskip("vllm.v1.request", reason="vLLM is not installed")
@@ -175,6 +176,9 @@ def test_a_request_in_more_faulted_steps_than_the_limit_is_aborted_with_the_reas
     scheduler = engine.scheduler
     scheduler.running = [scheduler.waiting.pop(0)]  # resumed, running again
     scheduler.running[0].status = Status.RUNNING
+    # ... and it ran clean steps since: no longer a suspect (re-run alone, a second fault
+    # straight away would make it the poison request, test_vllm_poison)
+    getattr(scheduler, PROBE_ATTR).ran_clean(["r0"])
     on_fault(sentinel, RuntimeError("second"), vllm_abort_all)
     reasons = aborts(engine)
     assert list(reasons) == ["r0"] and "w0" in scheduler.requests  # never ran: still held

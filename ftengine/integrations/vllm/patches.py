@@ -7,6 +7,8 @@ ftengine's :class:`~ftengine.integrations.vllm.engine_agent.EngineCoreAgent`,
 ``handle_command`` (vLLM's input thread) waits for ``on_fault`` after the agent's early
 ``unhealthy`` report, and ``EngineCoreProc._handle_client_request`` lets the agent's
 input-queue marker raise a peer fault into the busy loop (vLLM's own fault path then runs).
+With re-inference on, ``Scheduler._handle_blocked_waiting_request`` and
+``Scheduler.update_from_output`` run the poison probe (``poison.py``; vLLM's own otherwise).
 ``scale_down`` (vLLM 0.32 has only ``retry``): the router's ``_validate_payload`` passes it
 (400 when malformed) and ``EngineCoreSentinel.scale_down`` is added for vLLM's own dispatch
 (``scale_down.py``); after one, ``EngineCoreSentinel._reinit_dp_group`` (``retry``'s DP-group
@@ -44,6 +46,7 @@ from ftengine.integrations.vllm.cpu_collectives import (
     reduce_scatterv,
 )
 from ftengine.integrations.vllm.messages import import_vllm
+from ftengine.integrations.vllm.poison import noting_clean_steps, skipping_suspects
 
 logger = logging.getLogger(__name__)
 
@@ -147,7 +150,7 @@ def _agent_on_fault(on_fault: Callable[..., None]) -> Callable[..., None]:
         # re-inference on the same with requests held (ftengine.integrations.vllm.reinference)
         from ftengine.integrations.vllm.reinference import on_fault as hold_or_abort
 
-        hold_or_abort(self, exc, on_fault)
+        hold_or_abort(self, exc, on_fault, getattr(agent, "peers", None))
         if agent is not None:
             from ftengine.integrations.vllm.coordinator_host import park_if_coordinator_host
 
@@ -213,6 +216,16 @@ def _among_survivors(reinit: Callable[..., dict[str, Any]]) -> Callable[..., dic
     return reinit_among_survivors
 
 
+def _marked(make: Callable[[Callable[..., Any]], Callable[..., Any]]) -> Any:
+    def make_marked(original: Callable[..., Any]) -> Callable[..., Any]:
+        replacement = make(original)
+        setattr(replacement, PATCHED_MARK, original)
+        return replacement
+
+    return make_marked
+
+
+SCHEDULER_MODULE = "vllm.v1.core.sched.scheduler"
 ENGINE_CORE_PATCHES = (
     Patch(
         CORE_SENTINEL_MODULE, "EngineCoreSentinel", "__init__", ("engine", "parallel_config"),
@@ -229,6 +242,15 @@ ENGINE_CORE_PATCHES = (
         _with_fault_marker,
     ),
     Patch(CORE_SENTINEL_MODULE, "EngineCoreSentinel", "_reinit_dp_group", (), _among_survivors),
+    # The poison probe (poison.py); vLLM's own behaviour unless re-inference installed one.
+    Patch(
+        SCHEDULER_MODULE, "Scheduler", "_handle_blocked_waiting_request", ("request",),
+        _marked(skipping_suspects),
+    ),
+    Patch(
+        SCHEDULER_MODULE, "Scheduler", "update_from_output",
+        ("scheduler_output", "model_runner_output"), _marked(noting_clean_steps),
+    ),
 )  # fmt: skip
 
 CPU_PATCHES = (
@@ -338,9 +360,6 @@ def apply_scale_down_patches() -> None:
     SCALE_DOWN_METHOD.install()
     if multiprocessing.parent_process() is None:
         apply_patches(SCALE_DOWN_PATCHES)
-
-
-SCHEDULER_MODULE = "vllm.v1.core.sched.scheduler"
 
 
 def _unchanged(original: Callable[..., Any]) -> Callable[..., Any]:

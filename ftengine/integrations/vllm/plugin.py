@@ -24,7 +24,7 @@ import functools
 import logging
 import os
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 from ftengine.faults import FaultKind
@@ -64,7 +64,12 @@ SENTINEL_NAME = "WorkerSentinel"
 WRAPPED_STEPS = ("execute_model", "sample_tokens")
 WARM_UP = "compile_or_warm_up_model"
 FAULT_FILE_ENV = "FTENGINE_VLLM_FAULT_FILE"
-"""Tests' fault injection: a file there holding DP rank R makes R's next model step raise."""
+"""Tests' fault injection: a file there holding DP rank R makes R's next model step raise
+(once: the file is removed); one holding ``token:T`` makes every model step that runs a
+request whose prompt holds token id T, once it has emitted a token, raise, on any rank, for
+as long as the file exists (a poison request: its first token streams, then its every step
+faults, re-runs included)."""
+POISON_PREFIX = "token:"
 
 _upstream: dict[str, Any] = {}
 _warned: list[str] = []
@@ -206,20 +211,22 @@ def _wrap_worker(worker: WorkerLike, sentinel: PluginWorkerSentinel) -> None:
             return out
 
         setattr(worker, WARM_UP, warm_up_then_serve)
-    rank = worker.parallel_config.data_parallel_rank
     for name in WRAPPED_STEPS:
         step = getattr(worker, name, None)
         if callable(step):
-            setattr(worker, name, _reporting(step, sentinel, rank))
+            setattr(worker, name, _reporting(step, sentinel, worker))
 
 
 def _reporting(
-    step: Callable[..., Any], sentinel: PluginWorkerSentinel, rank: int
+    step: Callable[..., Any], sentinel: PluginWorkerSentinel, worker: WorkerLike
 ) -> Callable[..., Any]:
+    rank = worker.parallel_config.data_parallel_rank
+    scheduled = step.__name__ == "execute_model"  # its first argument: the SchedulerOutput
+
     @functools.wraps(step)
     def run(*args: Any, **kwargs: Any) -> Any:
         try:
-            _maybe_inject(rank)
+            _maybe_inject(rank, worker, args[0] if scheduled and args else None)
             return step(*args, **kwargs)
         except Exception as exc:
             sentinel.on_fault(exc)
@@ -228,20 +235,57 @@ def _reporting(
     return run
 
 
-def _maybe_inject(rank: int) -> None:
-    """Raise once if ``$FTENGINE_VLLM_FAULT_FILE`` exists and names this DP rank (tests)."""
+def _maybe_inject(rank: int, worker: WorkerLike, scheduler_output: Any) -> None:
+    """Raise if ``$FTENGINE_VLLM_FAULT_FILE`` exists and names this DP rank (once) or a
+    token in the prompt of a request this step runs (tests)."""
     path = os.environ.get(FAULT_FILE_ENV)
     if not path or not os.path.exists(path):
         return
     try:
         with open(path) as handle:
             target = handle.read().strip()
+        if target.startswith(POISON_PREFIX):
+            _maybe_poison(worker, scheduler_output, target, path)
+            return
         if target != str(rank):
             return
         os.unlink(path)
     except OSError:
         return  # another step raced us to it
     raise RuntimeError(f"[FT] fault injected on DP rank {rank} ({FAULT_FILE_ENV}={path})")
+
+
+def _maybe_poison(worker: WorkerLike, scheduler_output: Any, target: str, path: str) -> None:
+    """Raise if a request ``scheduler_output`` runs has emitted a token and has the poison
+    token in its prompt."""
+    try:
+        token = int(target.removeprefix(POISON_PREFIX))
+    except ValueError as exc:
+        raise ValueError(
+            f"{FAULT_FILE_ENV}={path}: expected a DP rank or {POISON_PREFIX}<token id>, "
+            f"found {target!r}"
+        ) from exc
+    for request_id, prompt in scheduled_decodes(worker, scheduler_output).items():
+        if token in prompt:
+            raise RuntimeError(
+                f"[FT] fault injected: poison token {token} in the prompt of request "
+                f"{request_id} ({FAULT_FILE_ENV}={path})"
+            )
+
+
+def scheduled_decodes(worker: WorkerLike, scheduler_output: Any) -> dict[str, Sequence[int]]:
+    """The prompt token ids of each request a vLLM ``SchedulerOutput`` runs that has emitted
+    a token already (decoding, or resumed after a fault): vLLM sends those as cached
+    requests, with their output counts; their prompts are in the model runner's states."""
+    if scheduler_output is None:
+        return {}
+    cached = scheduler_output.scheduled_cached_reqs
+    states = getattr(getattr(worker, "model_runner", None), "requests", {})
+    return {
+        request_id: getattr(states.get(request_id), "prompt_token_ids", None) or ()
+        for request_id, emitted in zip(cached.req_ids, cached.num_output_tokens, strict=True)
+        if emitted > 0
+    }
 
 
 @contextlib.contextmanager

@@ -19,6 +19,9 @@ in ``stop_reason``; an engine whose fault leaves it DEAD aborts what it held; a 
 ``engine_recovery_timeout_sec`` aborts every held request before vLLM's wrapper gives up.
 With ``"handoff_urls"`` a DEAD engine hands what it held to a survivor instead
 (``ftengine.integrations.vllm.handoff``).
+A poison request (its own content faults every re-run) is found by re-running the requests
+of the engine's own faulted step one at a time (``poison.py``) and aborted alone, with
+``Reinference.poison``'s reason; its batch-mates are not charged for that fault.
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ import logging
 import threading
 import time
 from collections import defaultdict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import attrs
@@ -35,6 +38,8 @@ import attrs
 from ftengine.integrations.vllm import handoff
 from ftengine.integrations.vllm.config import VllmFtSettings
 from ftengine.integrations.vllm.messages import import_vllm
+from ftengine.integrations.vllm.poison import EngineProbe, own_fault
+from ftengine.integrations.vllm.poison import install as install_probe
 from ftengine.reinference import Reinference
 
 logger = logging.getLogger(__name__)
@@ -46,16 +51,19 @@ REQUEST_MODULE = "vllm.v1.request"
 
 @attrs.define
 class Hold:
-    """One engine core's held requests: how many faulted steps each ran in, and since when
-    the current fault holds them (``time.monotonic``; None while nothing is held)."""
+    """One engine core's held requests: how many faulted steps each ran in, since when the
+    current fault holds them (``time.monotonic``; None while nothing is held), and the
+    poison probe that re-runs the requests of an own fault one at a time (``poison.py``)."""
 
     bounds: Reinference
     reruns: dict[str, int] = attrs.field(factory=dict)
     since: float | None = None
+    probe: EngineProbe = attrs.field(factory=EngineProbe)
 
-    def hold(self, engine: Any) -> None:
-        """On a fault (busy-loop thread): running requests back to waiting, KV dropped; the
-        ones over the re-run limit aborted with the reason."""
+    def hold(self, engine: Any, own: bool = True) -> None:
+        """On a fault (busy-loop thread; ``own``: this engine's, not a peer's): running
+        requests back to waiting, KV dropped; a poison request found by the probe aborted
+        alone, else the ones over the re-run limit aborted with the reason."""
         scheduler = engine.scheduler
         running = list(scheduler.running)
         # vLLM's own way to drop every running request's KV and the prefix cache: each goes
@@ -68,6 +76,22 @@ class Hold:
             request.num_stale_output_tokens = 0
             request.drop_stale_output = False
         self.reruns = {rid: n for rid, n in self.reruns.items() if rid in scheduler.requests}
+        poison = self.probe.faulted([r.request_id for r in running], own)
+        if poison is not None:
+            # Its batch-mates are not charged: the fault was the poison's, not theirs.
+            culprit = [r for r in running if r.request_id == poison]
+            abort(engine, culprit, Reinference.poison(int(engine.engine_index)))
+        else:
+            self._charge(engine, running)
+        self.since = self.since or time.monotonic()
+        logger.warning(
+            "[FT] engine %s holds %d requests (%d were running; %s fault, %d suspected) for "
+            "re-inference", getattr(engine, "engine_index", "?"), len(scheduler.requests),
+            len(running), "its own" if own else "a peer's", len(self.probe.probe.suspects),
+        )  # fmt: skip
+
+    def _charge(self, engine: Any, running: Sequence[Any]) -> None:
+        """One more faulted step for each of ``running``; those over the limit aborted."""
         over: dict[str, list[Any]] = defaultdict(list)
         for request in running:
             count = self.reruns[request.request_id] = self.reruns.get(request.request_id, 0) + 1
@@ -76,11 +100,8 @@ class Hold:
                 over[reason].append(request)
         for reason, requests in over.items():
             abort(engine, requests, reason)
-        self.since = self.since or time.monotonic()
-        logger.warning(
-            "[FT] engine %s holds %d requests (%d were running) for re-inference",
-            getattr(engine, "engine_index", "?"), len(scheduler.requests), len(running),
-        )  # fmt: skip
+            for request in requests:
+                self.probe.ended(request.request_id)
 
     def release(self, engine: Any, reason: str) -> None:
         """Abort every request the engine holds, with ``reason``."""
@@ -154,7 +175,8 @@ def install(sentinel: Any, settings: VllmFtSettings, check_seams: Callable[[], N
     if not settings.reinference:
         return
     check_seams()
-    hold = Hold(Reinference(settings.max_reinference, settings.recovery_timeout_s))
+    bounds = Reinference(settings.max_reinference, settings.recovery_timeout_s)
+    hold = Hold(bounds, probe=install_probe(sentinel.engine.scheduler))
     resumed = ResumedOrDeadline(hold, sentinel.engine)
     if sentinel.resumed.is_set():
         resumed.set()
@@ -163,10 +185,16 @@ def install(sentinel: Any, settings: VllmFtSettings, check_seams: Callable[[], N
     handoff.install(sentinel, settings)
 
 
-def on_fault(sentinel: Any, exc: BaseException, vllm_on_fault: Any) -> None:
+def on_fault(
+    sentinel: Any,
+    exc: BaseException,
+    vllm_on_fault: Any,
+    peers: Mapping[int, str] | None = None,
+) -> None:
     """``EngineCoreSentinel.on_fault``: vLLM's own without a :class:`Hold`; with one, the
     same steps (vLLM 0.32's) except that requests are held, or aborted with the reason when
-    the engine is DEAD (its worker process died: nothing can resume them here)."""
+    the engine is DEAD (its worker process died: nothing can resume them here). ``peers``:
+    the engine-core agent's view of its peers' statuses (``poison.own_fault``)."""
     hold: Hold | None = getattr(sentinel, HOLD_ATTR, None)
     if hold is None:
         vllm_on_fault(sentinel, exc)
@@ -191,7 +219,7 @@ def on_fault(sentinel: Any, exc: BaseException, vllm_on_fault: Any) -> None:
         for reason, requests in (refused or {}).items():
             abort(engine, requests, reason)
     else:
-        hold.hold(engine)
+        hold.hold(engine, own_fault(exc, peers or {}))
     logger.info(
         "[FT] Engine %d status -> %s:", sentinel.engine_index, sentinel.status_type.name,
         exc_info=exc,
