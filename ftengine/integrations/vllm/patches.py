@@ -34,18 +34,34 @@ import functools
 import inspect
 import logging
 import multiprocessing
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 
 import attrs
 
-from ftengine.errors import CommandRejected, ConfigError
+from ftengine.errors import CommandRejected
 from ftengine.integrations.vllm.cpu_collectives import (
     all_gatherv,
     local_expert_ids,
     reduce_scatterv,
 )
 from ftengine.integrations.vllm.messages import import_vllm
+from ftengine.integrations.vllm.patch_mechanism import (
+    PATCHED_MARK as PATCHED_MARK,
+)
+from ftengine.integrations.vllm.patch_mechanism import (
+    Patch as Patch,
+)
+from ftengine.integrations.vllm.patch_mechanism import (
+    VllmSeamMoved as VllmSeamMoved,
+)
+from ftengine.integrations.vllm.patch_mechanism import (
+    _replace,
+    marked,
+)
+from ftengine.integrations.vllm.patch_mechanism import (
+    apply_patches as apply_patches,
+)
 from ftengine.integrations.vllm.poison import noting_clean_steps, skipping_suspects
 
 logger = logging.getLogger(__name__)
@@ -57,11 +73,6 @@ CORE_SENTINEL_MODULE = "vllm.v1.fault_tolerance.engine_core_sentinel"
 ENGINE_MODULE = "vllm.v1.engine"
 SERIAL_MODULE = "vllm.v1.serial_utils"
 AGENT_ATTR = "_ftengine_agent"
-PATCHED_MARK = "__ftengine_patched__"
-
-
-class VllmSeamMoved(ConfigError):
-    """A vLLM name ftengine patches is missing or no longer has the expected parameters."""
 
 
 def _ep_correct_apply(apply: Callable[..., None]) -> Callable[..., None]:
@@ -77,50 +88,6 @@ def _ep_correct_apply(apply: Callable[..., None]) -> Callable[..., None]:
 
     setattr(ep_apply, PATCHED_MARK, apply)
     return ep_apply
-
-
-@attrs.frozen
-class Patch:
-    """``module.owner.name`` replaced by ``make(original)``; ``params`` are the parameter
-    names (after ``self``) the original must have for the replacement to be right."""
-
-    module: str
-    owner: str
-    name: str
-    params: tuple[str, ...]
-    make: Callable[[Callable[..., Any]], Callable[..., Any]]
-
-    def target(self) -> tuple[Any, Callable[..., Any]]:
-        """The owning class (the module itself when ``owner`` is "") and its current
-        attribute, checked against ``params``."""
-        module = import_vllm(self.module)
-        owner = module if not self.owner else getattr(module, self.owner, None)
-        original = getattr(owner, self.name, None)
-        if not (isinstance(owner, type) or owner is module) or not callable(original):
-            raise VllmSeamMoved(
-                f"expected {self.module}.{self.owner}.{self.name} in the installed vLLM, "
-                "found none: ftengine's CPU patches need updating for this vLLM version"
-            )
-        original = getattr(original, PATCHED_MARK, original)
-        found = tuple(inspect.signature(original).parameters)[1 if self.owner else 0 :]
-        if found != self.params:
-            raise VllmSeamMoved(
-                f"{self.module}.{self.owner}.{self.name}: expected parameters "
-                f"{self.params}, found {found}: ftengine's CPU patches need updating"
-            )
-        return owner, original
-
-
-def _replace(function: Callable[..., Any]) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
-    def make(original: Callable[..., Any]) -> Callable[..., Any]:
-        @functools.wraps(function)
-        def replacement(*args: Any, **kwargs: Any) -> Any:
-            return function(*args, **kwargs)
-
-        setattr(replacement, PATCHED_MARK, original)
-        return replacement
-
-    return make
 
 
 def _with_agent(init: Callable[..., None]) -> Callable[..., None]:
@@ -216,15 +183,6 @@ def _among_survivors(reinit: Callable[..., dict[str, Any]]) -> Callable[..., dic
     return reinit_among_survivors
 
 
-def _marked(make: Callable[[Callable[..., Any]], Callable[..., Any]]) -> Any:
-    def make_marked(original: Callable[..., Any]) -> Callable[..., Any]:
-        replacement = make(original)
-        setattr(replacement, PATCHED_MARK, original)
-        return replacement
-
-    return make_marked
-
-
 SCHEDULER_MODULE = "vllm.v1.core.sched.scheduler"
 ENGINE_CORE_PATCHES = (
     Patch(
@@ -245,11 +203,11 @@ ENGINE_CORE_PATCHES = (
     # The poison probe (poison.py); vLLM's own behaviour unless re-inference installed one.
     Patch(
         SCHEDULER_MODULE, "Scheduler", "_handle_blocked_waiting_request", ("request",),
-        _marked(skipping_suspects),
+        marked(skipping_suspects),
     ),
     Patch(
         SCHEDULER_MODULE, "Scheduler", "update_from_output",
-        ("scheduler_output", "model_runner_output"), _marked(noting_clean_steps),
+        ("scheduler_output", "model_runner_output"), marked(noting_clean_steps),
     ),
 )  # fmt: skip
 
@@ -396,17 +354,6 @@ def check_reinference_seams() -> None:
             f"expected vllm.v1.request.Request to set {', '.join(REQUEST_FIELDS)}, "
             f"found no {missing}: ftengine's re-inference needs updating"
         )
-
-
-def apply_patches(patches: Sequence[Patch]) -> None:
-    """Install ``patches`` (idempotent); raise :class:`VllmSeamMoved` before changing
-    anything if one of them no longer fits the installed vLLM."""
-    targets = [(patch, *patch.target()) for patch in patches]
-    for patch, owner, original in targets:
-        current = getattr(owner, patch.name)
-        if getattr(current, PATCHED_MARK, None) is None:
-            setattr(owner, patch.name, patch.make(original))
-    logger.debug("vLLM patches installed: %s", [f"{p.owner}.{p.name}" for p in patches])
 
 
 def apply_cpu_patches() -> None:
