@@ -151,3 +151,37 @@ def test_the_added_scale_down_fails_loudly_once_vllm_has_its_own(
     )
     with pytest.raises(VllmSeamMoved, match="expected parameters"):
         moved.install()
+
+
+class PushedTo:
+    """vLLM's sentinel attributes ``push_status`` reads, with a recording output queue."""
+
+    def __init__(self, status: str, fault_info: str | None, worker_died: bool) -> None:
+        from vllm.v1.engine import EngineStatusType
+
+        self.engine_index = 1
+        self.status_type = EngineStatusType[status]
+        self.fault_info = fault_info
+        self.pushed: list[Any] = []
+        executor = type("Executor", (), {"is_failed": worker_died})()
+        queue = type("Queue", (), {"put_nowait": lambda _q, item: self.pushed.append(item)})()
+        self.engine = type("Engine", (), {"model_executor": executor, "output_queue": queue})()
+
+    def payload(self) -> dict[str, Any]:
+        cpu_patches.push_status(self)
+        (_client, outputs) = self.pushed[-1]
+        return dict(outputs.utility_output.result.result)
+
+
+def test_a_dead_engines_status_says_why_an_unhealthy_ones_as_vllm_does() -> None:
+    dead = PushedTo("DEAD", "RuntimeError", worker_died=True).payload()
+    assert dead == {
+        "id": 1,
+        "status": "dead",
+        "fault_info": "RuntimeError: engine 1's worker process died",
+    }
+    stuck = PushedTo("DEAD", None, worker_died=False).payload()
+    assert stuck["fault_info"] == "a fault: engine 1 cannot recover"
+    sick = PushedTo("UNHEALTHY", "RuntimeError", worker_died=False).payload()
+    assert sick == {"id": 1, "status": "unhealthy", "fault_info": "RuntimeError"}
+    assert "fault_info" not in PushedTo("HEALTHY", None, worker_died=False).payload()

@@ -139,11 +139,21 @@ def push_status(self: Any) -> None:
     agent = getattr(self, AGENT_ATTR, None)
     if agent is not None:
         payload.update(agent.status_fields())
+    if payload["status"] == "dead" and not payload.get("fault_info"):
+        payload["fault_info"] = dead_reason(self)  # vLLM gives a DEAD engine none
     result = import_vllm(SERIAL_MODULE).UtilityResult(payload)
     output = engine.UtilityOutput(call_id=engine.FT_STATUS_CALL_ID, result=result)
     outputs = engine.EngineCoreOutputs(utility_output=output)
     outputs.engine_index = self.engine_index
     self.engine.output_queue.put_nowait((0, outputs))
+
+
+def dead_reason(sentinel: Any) -> str:
+    """Why an engine is DEAD, for its status (an orchestrator must not have to guess)."""
+    fault = sentinel.fault_info or "a fault"
+    if getattr(sentinel.engine.model_executor, "is_failed", False):
+        return f"{fault}: engine {sentinel.engine_index}'s worker process died"
+    return f"{fault}: engine {sentinel.engine_index} cannot recover"
 
 
 def _with_fault_marker(handle: Callable[..., None]) -> Callable[..., None]:
