@@ -23,7 +23,13 @@ from ftengine.integrations.vllm.patches import (
     check_reinference_seams,
 )
 from ftengine.integrations.vllm.poison import PROBE_ATTR
-from ftengine.integrations.vllm.reinference import HOLD_ATTR, Hold, install, on_fault
+from ftengine.integrations.vllm.reinference import (
+    HOLD_ATTR,
+    Hold,
+    abort_held,
+    install,
+    on_fault,
+)
 
 vllm_request = pytest.importorskip("vllm.v1.request", reason="vLLM is not installed")
 v1 = pytest.importorskip("vllm.v1.engine")
@@ -194,6 +200,17 @@ def test_a_dead_engine_aborts_what_it_held_saying_so() -> None:
     assert set(reasons) == {"r0", "r1", "w0"} and sentinel.engine.scheduler.requests == {}
     assert all(str(r).startswith("recovery ended DEAD") for r in reasons.values())
     assert sentinel.status_type == v1.EngineStatusType.DEAD
+
+
+def test_an_engine_dead_after_a_failed_scale_down_aborts_what_it_held() -> None:
+    sentinel = held_sentinel()
+    on_fault(sentinel, RuntimeError("peer died"), vllm_abort_all)
+    assert aborts(sentinel.engine) == {}  # held for the recovery
+    abort_held(sentinel, "engine 0's scale_down failed: peer gone")
+    reasons = aborts(sentinel.engine)
+    assert set(reasons) == {"r0", "r1", "w0"} and sentinel.engine.scheduler.requests == {}
+    assert all("scale_down failed: peer gone" in str(r) for r in reasons.values())
+    abort_held(Sentinel(sentinel.engine), "no hold: nothing to do")  # re-inference off
 
 
 def test_a_wait_for_recovery_past_the_deadline_aborts_every_held_request() -> None:

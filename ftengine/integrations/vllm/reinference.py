@@ -113,6 +113,14 @@ class Hold:
         self.since = None
 
 
+def abort_held(sentinel: Any, why: str) -> None:
+    """An engine that went DEAD outside ``on_fault`` (a failed ``scale_down``): abort what
+    it holds, with the reason, so no client waits for a recovery that will not come."""
+    hold: Hold | None = getattr(sentinel, HOLD_ATTR, None)
+    if hold is not None:
+        hold.release(sentinel.engine, Reinference.dead(why))
+
+
 def held_requests(engine: Any) -> list[Any]:
     """Every unfinished request the engine core's scheduler has."""
     return [r for r in engine.scheduler.requests.values() if not r.is_finished()]

@@ -89,10 +89,14 @@ def scale_down(sentinel: Any, ft_request: Any) -> Any:
         )
     try:
         run(sentinel, ft_request, removed)
-    except Exception:
+    except Exception as exc:
         # A fault while scaling down is terminal (vLLM's client records the reason in
-        # ft_error from the failed result that handle_command builds from this exception).
+        # ft_error from the failed result that handle_command builds from this exception);
+        # what re-inference held ends now, with the reason, rather than at the deadline.
+        from ftengine.integrations.vllm.reinference import abort_held
+
         sentinel.status_type = import_vllm(ENGINE_MODULE).EngineStatusType.DEAD
+        abort_held(sentinel, f"engine {rank}'s scale_down failed: {exc}")
         sentinel._push_status()
         logger.exception("[FT] Engine %d: scale_down failed; status -> DEAD", rank)
         raise
