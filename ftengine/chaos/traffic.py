@@ -45,7 +45,12 @@ def _read_stream(response: httpx.Response, record: StreamRecord) -> None:
             continue
         chunk = json.loads(line[len("data: ") :])
         if "error" in chunk:
-            record.error = str(chunk["error"])
+            # The server ended the stream itself, saying why (vLLM's in-stream error event,
+            # e.g. a request judged poison): an end with a reason, not a lost stream.
+            error = chunk["error"]
+            message = error.get("message") if isinstance(error, dict) else None
+            record.finish_reason = "error"
+            record.stop_reason = str(message) if message else None
             continue
         for choice in chunk.get("choices", ()):
             record.chunks.append(list(choice.get("token_ids") or ()))
