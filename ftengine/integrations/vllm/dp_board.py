@@ -1,15 +1,39 @@
 """The engine cores' statuses on vLLM's DP store (a TCPStore hosted by DP rank 0), kept
-cheap: every agent beat costs one round trip to read the peers, and a write only when the
-status changes or every ``PUBLISH_S`` (the beat count that tells peers it lives)."""
+cheap: the agent ticks every ``BEAT_S`` and reads its peers every ``PEER_READ_S`` (one round
+trip; at once when it has news of its own), and writes only when its status changes or
+every ``PUBLISH_S`` (the beat count that tells peers it lives)."""
 
 from __future__ import annotations
 
 import json
+import os
 from typing import Any
 
+BEAT_S = 0.02  # the agent's tick: its worker's exit and its own status checked
+PEER_READ_S = 0.1  # the peers' statuses are read this often, this engine's news at once:
+# a read every tick was most of the agent's CPU, ~2 % of the deployment's at DP=2 (the
+# DP store's round trip and its server's wake-up; docs/vllm-dev-notes.md)
+BEAT_ENV = "FTENGINE_VLLM_BEAT_S"
+"""Debug knob: the beat interval in seconds (the overhead benchmark's "agent inert" side
+sets it to hours, leaving vLLM's FT, the worker sentinel and the per-op timeouts)."""
 KEY = "ftengine/engine_status/{rank}"
 PUBLISH_S = 1.0  # an unchanged status is written again this often (a change: at once);
 # well under the agent's STALE_S, so a live peer is never taken for dead
+
+
+def beat_interval() -> float:
+    """``BEAT_S``, or the positive number of seconds ``FTENGINE_VLLM_BEAT_S`` names."""
+    raw = os.environ.get(BEAT_ENV)
+    if raw is None:
+        return BEAT_S
+    try:
+        value = float(raw)
+    except ValueError as exc:
+        raise ValueError(f"{BEAT_ENV}: expected seconds (a number), found {raw!r}") from exc
+    if not value > 0:
+        raise ValueError(f"{BEAT_ENV}: expected seconds > 0, found {raw!r}")
+    return value
+
 
 PeerStatus = tuple[str, int, int]
 """A peer's ``(status, beat, epoch)``."""
