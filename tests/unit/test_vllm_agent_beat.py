@@ -165,6 +165,26 @@ def test_a_tick_reads_the_peers_every_read_interval_and_at_once_on_its_own_news(
     assert reads() == 5  # said once; the tick goes back to the read interval
 
 
+def test_a_status_change_rings_the_peers_doorbells_and_they_read_at_once() -> None:
+    store = CountingStore()
+    zero, one = Sentinel(rank=0), Sentinel(rank=1)
+    zero.engine.dp_store = one.engine.dp_store = store
+    agents = agent_for(zero), agent_for(one)
+    for agent in (*agents, agents[0]):
+        agent._read_at -= dp_board.PEER_READ_S
+        agent._tick()  # each publishes (with its doorbell's address) and reads the other
+    assert agents[0].board.doorbells == {1: agents[1].doorbell.address}
+    assert not agents[0].doorbell.wait(0.0)  # first publishes are no news to anyone
+    reads = store.calls["multi_get"] + store.calls["get"]
+    one.status_type = Status.UNHEALTHY
+    agents[1]._tick()  # its own news: written, and engine 0's doorbell rung
+    assert agents[0].doorbell.wait(5.0)
+    agents[0]._tick(rung=True)  # well within PEER_READ_S: read because rung
+    assert store.calls["multi_get"] + store.calls["get"] == reads + 2
+    assert agents[0].peers == {1: "unhealthy"} and len(markers(zero)) == 1
+    assert not agents[0].doorbell.wait(0.0)  # every ring was taken
+
+
 def test_the_beat_interval_knob_takes_positive_seconds_only(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

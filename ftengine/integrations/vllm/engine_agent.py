@@ -37,7 +37,7 @@ from ftengine.faults import Fault, FaultKind, Phase
 from ftengine.integrations.vllm.config import VllmFtSettings
 from ftengine.integrations.vllm.dp_board import BEAT_ENV as BEAT_ENV
 from ftengine.integrations.vllm.dp_board import BEAT_S as BEAT_S
-from ftengine.integrations.vllm.dp_board import PEER_READ_S, StatusBoard, beat_interval
+from ftengine.integrations.vllm.dp_board import PEER_READ_S, Doorbell, StatusBoard, beat_interval
 from ftengine.integrations.vllm.messages import import_vllm
 from ftengine.integrations.vllm.status_file import StatusFile, remove_dead_status_files
 from ftengine.integrations.vllm.worker_exit import worker_dying
@@ -95,7 +95,8 @@ class EngineCoreAgent:
         self._read_at = -PEER_READ_S  # when the peers were last read (monotonic)
         self._seen: dict[int, tuple[int, float]] = {}
         self._store_failures = 0
-        self.board = StatusBoard(self.rank, self.world)
+        self.board, self.doorbell = StatusBoard(self.rank, self.world), Doorbell()
+        self.board.doorbell = self.doorbell.address
         self._timed_group: object = None
         self._healthy_since = 0.0
         self.peers: dict[int, str] = {}  # current-epoch peers' statuses ("dead" if stale)
@@ -194,22 +195,23 @@ class EngineCoreAgent:
     # -- the agent thread -------------------------------------------------------------
 
     def _run(self) -> None:
-        # time.sleep, not Event.wait: half the wake-up's cost, and stop() ends it a tick later
+        # Not Event.wait: a select on the doorbell costs half, and stop() ends it a tick later
         while not self._stop.is_set():
-            time.sleep(self.beat_s)
+            rung = self.doorbell.wait(self.beat_s)
             try:
-                self._tick()
+                self._tick(rung)
             except Exception:  # the watch must outlive any one failure
                 logger.exception("[FT] engine %d agent step failed", self.rank)
+        self.doorbell.sock.close()
 
-    def _tick(self) -> None:
+    def _tick(self, rung: bool = False) -> None:
         """The worker-exit check every tick; the peer watch (publish, read, policy) when
-        ``PEER_READ_S`` has passed, or at once when this engine has news of its own (its
-        worker began to exit, its status or epoch changed)."""
+        ``PEER_READ_S`` has passed, a peer ``rung`` the doorbell, or at once when this
+        engine has news of its own (its worker began to exit, its status or epoch changed)."""
         self._keep_dp_timeout()
         was_dying = self._dying
         self._dying = was_dying or worker_dying(self.engine.model_executor)
-        news = self._dying != was_dying or self._mine() != self.board.published
+        news = rung or self._dying != was_dying or self._mine() != self.board.published
         if news or time.monotonic() - self._read_at >= PEER_READ_S:
             self._watch_peers(exit_checked=True)
             self._maybe_recover()
@@ -225,8 +227,7 @@ class EngineCoreAgent:
         return str(self.sentinel.status_type.name).lower()
 
     def _mine(self) -> tuple[str, int]:
-        """What this engine publishes: its status (``dead`` once its worker began to exit)
-        and epoch."""
+        """What this engine publishes: status (``dead`` once its worker exits) and epoch."""
         own = self._own_status()
         return ("dead" if own != "dead" and self._dying else own, self._epoch())
 
@@ -249,7 +250,8 @@ class EngineCoreAgent:
         if own != "dead" and self._dying and self.anticipated != "dead":
             self._anticipate("dead")
         try:
-            self.board.publish(store, self._mine(), self._beat, now)
+            if self.board.publish(store, self._mine(), self._beat, now):
+                self.doorbell.ring(self.board.doorbells.values())
             peers = self.board.read(store)
             self._store_failures = 0
         except Exception as exc:
