@@ -1,9 +1,8 @@
 """ftengine beside vLLM's engine-core fault-tolerance sentinel (one agent per engine core).
 
-- **Peer watch.** Every ``BEAT_S`` (a tick) each engine core checks its own worker's exit
-  and status; every ``PEER_READ_S``, and at once when either changed, it publishes its own
-  status on the DP store when it changed (else every ``PUBLISH_S``) and reads its peers'
-  (one round trip).
+- **Peer watch.** Every ``BEAT_S`` each engine core checks its worker's exit and its own
+  status; every ``PEER_READ_S``, at once when either changed or a peer rang (``dp_board``),
+  it publishes its status if changed (else every ``PUBLISH_S``) and reads its peers'.
   A peer that is ``dead`` or ``unhealthy`` (or whose beat stops for ``STALE_S``, or a DP
   store that stops answering) makes this engine fault at once through vLLM's own path
   (requests aborted, UNHEALTHY, status pushed), so an idle survivor knows within a beat
