@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from ftengine.integrations.vllm import engine_agent
+from ftengine.integrations.vllm import dp_board, engine_agent
 from ftengine.integrations.vllm.dp_board import KEY, PUBLISH_S
 from ftengine.integrations.vllm.engine_agent import STALE_S
 from tests.unit.test_vllm_engine_agent import Sentinel, Status, Store, agent_for, markers
@@ -132,17 +132,70 @@ def test_the_board_works_on_a_real_tcpstore() -> None:
     assert zero.read(store) == {1: ("dead", 2, 0)}
 
 
+def test_a_tick_reads_the_peers_every_read_interval_and_at_once_on_its_own_news(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    sentinel = Sentinel()
+    store = counting(sentinel)
+    store.peer(1, "healthy")
+    agent = agent_for(sentinel)
+    dying = [False]
+    monkeypatch.setattr(engine_agent, "worker_dying", lambda executor: dying[0])
+
+    def reads() -> int:
+        return store.calls["multi_get"] + store.calls["get"]
+
+    agent._tick()  # the first tick publishes and reads
+    assert (store.calls["set"], reads()) == (1, 1)
+    for _ in range(5):
+        agent._tick()  # within PEER_READ_S: the worker's exit checked, no round trip
+    assert (store.calls["set"], reads()) == (1, 1)
+    agent._read_at -= dp_board.PEER_READ_S
+    agent._tick()
+    assert reads() == 2
+    sentinel.status_type = Status.UNHEALTHY  # news of its own: written and read at once
+    agent._tick()
+    assert (store.calls["set"], reads()) == (2, 3) and published(store)["status"] == "unhealthy"
+    sentinel.status_type = Status.HEALTHY
+    agent._tick()
+    dying[0] = True  # the worker began to exit: "dead" on the next tick
+    agent._tick()
+    assert published(store)["status"] == "dead" and reads() == 5
+    agent._tick()
+    assert reads() == 5  # said once; the tick goes back to the read interval
+
+
+def test_a_status_change_rings_the_peers_doorbells_and_they_read_at_once() -> None:
+    store = CountingStore()
+    zero, one = Sentinel(rank=0), Sentinel(rank=1)
+    zero.engine.dp_store = one.engine.dp_store = store
+    agents = agent_for(zero), agent_for(one)
+    for agent in (*agents, agents[0]):
+        agent._read_at -= dp_board.PEER_READ_S
+        agent._tick()  # each publishes (with its doorbell's address) and reads the other
+    assert agents[0].board.doorbells == {1: agents[1].doorbell.address}
+    assert not agents[0].doorbell.wait(0.0)  # first publishes are no news to anyone
+    reads = store.calls["multi_get"] + store.calls["get"]
+    one.status_type = Status.UNHEALTHY
+    agents[1]._tick()  # its own news: written, and engine 0's doorbell rung
+    assert agents[0].doorbell.wait(5.0)
+    agents[0]._tick(rung=True)  # well within PEER_READ_S: read because rung
+    assert store.calls["multi_get"] + store.calls["get"] == reads + 2
+    assert agents[0].peers == {1: "unhealthy"} and len(markers(zero)) == 1
+    assert not agents[0].doorbell.wait(0.0)  # every ring was taken
+
+
 def test_the_beat_interval_knob_takes_positive_seconds_only(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     monkeypatch.delenv(engine_agent.BEAT_ENV, raising=False)
-    assert engine_agent.beat_interval() == engine_agent.BEAT_S
+    assert dp_board.beat_interval() == engine_agent.BEAT_S
     monkeypatch.setenv(engine_agent.BEAT_ENV, "86400")
     assert agent_for(Sentinel()).beat_s == 86400.0
     for bad, why in (("soon", r"\(a number\)"), ("0", "> 0"), ("nan", "> 0")):
         monkeypatch.setenv(engine_agent.BEAT_ENV, bad)
         with pytest.raises(ValueError, match=f"FTENGINE_VLLM_BEAT_S: expected seconds {why}"):
-            engine_agent.beat_interval()
+            dp_board.beat_interval()
 
 
 def test_the_overhead_only_bench_refuses_an_unknown_baseline(tmp_path: Any) -> None:

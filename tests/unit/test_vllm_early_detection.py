@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import threading
@@ -85,6 +86,33 @@ def test_a_leader_that_has_begun_to_exit_counts_as_dying(monkeypatch: pytest.Mon
     assert not worker_exit.exiting(1)
     running[6] = str(0x400000 | worker_exit.PF_EXITING)
     assert worker_exit.exiting(1)
+
+
+def test_a_worker_holding_a_sigkill_counts_as_dying_before_it_runs(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``kill -9`` marks SIGKILL pending on the leader at once; a loaded machine may not run
+    it for a while (no PF_EXITING, no zombie yet)."""
+    fields = ["S", "1", "1", "1", "0", "-1", str(0x400000), *["0"] * 21, "0", "0"]
+    monkeypatch.setattr(worker_exit, "_proc_stat", lambda pid: fields)
+    assert not worker_exit.exiting(1)
+    fields[worker_exit.PENDING] = str(worker_exit.SIGKILL_PENDING | 1 << (signal.SIGTERM - 1))
+    assert worker_exit.exiting(1)
+    fields[worker_exit.PENDING] = str(1 << (signal.SIGTERM - 1))  # catchable: not doomed
+    assert not worker_exit.exiting(1)
+
+
+def test_the_proc_entry_is_kept_open_and_closed_once_the_process_is_gone() -> None:
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        fields = worker_exit._proc_stat(child.pid)
+        assert fields is not None and len(fields) > worker_exit.PENDING
+        assert fields[0] in ("R", "S", "D") and child.pid in worker_exit._open
+        assert not worker_exit.exiting(child.pid)
+    finally:
+        child.kill()
+        child.wait()  # reaped: its pid may be reused, the descriptor still names it
+    assert worker_exit.exiting(child.pid) and child.pid not in worker_exit._open
 
 
 def test_an_engine_whose_worker_is_dying_publishes_dead_at_once(zombie: int) -> None:

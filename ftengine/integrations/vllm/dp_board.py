@@ -1,15 +1,80 @@
 """The engine cores' statuses on vLLM's DP store (a TCPStore hosted by DP rank 0), kept
-cheap: every agent beat costs one round trip to read the peers, and a write only when the
-status changes or every ``PUBLISH_S`` (the beat count that tells peers it lives)."""
+cheap: the agent ticks every ``BEAT_S``, reads its peers every ``PEER_READ_S`` (one round
+trip), and writes only when its status changes or every ``PUBLISH_S`` (the beat count that
+tells peers it lives). News does not wait for a read: an engine whose status changes rings
+each peer's :class:`Doorbell` (a UDP datagram), which wakes that peer's agent to read now."""
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
+import select
+import socket
+from collections.abc import Iterable
 from typing import Any
 
+BEAT_S = 0.05  # the agent's tick: its worker's exit and its own status checked
+PEER_READ_S = 0.25  # the peers are read this often (a ring: at once); a read every 20 ms
+# tick was most of the agent's CPU (docs/vllm-dev-notes.md, "Where the FT overhead goes")
+BEAT_ENV = "FTENGINE_VLLM_BEAT_S"
+"""Debug knob: the beat interval in seconds (the overhead benchmark's "agent inert" side
+sets it to hours, leaving vLLM's FT, the worker sentinel and the per-op timeouts)."""
 KEY = "ftengine/engine_status/{rank}"
 PUBLISH_S = 1.0  # an unchanged status is written again this often (a change: at once);
 # well under the agent's STALE_S, so a live peer is never taken for dead
+
+
+def beat_interval() -> float:
+    """``BEAT_S``, or the positive number of seconds ``FTENGINE_VLLM_BEAT_S`` names."""
+    raw = os.environ.get(BEAT_ENV)
+    if raw is None:
+        return BEAT_S
+    try:
+        value = float(raw)
+    except ValueError as exc:
+        raise ValueError(f"{BEAT_ENV}: expected seconds (a number), found {raw!r}") from exc
+    if not value > 0:
+        raise ValueError(f"{BEAT_ENV}: expected seconds > 0, found {raw!r}")
+    return value
+
+
+class Doorbell:
+    """This engine's UDP socket, which peers ring when their status changes: the agent
+    sleeps on it between ticks. A lost or unroutable ring only delays the news to the
+    next read (``PEER_READ_S``)."""
+
+    def __init__(self) -> None:
+        self.sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        self.sock.bind(("0.0.0.0", 0))  # any interface: a ring carries nothing but "read now"
+        self.sock.setblocking(False)
+        self.address = (_host_ip(), int(self.sock.getsockname()[1]))
+
+    def wait(self, seconds: float) -> bool:
+        """Sleep up to ``seconds``; whether a peer rang meanwhile (every ring is taken)."""
+        if not select.select([self.sock], [], [], seconds)[0]:
+            return False
+        with contextlib.suppress(OSError):
+            while self.sock.recv(64):
+                pass
+        return True
+
+    def ring(self, addresses: Iterable[tuple[str, int]]) -> None:
+        for address in addresses:
+            with contextlib.suppress(OSError):  # a peer gone or unreachable: it reads later
+                self.sock.sendto(b"!", address)
+
+
+def _host_ip() -> str:
+    """This host's address for the peers (vLLM's ``get_ip``; IPv4 only, else loopback)."""
+    from ftengine.integrations.vllm.messages import VllmUnavailable, import_vllm
+
+    try:
+        host = str(import_vllm("vllm.utils.network_utils").get_ip())
+    except VllmUnavailable:  # no vLLM here (tests): the peers are local
+        return "127.0.0.1"
+    return host if ":" not in host and host != "0.0.0.0" else "127.0.0.1"
+
 
 PeerStatus = tuple[str, int, int]
 """A peer's ``(status, beat, epoch)``."""
@@ -26,17 +91,22 @@ class StatusBoard:
         self.published_on: Any = None  # the DP store it was written on
         self.complete_store: Any = None  # the DP store on which every peer has published
         self.decoded: dict[int, tuple[bytes, PeerStatus]] = {}
+        self.doorbell: tuple[str, int] | None = None  # this engine's, published with it
+        self.doorbells: dict[int, tuple[str, int]] = {}  # the peers', as last read
 
-    def publish(self, store: Any, mine: tuple[str, int], beat: int, now: float) -> None:
+    def publish(self, store: Any, mine: tuple[str, int], beat: int, now: float) -> bool:
         """Write this engine's status when it changes, else every ``PUBLISH_S`` (the beat
-        count that tells peers it lives), and at once on a new store (a retry's)."""
+        count that tells peers it lives), and at once on a new store (a retry's); whether
+        it was news (a change: the peers' doorbells should ring)."""
         fresh = store is self.published_on and now - self.published_at < PUBLISH_S
         if fresh and mine == self.published:
-            return
+            return False
         status, epoch = mine
-        value = json.dumps({"status": status, "beat": beat, "epoch": epoch})
-        store.set(KEY.format(rank=self.rank), value)
+        value = {"status": status, "beat": beat, "epoch": epoch, "doorbell": self.doorbell}
+        store.set(KEY.format(rank=self.rank), json.dumps(value))
+        news = mine != self.published
         self.published, self.published_at, self.published_on = mine, now, store
+        return news
 
     def read(self, store: Any) -> dict[int, PeerStatus]:
         """Every peer's last status: one ``multi_get`` once all peers have published on
@@ -57,5 +127,8 @@ class StatusBoard:
             return cached[1]
         value = json.loads(raw)
         decoded = (str(value["status"]), int(value["beat"]), int(value["epoch"]))
+        doorbell = value.get("doorbell")
+        if isinstance(doorbell, list) and len(doorbell) == 2:
+            self.doorbells[rank] = (str(doorbell[0]), int(doorbell[1]))
         self.decoded[rank] = (raw, decoded)
         return decoded

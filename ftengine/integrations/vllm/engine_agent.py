@@ -1,7 +1,8 @@
 """ftengine beside vLLM's engine-core fault-tolerance sentinel (one agent per engine core).
 
-- **Peer watch.** Every ``BEAT_S`` each engine core reads its peers' statuses on the DP
-  store (one round trip) and publishes its own when it changes (else every ``PUBLISH_S``).
+- **Peer watch.** Every ``BEAT_S`` each engine core checks its worker's exit and its own
+  status; every ``PEER_READ_S``, at once when either changed or a peer rang (``dp_board``),
+  it publishes its status if changed (else every ``PUBLISH_S``) and reads its peers'.
   A peer that is ``dead`` or ``unhealthy`` (or whose beat stops for ``STALE_S``, or a DP
   store that stops answering) makes this engine fault at once through vLLM's own path
   (requests aborted, UNHEALTHY, status pushed), so an idle survivor knows within a beat
@@ -20,7 +21,6 @@
 from __future__ import annotations
 
 import logging
-import os
 import threading
 import time
 import uuid
@@ -34,7 +34,9 @@ from ftengine.context import RecoveryContext
 from ftengine.errors import PeerDead
 from ftengine.faults import Fault, FaultKind, Phase
 from ftengine.integrations.vllm.config import VllmFtSettings
-from ftengine.integrations.vllm.dp_board import StatusBoard
+from ftengine.integrations.vllm.dp_board import BEAT_ENV as BEAT_ENV
+from ftengine.integrations.vllm.dp_board import BEAT_S as BEAT_S
+from ftengine.integrations.vllm.dp_board import PEER_READ_S, Doorbell, StatusBoard, beat_interval
 from ftengine.integrations.vllm.messages import import_vllm
 from ftengine.integrations.vllm.status_file import StatusFile, remove_dead_status_files
 from ftengine.integrations.vllm.worker_exit import worker_dying
@@ -44,10 +46,6 @@ from ftengine.policies.builtin import OrchestratorDriven
 
 logger = logging.getLogger(__name__)
 
-BEAT_S = 0.02
-BEAT_ENV = "FTENGINE_VLLM_BEAT_S"
-"""Debug knob: the beat interval in seconds (the overhead benchmark's "agent inert" side
-sets it to hours, leaving vLLM's FT, the worker sentinel and the per-op timeouts)."""
 STALE_S = 5.0  # an engine core whose beat stops this long is taken for dead (GIL-starved
 # threads on a loaded 2-core machine were seen to pause ~1 s; a status change is instant)
 SETTLE_S = 2.0  # after a recovery, peers finish theirs: their "unhealthy" is stale this long
@@ -57,20 +55,6 @@ FAULT_MARK = "ftengine-peer-fault"
 """Request type of the agent's input-queue marker (no vLLM request type has this value)."""
 EPOCH_ATTR = "_dp_reinit_epoch"  # EngineCoreSentinel's count of DP-group rebuilds (retries)
 UTILS_MODULE = "vllm.v1.fault_tolerance.utils"
-
-
-def beat_interval() -> float:
-    """``BEAT_S``, or the positive number of seconds ``FTENGINE_VLLM_BEAT_S`` names."""
-    raw = os.environ.get(BEAT_ENV)
-    if raw is None:
-        return BEAT_S
-    try:
-        value = float(raw)
-    except ValueError as exc:
-        raise ValueError(f"{BEAT_ENV}: expected seconds (a number), found {raw!r}") from exc
-    if not value > 0:
-        raise ValueError(f"{BEAT_ENV}: expected seconds > 0, found {raw!r}")
-    return value
 
 
 STATUS_FIELDS = ("phase", "epoch", "removed_ranks")
@@ -107,9 +91,11 @@ class EngineCoreAgent:
         self.attempts = 0
         self._beat = 0
         self.beat_s = beat_interval()
+        self._read_at = -PEER_READ_S  # when the peers were last read (monotonic)
         self._seen: dict[int, tuple[int, float]] = {}
         self._store_failures = 0
-        self.board = StatusBoard(self.rank, self.world)
+        self.board, self.doorbell = StatusBoard(self.rank, self.world), Doorbell()
+        self.board.doorbell = self.doorbell.address
         self._timed_group: object = None
         self._healthy_since = 0.0
         self.peers: dict[int, str] = {}  # current-epoch peers' statuses ("dead" if stale)
@@ -208,13 +194,26 @@ class EngineCoreAgent:
     # -- the agent thread -------------------------------------------------------------
 
     def _run(self) -> None:
-        while not self._stop.wait(self.beat_s):
+        # Not Event.wait: a select on the doorbell costs half, and stop() ends it a tick later
+        while not self._stop.is_set():
+            rung = self.doorbell.wait(self.beat_s)
             try:
-                self._keep_dp_timeout()
-                self._watch_peers()
-                self._maybe_recover()
+                self._tick(rung)
             except Exception:  # the watch must outlive any one failure
                 logger.exception("[FT] engine %d agent step failed", self.rank)
+        self.doorbell.sock.close()
+
+    def _tick(self, rung: bool = False) -> None:
+        """The worker-exit check every tick; the peer watch (publish, read, policy) when
+        ``PEER_READ_S`` has passed, a peer ``rung`` the doorbell, or at once when this
+        engine has news of its own (its worker began to exit, its status or epoch changed)."""
+        self._keep_dp_timeout()
+        was_dying = self._dying
+        self._dying = was_dying or worker_dying(self.engine.model_executor)
+        news = rung or self._dying != was_dying or self._mine() != self.board.published
+        if news or time.monotonic() - self._read_at >= PEER_READ_S:
+            self._watch_peers(exit_checked=True)
+            self._maybe_recover()
 
     def _keep_dp_timeout(self) -> None:
         """A retry replaces the engine's DP group: give the new one the timeout too."""
@@ -226,25 +225,32 @@ class EngineCoreAgent:
     def _own_status(self) -> str:
         return str(self.sentinel.status_type.name).lower()
 
-    def _watch_peers(self) -> None:
+    def _mine(self) -> tuple[str, int]:
+        """What this engine publishes: status (``dead`` once its worker exits) and epoch."""
+        own = self._own_status()
+        return ("dead" if own != "dead" and self._dying else own, self._epoch())
+
+    def _watch_peers(self, *, exit_checked: bool = False) -> None:
+        """Publish this engine's status, read the peers', fault on a peer's fault;
+        ``exit_checked``: this tick has checked the worker's exit already."""
         store = getattr(self.engine, "dp_store", None)
         if store is None or self.world <= 1:
             return
         self._beat += 1
         own = self._own_status()
-        now = time.monotonic()
+        now = self._read_at = time.monotonic()
         if own == "healthy" and not self._was_healthy:
             self._healthy_since = now
         self._was_healthy = own == "healthy"
         # Sticky: once vLLM's monitor has seen the exit it shuts the executor down, after
         # which worker_dying says no; a dead worker never comes back.
-        self._dying = self._dying or worker_dying(self.engine.model_executor)
-        dying = own != "dead" and self._dying
-        if dying and self.anticipated != "dead":
+        if not exit_checked:
+            self._dying = self._dying or worker_dying(self.engine.model_executor)
+        if own != "dead" and self._dying and self.anticipated != "dead":
             self._anticipate("dead")
-        mine = ("dead" if dying else own, self._epoch())
         try:
-            self.board.publish(store, mine, self._beat, now)
+            if self.board.publish(store, self._mine(), self._beat, now):
+                self.doorbell.ring(self.board.doorbells.values())
             peers = self.board.read(store)
             self._store_failures = 0
         except Exception as exc:
