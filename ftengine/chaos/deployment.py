@@ -8,6 +8,7 @@ from __future__ import annotations
 import socket
 import threading
 import time
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import attrs
@@ -112,13 +113,26 @@ class Census:
         self.ports.add(deployment.port)
 
     def leftovers(self, grace_s: float = 5.0) -> Leftovers:
-        deadline = time.monotonic() + grace_s
-        while True:
-            alive = tuple(sorted(p for p in self.pids if _alive(p)))
-            ports = tuple(sorted(self.ports & _listening()))
-            if not (alive or ports) or time.monotonic() > deadline:
-                return Leftovers(alive, ports)
-            time.sleep(0.1)
+        return wait_for_leftovers(self.pids, self.ports, _listening, grace_s, poll_s=0.1)
+
+
+def wait_for_leftovers(
+    pids: Iterable[int],
+    ports: Iterable[int],
+    listening: Callable[[], set[int]],
+    grace_s: float,
+    poll_s: float,
+) -> Leftovers:
+    """Of ``pids`` those still alive (zombies count as gone) and of ``ports`` those still
+    in ``listening()``, once none is left or after ``grace_s`` (exits take a moment)."""
+    pids, ports = set(pids), set(ports)
+    deadline = time.monotonic() + grace_s
+    while True:
+        alive = tuple(sorted(p for p in pids if _alive(p)))
+        bound = tuple(sorted(ports & listening()))
+        if not (alive or bound) or time.monotonic() > deadline:
+            return Leftovers(alive, bound)
+        time.sleep(poll_s)
 
 
 def _alive(pid: int) -> bool:

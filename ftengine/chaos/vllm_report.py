@@ -5,13 +5,12 @@ the campaign, then the census of leftovers once every deployment stopped."""
 from __future__ import annotations
 
 import collections
-import signal
 import time
 from collections.abc import Callable
-from types import FrameType
 from typing import Any
 
 from ftengine.chaos.deployment import Leftovers
+from ftengine.chaos.interrupt import run_until_interrupted
 from ftengine.chaos.invariants import Violation, check_request, fault_at, tally
 from ftengine.chaos.report import spread
 from ftengine.chaos.traffic import StreamRecord
@@ -157,19 +156,5 @@ def run_vllm_campaign(
     """Run the campaign (SIGINT / SIGTERM: no more faults, report what ran) and report."""
     started = time.monotonic()
     campaign = VllmCampaign(options, progress)
-
-    def interrupt(signum: int, _frame: FrameType | None) -> None:
-        progress(f"signal {signum}: no more faults; ending the campaign cleanly")
-        campaign.interrupted.set()
-
-    previous = {sig: signal.signal(sig, interrupt) for sig in (signal.SIGINT, signal.SIGTERM)}
-    try:
-        campaign.run()
-    except Exception as exc:  # reported with everything measured so far, never lost
-        progress(f"campaign ended early: {exc!r}")
-        campaign.error = f"{type(exc).__name__}: {exc}"
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
-        leftovers = campaign.census.leftovers()
+    leftovers = run_until_interrupted(campaign, progress)
     return summary(campaign, leftovers, time.monotonic() - started)

@@ -15,7 +15,7 @@ import attrs
 import httpx
 import psutil
 
-from ftengine.chaos.deployment import Leftovers
+from ftengine.chaos.deployment import Leftovers, wait_for_leftovers
 
 POLL_S = 0.05
 
@@ -106,20 +106,7 @@ class Census:
 
     def leftovers(self, grace_s: float = 10.0) -> Leftovers:
         """Processes still alive (zombies count as gone) and ports still listening."""
-        deadline = time.monotonic() + grace_s
-        while True:
-            alive = tuple(sorted(p for p in self.pids if _alive(p)))
-            ports = tuple(sorted(self.ports & _listening()))
-            if not (alive or ports) or time.monotonic() > deadline:
-                return Leftovers(alive, ports)
-            time.sleep(0.2)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
-    except psutil.Error:
-        return False
+        return wait_for_leftovers(self.pids, self.ports, _listening, grace_s, poll_s=0.2)
 
 
 def _listening() -> set[int]:
