@@ -7,9 +7,10 @@ the baseline are the same requests' fault-free round on the same deployment (vLL
 greedy tokens: the cluster's single-process reference is another model implementation).
 
 Scale-down: SIGKILL of rank 1's worker mid-generation; once rank 0 is UNHEALTHY and rank 1
-DEAD, ``scale_down`` of rank 1 to rank 0. The row counts the survivor's requests (the ones
-re-inference can keep in vLLM); the victim's, on rank 1's still-running server, are counted
-apart under ``victim``: its engine core aborts them ("recovery ended DEAD"), either way."""
+DEAD, ``scale_down`` of rank 1 to rank 0. The row counts every request; the victim's, on
+rank 1's still-running server, are also counted apart under ``victim``: with re-inference
+its DEAD engine core hands them to rank 0 (``handoff_urls``, ``DeploymentConfig(handoff=
+True)``), without it it aborts them ("recovery ended DEAD")."""
 
 from __future__ import annotations
 
@@ -129,6 +130,7 @@ def _deployed(run: VllmRun, reinference: bool, scratch: Path) -> Iterator[Any]:
         run.checkpoint,
         dp_size=2,
         port=run.port,
+        handoff=reinference,  # a DEAD rank's held requests resume on the other rank
         additional_config={"ftengine": options},
         extra_args=("--dtype", "float32"),
         env={FAULT_FILE_ENV: str(scratch / "inject")},
@@ -165,15 +167,16 @@ def retry_row(run: VllmRun, prompts: Sequence[Sequence[int]], reinference: bool)
 def scale_down_row(
     run: VllmRun, prompts: Sequence[Sequence[int]], reinference: bool
 ) -> dict[str, Any]:
-    """One deployment: warm-up, a fault-free round, the SIGKILL + ``scale_down``; the
-    survivor's (even-indexed) requests counted, the victim's apart."""
+    """One deployment: warm-up, a fault-free round, the SIGKILL + ``scale_down``; every
+    request counted (with re-inference the victim's are handed to the survivor), the
+    victim's (odd-indexed) also apart."""
     with (
         tempfile.TemporaryDirectory(prefix="ftengine-inflight-vllm-") as scratch,
         _deployed(run, reinference, Path(scratch)) as deployment,
     ):
         clean = _clean(deployment.urls, run, prompts)
         streams, fault_s = _scale_down_round(deployment, run, prompts)
-    row = _counts(clean[0::2], streams[0::2], fault_s)
+    row = _counts(clean, streams, fault_s)
     victim = tally(
         streams[1::2], [s.tokens for s in clean[1::2]], fault_s, [0.0] * len(clean[1::2])
     )
