@@ -15,7 +15,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 import httpx
@@ -118,9 +118,14 @@ def complete(url: str, checkpoint: Path) -> list[list[int]]:
     return answers
 
 
-def engines(deployment: VllmDeployment) -> list[dict[str, object]]:
+def engines(
+    deployment: VllmDeployment, ranks: Iterable[int] | None = None
+) -> list[dict[str, object]]:
+    """The engines' statuses, from each rank's own server (``ranks``: only those; a removed
+    rank's server exits at its recovery deadline)."""
+    urls = deployment.urls if ranks is None else [deployment.urls[r] for r in ranks]
     found: list[dict[str, object]] = []
-    for url in deployment.urls:
+    for url in urls:
         found += httpx.get(f"{url}/fault_tolerance/status", timeout=10).json()["engines"]
     return found
 
@@ -129,7 +134,7 @@ def wait_for(deployment: VllmDeployment, want: dict[int, str], timeout_s: float)
     """Seconds until every engine in ``want`` reports its status; fails after ``timeout_s``."""
     start = time.monotonic()
     while True:
-        seen = {int(str(e["id"])): e["status"] for e in engines(deployment)}
+        seen = {int(str(e["id"])): e["status"] for e in engines(deployment, want)}
         if all(seen.get(r) == s for r, s in want.items()):
             return time.monotonic() - start
         assert time.monotonic() - start < timeout_s, f"expected {want}, found {seen}"

@@ -16,7 +16,6 @@ DP=2 where one survivor shows it: a rank costs ~1.9 GB and 25-50 s to start here
 
 from __future__ import annotations
 
-import contextlib
 import itertools
 import os
 import signal
@@ -119,7 +118,7 @@ def answer(
     """The engine's status once it records ``request_id`` (a failed command's answer)."""
     deadline = time.monotonic() + timeout_s
     while True:
-        engine = next(e for e in engines(deployment) if e["id"] == rank)
+        engine = next(e for e in engines(deployment, [rank]) if e["id"] == rank)
         if engine.get("last_ft_request_id") == request_id:
             return engine
         assert time.monotonic() < deadline, f"no answer to {request_id}: {engine}"
@@ -191,7 +190,7 @@ def scale_down_answers_as_before(
         reply = apply(deployment.urls[rank], scale_down_body(sorted(removed)))
         assert reply.status_code == 202, reply.text
     wait_for(deployment, dict.fromkeys(before, "healthy"), 60)
-    for engine in (e for e in engines(deployment) if e["id"] in before):
+    for engine in (e for e in engines(deployment, before) if e["id"] in before):
         fields = (engine["phase"], engine["epoch"], engine["removed_ranks"])
         assert fields == ("healthy", epoch, sorted(removed)), engine
     for rank, expected in before.items():
@@ -387,7 +386,7 @@ def test_rank0_then_rank2_4_to_3_to_2_and_rank0_keeps_the_coordinator_up(
         time.sleep(max(0.0, killed_at + RANK0_DEADLINE_S + 5.0 - time.monotonic()))
         assert deployment.ranks[0].process.poll() is None, "rank 0's server exited"
         assert "engine_core" in deployment.pids()[0], "rank 0's engine core exited"
-        assert {e["id"]: e["status"] for e in engines(deployment)}[0] == "dead"
+        assert {e["id"]: e["status"] for e in engines(deployment, [0])}[0] == "dead"
         for rank in (1, 3):  # one survivor at a time: only the coordinator wakes the other
             assert complete(deployment.urls[rank], checkpoint) == before[rank], rank
         retry_s = retry_after_scale_down(deployment, checkpoint, fault_file, before)
@@ -407,15 +406,16 @@ def retry_after_scale_down(
     group among them (vLLM's own would wait for the removed ranks 0 and 2 until its
     timeout); healthy at epoch 3, answering as before. Seconds from the first command."""
     fault_file.write_text("3")
-    with contextlib.suppress(Exception):  # the request in the faulted step is aborted
-        complete(deployment.urls[3], checkpoint)
+    client = openai.OpenAI(base_url=f"{deployment.urls[3]}/v1", api_key="unused", timeout=60)
+    aborted = client.completions.create(model=str(checkpoint), prompt=PROMPTS[0], max_tokens=4)
+    assert aborted.choices[0].finish_reason == "abort"  # the request in the faulted step
     wait_for(deployment, {1: "unhealthy", 3: "unhealthy"}, OP_TIMEOUT_S + 25)
     started = time.monotonic()
     for rank in (1, 3):
         assert apply(deployment.urls[rank], RETRY).status_code == 202
     wait_for(deployment, {1: "healthy", 3: "healthy"}, 60)
     seconds = time.monotonic() - started
-    for engine in (e for e in engines(deployment) if e["id"] in (1, 3)):
+    for engine in (e for e in engines(deployment, (1, 3)) if e["id"] in (1, 3)):
         assert (engine["phase"], engine["epoch"], engine["removed_ranks"]) == (
             "healthy", 3, [0, 2],
         ), engine  # fmt: skip
