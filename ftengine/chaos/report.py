@@ -63,19 +63,34 @@ def request_violations(campaign: Campaign, reference: Sequence[Sequence[int]]) -
     return tally(records, verdicts), violations, records
 
 
+def run_violations(
+    found: Sequence[Violation],
+    error: str | None,
+    leftovers: Leftovers,
+    rss_ratios: Sequence[float],
+) -> list[Violation]:
+    """``found`` (per fault, per request) plus those of the run as a whole: an error that
+    ended it, leftovers, and survivors' memory growing past 10 %."""
+    violations = list(found)
+    if error is not None:
+        violations.append(Violation("campaign_error", None, None, None, error))
+    if leftovers.count:
+        violations.append(Violation("orphans", None, None, None, str(leftovers.to_dict())))
+    ratio = max(rss_ratios, default=None)
+    if ratio is not None and ratio > 1.10:
+        violations.append(Violation("rss_growth", None, None, None, f"ratio {ratio:.3f} > 1.10"))
+    return violations
+
+
 def summary(
     campaign: Campaign, reference: Sequence[Sequence[int]], leftovers: Leftovers, duration_s: float
 ) -> dict[str, Any]:
     """The campaign's JSON object."""
     counts, request_problems, records = request_violations(campaign, reference)
-    violations = [*campaign.violations, *request_problems]
-    if campaign.error is not None:
-        violations.append(Violation("campaign_error", None, None, None, campaign.error))
-    if leftovers.count:
-        violations.append(Violation("orphans", None, None, None, str(leftovers.to_dict())))
+    violations = run_violations(
+        [*campaign.violations, *request_problems], campaign.error, leftovers, campaign.rss_ratios
+    )
     ratio = max(campaign.rss_ratios, default=None)
-    if ratio is not None and ratio > 1.10:
-        violations.append(Violation("rss_growth", None, None, None, f"ratio {ratio:.3f} > 1.10"))
     names = collections.Counter(v.invariant for v in violations)
     hang_entries = [e for e in campaign.history.entries() if e.what in ("hang", "command_stuck")]
     unfinished = sum(1 for r in records if r.ended is None)

@@ -12,7 +12,7 @@ from typing import Any
 from ftengine.chaos.deployment import Leftovers
 from ftengine.chaos.interrupt import run_until_interrupted
 from ftengine.chaos.invariants import Violation, check_request, fault_at, tally
-from ftengine.chaos.report import spread
+from ftengine.chaos.report import run_violations, spread
 from ftengine.chaos.traffic import StreamRecord
 from ftengine.chaos.vllm_campaign import VllmCampaign
 from ftengine.chaos.vllm_options import VllmCampaignOptions
@@ -79,15 +79,8 @@ def _violations(
     campaign: VllmCampaign, request_problems: list[Violation], leftovers: Leftovers
 ) -> list[Violation]:
     """Every violation: per fault, per request, and of the run as a whole."""
-    violations = [*campaign.violations, *request_problems]
-    if campaign.error is not None:
-        violations.append(Violation("campaign_error", None, None, None, campaign.error))
-    if leftovers.count:
-        violations.append(Violation("orphans", None, None, None, str(leftovers.to_dict())))
-    ratio = max(campaign.rss_ratios, default=None)
-    if ratio is not None and ratio > 1.10:
-        violations.append(Violation("rss_growth", None, None, None, f"ratio {ratio:.3f} > 1.10"))
-    return violations
+    found = [*campaign.violations, *request_problems]
+    return run_violations(found, campaign.error, leftovers, campaign.rss_ratios)
 
 
 def summary(campaign: VllmCampaign, leftovers: Leftovers, duration_s: float) -> dict[str, Any]:
