@@ -4,7 +4,8 @@ streaming through an injected fault and ``retry``, and each ends with exactly th
 the same requests without a fault, every token streamed once (no gap, no repeat). The bound
 holds with ``max_reinference`` 1: requests running in two faulted steps are aborted with the
 reason in ``stop_reason``. With re-inference off the same fault aborts them (vLLM's
-behaviour), so the first test can fail. A poison request (its prompt holds a token the
+behaviour), so the first test can fail. Requests whose very first step faulted (before the
+model runner recorded them) resume exactly too. A poison request (its prompt holds a token the
 fault injection keys on: after its first token every step that runs it raises) sent to rank
 1 beside three streams mid-generation is aborted alone with the poison reason after its lone
 re-run faults again; its batch-mates end with exactly the fault-free tokens.
@@ -196,6 +197,26 @@ def test_requests_in_more_faulted_steps_than_max_reinference_are_aborted_with_th
     for stream, want in zip(served, reference, strict=True):
         stream.finish()
         assert stream.tokens == want
+
+
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("deployed", [True], ids=["on"], indirect=True)
+def test_requests_whose_first_step_faulted_resume_exact(
+    deployed: Deployed, reference: list[list[int]]
+) -> None:
+    """Rank 1 raises in the step that first schedules its requests, before its model runner
+    has recorded them: after ``retry`` they are sent again as new requests (as preempted
+    ones vLLM would send them as cached, unknown to the runner: KeyError, a fault per
+    re-run until ``max_reinference`` aborts them)."""
+    deployed.fault_file.write_text("1")  # both ranks idle: rank 1's next step is its first
+    streams = start_streams(deployed)
+    wait_status(deployed, "unhealthy", OP_TIMEOUT_S + 30)
+    assert not deployed.fault_file.exists()
+    wait_status(deployed, "healthy", 60, retry(deployed))
+    for stream, want in zip(streams, reference, strict=True):
+        stream.finish()
+        assert (stream.finish_reason, stream.stop_reason) == ("length", None), stream.prompt
+        assert stream.tokens == want, f"prompt {stream.prompt}: {stream.chunks}"
 
 
 POISON = 42  # a token id in no prompt of PROMPTS

@@ -47,6 +47,7 @@ class FakeRequest:
     num_in_flight_tokens: int = 1
     num_stale_output_tokens: int = 0
     drop_stale_output: bool = False
+    num_output_tokens: int = 1  # a property of the real Request
 
     def is_finished(self) -> bool:
         return bool(Status.is_finished(self.status))
@@ -175,6 +176,21 @@ def test_a_fault_holds_running_and_waiting_requests_with_nothing_in_flight() -> 
     assert hold.since is None
 
 
+def test_a_running_request_that_emitted_nothing_is_sent_again_as_new() -> None:
+    """The step that first scheduled it may have faulted before the model runner recorded
+    it: as PREEMPTED vLLM would send it as a cached request the runner does not have."""
+    sentinel = held_sentinel()
+    scheduler = sentinel.engine.scheduler
+    scheduler.requests["r1"].num_output_tokens = 0
+    on_fault(sentinel, RuntimeError("boom"), vllm_abort_all)
+    assert [(r.request_id, r.status) for r in scheduler.waiting] == [
+        ("r0", Status.PREEMPTED),
+        ("r1", Status.WAITING),
+        ("w0", Status.WAITING),
+    ]
+    assert aborts(sentinel.engine) == {}
+
+
 def test_a_request_in_more_faulted_steps_than_the_limit_is_aborted_with_the_reason() -> None:
     sentinel = held_sentinel(max_reinference=1, running=1, waiting=1)
     engine = sentinel.engine
@@ -252,5 +268,13 @@ def test_a_request_without_the_in_flight_counts_fails_the_seam_check(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     monkeypatch.setattr(patches, "REQUEST_FIELDS", ("num_in_flight_tokens", "no_such_count"))
+    with pytest.raises(VllmSeamMoved, match=r"found no \['no_such_count'\]"):
+        check_reinference_seams()
+
+
+def test_a_request_without_the_output_count_fails_the_seam_check(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(patches, "REQUEST_PROPERTIES", ("num_output_tokens", "no_such_count"))
     with pytest.raises(VllmSeamMoved, match=r"found no \['no_such_count'\]"):
         check_reinference_seams()

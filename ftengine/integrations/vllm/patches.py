@@ -349,6 +349,9 @@ checked like the patches (``check_reinference_seams``) so that a vLLM that moves
 at start-up, not at the first fault."""
 REQUEST_FIELDS = ("num_in_flight_tokens", "num_stale_output_tokens", "drop_stale_output")
 """``vllm.v1.request.Request`` attributes the hold resets (vLLM 0.32's async-output count)."""
+REQUEST_PROPERTIES = ("num_output_tokens",)
+"""``vllm.v1.request.Request`` properties the hold reads (a request that emitted nothing is
+sent again as new)."""
 
 
 def check_reinference_seams() -> None:
@@ -359,10 +362,16 @@ def check_reinference_seams() -> None:
     request = getattr(import_vllm("vllm.v1.request"), "Request", None)
     init = inspect.getsource(request) if isinstance(request, type) else ""
     missing = [name for name in REQUEST_FIELDS if f"self.{name}" not in init]
+    missing += [
+        name
+        for name in REQUEST_PROPERTIES
+        if not isinstance(getattr(request, name, None), property)
+    ]
     if missing:
         raise VllmSeamMoved(
-            f"expected vllm.v1.request.Request to set {', '.join(REQUEST_FIELDS)}, "
-            f"found no {missing}: ftengine's re-inference needs updating"
+            f"expected vllm.v1.request.Request to set {', '.join(REQUEST_FIELDS)} and have "
+            f"{', '.join(REQUEST_PROPERTIES)}, found no {missing}: ftengine's re-inference "
+            "needs updating"
         )
 
 

@@ -69,12 +69,19 @@ class Hold:
         # vLLM's own way to drop every running request's KV and the prefix cache: each goes
         # back to the front of the waiting queue as PREEMPTED, its emitted tokens kept.
         scheduler.reset_prefix_cache(reset_running_requests=True)
+        waiting = import_vllm(REQUEST_MODULE).RequestStatus.WAITING
         for request in running:
             # The faulted step's output never comes: nothing of it is in flight any more
             # (else vLLM would skip, then drop, the resumed step's output as stale).
             request.num_in_flight_tokens = 0
             request.num_stale_output_tokens = 0
             request.drop_stale_output = False
+            if request.num_output_tokens == 0:
+                # Sent again as a new request: the step that first scheduled it may have
+                # faulted before the model runner recorded it, and a PREEMPTED one is sent
+                # as cached (the runner's KeyError). A runner that has it takes it as vLLM's
+                # streaming update (new blocks, 0 computed, same prompt).
+                request.status = waiting
         self.reruns = {rid: n for rid, n in self.reruns.items() if rid in scheduler.requests}
         poison = self.probe.faulted([r.request_id for r in running], own)
         if poison is not None:
