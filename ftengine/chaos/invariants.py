@@ -101,6 +101,17 @@ class RequestTally:
     wrong_tokens: int = 0
     gaps_or_repeats: int = 0
 
+    def fields(self) -> dict[str, int]:
+        """The counts as a campaign's JSON names them."""
+        return {
+            "requests_completed": self.completed,
+            "requests_lost": self.lost,
+            "requests_aborted_with_reason": self.aborted_with_reason,
+            "requests_refused_503": self.refused,
+            "wrong_tokens": self.wrong_tokens,
+            "stream_gaps_or_repeats": self.gaps_or_repeats,
+        }
+
 
 def check_request(record: StreamRecord, reference: Sequence[int], max_tokens: int) -> list[str]:
     """The invariants one stream violates, each as ``name: detail``."""

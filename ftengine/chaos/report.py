@@ -32,13 +32,22 @@ def spread(values: Sequence[float]) -> dict[str, float] | None:
     }
 
 
-def _by_kind(campaign: Campaign, field: str) -> dict[str, dict[str, float] | None]:
+def by_kind(results: Sequence[Any], field: str) -> dict[str, dict[str, float] | None]:
+    """``spread`` of one timing ``field`` of the fault results, per fault kind."""
     values: dict[str, list[float]] = collections.defaultdict(list)
-    for result in campaign.results:
+    for result in results:
         value = getattr(result, field)
         if value is not None:
             values[result.kind.value].append(value)
     return {kind: spread(v) for kind, v in sorted(values.items())}
+
+
+def fault_counts(results: Sequence[Any]) -> dict[str, Any]:
+    """How many faults of each kind ran, and how many during a recovery."""
+    return {
+        "by_kind": dict(sorted(collections.Counter(r.kind.value for r in results).items())),
+        "during_recovery": sum(1 for r in results if r.when.value == "recovery"),
+    }
 
 
 def request_violations(campaign: Campaign, reference: Sequence[Sequence[int]]) -> tuple[Any, ...]:
@@ -99,25 +108,17 @@ def summary(
         "faults_planned": len(campaign.plan),
         "only": None if campaign.options.only is None else list(campaign.options.only),
         "interrupted": campaign.interrupted.is_set(),
-        "by_kind": dict(
-            sorted(collections.Counter(r.kind.value for r in campaign.results).items())
-        ),
-        "during_recovery": sum(1 for r in campaign.results if r.when.value == "recovery"),
+        **fault_counts(campaign.results),
         "hangs": names["stuck_unhealthy"] + len(hang_entries) + unfinished,
         "stuck_unhealthy": names["stuck_unhealthy"],
         "split_brain": names["split_brain"],
-        "requests_completed": counts.completed,
-        "requests_lost": counts.lost,
-        "requests_aborted_with_reason": counts.aborted_with_reason,
-        "requests_refused_503": counts.refused,
-        "wrong_tokens": counts.wrong_tokens,
-        "stream_gaps_or_repeats": counts.gaps_or_repeats,
+        **counts.fields(),
         "orphans": leftovers.count,
         "orphan_detail": leftovers.to_dict(),
         "rss_growth_ratio": None if ratio is None else round(ratio, 4),
         "max_recoveries_per_deployment": max(campaign.recoveries_per_deployment, default=0),
-        "detect_s": _by_kind(campaign, "detect_s"),
-        "recover_s": _by_kind(campaign, "recover_s"),
+        "detect_s": by_kind(campaign.results, "detect_s"),
+        "recover_s": by_kind(campaign.results, "recover_s"),
         "outcomes": dict(collections.Counter(r.outcome for r in campaign.results)),
         "rebuilds": campaign.rebuilds,
         "unplanned_faults": campaign.unplanned,

@@ -12,20 +12,11 @@ from typing import Any
 from ftengine.chaos.deployment import Leftovers
 from ftengine.chaos.interrupt import run_until_interrupted
 from ftengine.chaos.invariants import Violation, check_request, fault_at, tally
-from ftengine.chaos.report import run_violations, spread
+from ftengine.chaos.report import by_kind, fault_counts, run_violations, spread
 from ftengine.chaos.traffic import StreamRecord
 from ftengine.chaos.vllm_campaign import VllmCampaign
 from ftengine.chaos.vllm_options import VllmCampaignOptions
 from ftengine.chaos.vllm_plan import NOT_COVERED
-
-
-def _by_kind(campaign: VllmCampaign, field: str) -> dict[str, dict[str, float] | None]:
-    values: dict[str, list[float]] = collections.defaultdict(list)
-    for result in campaign.results:
-        value = getattr(result, field)
-        if value is not None:
-            values[result.kind.value].append(value)
-    return {kind: spread(v) for kind, v in sorted(values.items())}
 
 
 def coalesced(record: StreamRecord, problems: list[str]) -> bool:
@@ -94,26 +85,18 @@ def summary(campaign: VllmCampaign, leftovers: Leftovers, duration_s: float) -> 
         "faults_injected": len(campaign.results),
         "faults_planned": len(campaign.plan),
         "interrupted": campaign.interrupted.is_set(),
-        "by_kind": dict(
-            sorted(collections.Counter(r.kind.value for r in campaign.results).items())
-        ),
-        "during_recovery": sum(1 for r in campaign.results if r.when.value == "recovery"),
+        **fault_counts(campaign.results),
         "hangs": names["stuck_unhealthy"] + len(hangs) + sum(r.ended is None for r in records),
         "stuck_unhealthy": names["stuck_unhealthy"],
         "split_brain": 0,
-        "requests_completed": counts.completed,
-        "requests_lost": counts.lost,
-        "requests_aborted_with_reason": counts.aborted_with_reason,
-        "requests_refused_503": counts.refused,
-        "wrong_tokens": counts.wrong_tokens,
-        "stream_gaps_or_repeats": counts.gaps_or_repeats,
+        **counts.fields(),
         "streams_coalesced": _coalesced(campaign, records),
         "orphans": leftovers.count,
         "orphan_detail": leftovers.to_dict(),
         "rss_growth_ratio": None if ratio is None else round(ratio, 4),
         "max_recoveries_per_deployment": max(campaign.recoveries_per_deployment, default=0),
-        "detect_s": _by_kind(campaign, "detect_s"),
-        "recover_s": _by_kind(campaign, "recover_s"),
+        "detect_s": by_kind(campaign.results, "detect_s"),
+        "recover_s": by_kind(campaign.results, "recover_s"),
         "outcomes": dict(collections.Counter(r.outcome for r in campaign.results)),
         "rebuilds": campaign.rebuilds,
         "violations": [v.to_dict() for v in violations],

@@ -27,6 +27,7 @@ import attrs
 from ftengine.backends.base import RepairReport
 from ftengine.errors import PlacementError
 from ftengine.integrations.vllm.experts_rehost import (
+    CpuExpertRehoster,
     Hosting,
     Hosts,
     RehostPlan,
@@ -115,7 +116,7 @@ def plan_activation(hosting: Hosting, standby: Standby, dead: frozenset[int]) ->
     return StandbyPlan(_frozen(activated), rest, Standby(remaining))
 
 
-class StandbyRehoster:
+class StandbyRehoster(CpuExpertRehoster):
     """One CPU worker's failure-aware re-hosting: :meth:`load` the standby copies at start-up
     (after ``load_model``), then each :meth:`repair` activates them in place and reloads the
     rest. Same arguments as ``CpuExpertRehoster``; every survivor tracks the cluster-wide
@@ -129,11 +130,7 @@ class StandbyRehoster:
         ep_rank: int,
         ep_size: int,
     ) -> None:
-        self._layers = layers
-        self._checkpoint = checkpoint
-        self.ep_rank = ep_rank
-        self.ep_size = ep_size
-        self.hosting: Hosting | None = None
+        super().__init__(layers, checkpoint, ep_rank=ep_rank, ep_size=ep_size)
         self.standby: Standby | None = None
         self.rows: list[dict[int, int]] = []
         """Per MoE layer (model order): this rank's standby copies, logical expert -> row."""
