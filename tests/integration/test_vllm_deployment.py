@@ -29,6 +29,7 @@ from ftengine.integrations.vllm.launcher import (
     VllmDeployment,
 )
 from ftengine.integrations.vllm.plugin import FAULT_FILE_ENV
+from tests.stream_support import OpenAIStream
 from tests.vllm_support import (
     TEST_DTYPE,
     free_port_run,
@@ -171,6 +172,22 @@ def test_greedy_answers_equal_transformers_on_every_rank(
         assert f'ftengine_engine_phase{{engine="{rank}",phase="running"}} 1.0' in metrics
 
 
+STREAM_PROMPTS = ([1, 2, 3, 4], [5, 6, 7], [8, 9, 10, 11, 12], [13, 14])
+STREAM_TOKENS = 96  # long enough that the fault lands mid-generation
+
+
+def start_streams(deployment: VllmDeployment, checkpoint: Path) -> list[OpenAIStream]:
+    """One greedy stream per ``STREAM_PROMPTS``, alternating between the ranks' servers."""
+    urls = deployment.urls
+    streams = [
+        OpenAIStream(urls[i % len(urls)], str(checkpoint), p, STREAM_TOKENS, 240.0)
+        for i, p in enumerate(STREAM_PROMPTS)
+    ]
+    for stream in streams:
+        stream.start()
+    return streams
+
+
 @pytest.mark.timeout(900)
 def test_injected_fault_then_retry_on_every_rank_answers_as_before(
     deployment: VllmDeployment,
@@ -178,10 +195,18 @@ def test_injected_fault_then_retry_on_every_rank_answers_as_before(
     checkpoint: Path,
     fault_file: Path,
 ) -> None:
-    fault_file.write_text("1")
-    client = openai.OpenAI(base_url=f"{deployment.urls[1]}/v1", api_key="unused", timeout=120)
-    aborted = client.completions.create(model=str(checkpoint), prompt=PROMPTS[0], max_tokens=4)
-    assert aborted.choices[0].finish_reason == "abort"
+    """Without re-inference (vLLM's behaviour, the default) the streams in flight on both
+    ranks at the fault end ``abort`` with a prefix of their fault-free tokens."""
+    reference = start_streams(deployment, checkpoint)
+    for stream in reference:
+        stream.finish()
+        assert stream.finish_reason == "length", (stream.prompt, stream.stop_reason)
+    streams = start_streams(deployment, checkpoint)
+    deadline = time.monotonic() + 120
+    while not all(len(s.tokens) >= 2 for s in streams):
+        assert time.monotonic() < deadline, [(len(s.tokens), s.error) for s in streams]
+        time.sleep(0.01)
+    fault_file.write_text("1")  # rank 1's next step raises
     # Rank 0 waits in the step's all-gather until the op timeout; then both are faulted.
     wait_for(deployment, {0: "unhealthy", 1: "unhealthy"}, OP_TIMEOUT_S + 20)
     for url in deployment.urls:
@@ -193,6 +218,11 @@ def test_injected_fault_then_retry_on_every_rank_answers_as_before(
         ("healthy", 1, []),
         ("healthy", 1, []),
     ]
+    for stream, fault_free in zip(streams, reference, strict=True):
+        stream.finish()
+        want = fault_free.tokens
+        assert stream.finish_reason == "abort", (stream.prompt, stream.tokens)
+        assert stream.tokens == want[: len(stream.tokens)] and len(stream.tokens) < len(want)
     after = [complete(url, checkpoint) for url in deployment.urls]
     assert after == before
     print(f"retry: every rank healthy {retry_s:.3f} s after the commands")

@@ -3,16 +3,15 @@ concurrent streaming clients (the official ``openai`` client) on both ranks' ser
 streaming through an injected fault and ``retry``, and each ends with exactly the tokens of
 the same requests without a fault, every token streamed once (no gap, no repeat). The bound
 holds with ``max_reinference`` 1: requests running in two faulted steps are aborted with the
-reason in ``stop_reason``. With re-inference off the same fault aborts them (vLLM's
-behaviour), so the first test can fail. Requests whose very first step faulted (before the
-model runner recorded them) resume exactly too. A poison request (its prompt holds a token the
+reason in ``stop_reason``. With re-inference off the same fault aborts such streams
+(vLLM's behaviour: ``test_vllm_deployment``'s fault test), so the first test can fail.
+Requests whose very first step faulted (before the model runner recorded them) resume
+exactly too. A poison request (its prompt holds a token the
 fault injection keys on: after its first token every step that runs it raises) sent to rank
 1 beside three streams mid-generation is aborted alone with the poison reason after its lone
 re-run faults again; its batch-mates end with exactly the fault-free tokens.
 
-One deployment per setting (``deployed`` is parametrised indirectly, module-scoped: pytest
-runs the tests of one setting together and stops its deployment before it starts the next,
-so at most one runs at a time); each costs ~4 GB and 1-2 min to start."""
+One deployment for the module (~4 GB, 1-2 min to start here)."""
 
 from __future__ import annotations
 
@@ -46,7 +45,6 @@ MAX_REINFERENCE = 1
 class Deployed:
     started: VllmDeployment
     fault_file: Path
-    reinference: bool
 
     @property
     def model(self) -> str:
@@ -125,13 +123,10 @@ def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def deployed(
-    request: pytest.FixtureRequest, checkpoint: Path, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[Deployed]:
-    reinference = bool(request.param)  # indirect: each test names the settings it runs on
+def deployed(checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Deployed]:
     fault_file = tmp_path_factory.mktemp("fault") / "inject"
     options: dict[str, Any] = {"cpu_distributed_timeout_sec": OP_TIMEOUT_S}
-    options.update(reinference=reinference, max_reinference=MAX_REINFERENCE)
+    options.update(reinference=True, max_reinference=MAX_REINFERENCE)
     config = DeploymentConfig(
         checkpoint,
         dp_size=2,
@@ -143,7 +138,7 @@ def deployed(
         startup_timeout_s=400.0,
     )
     with VllmDeployment.start(config) as started:
-        yield Deployed(started, fault_file, reinference)
+        yield Deployed(started, fault_file)
 
 
 @pytest.fixture(scope="module")
@@ -157,27 +152,19 @@ def reference(deployed: Deployed) -> list[list[int]]:
 
 
 @pytest.mark.timeout(900)
-@pytest.mark.parametrize("deployed", [True, False], ids=["on", "off"], indirect=True)
-def test_retry_keeps_every_stream_exact_or_aborts_it_without_reinference(
-    deployed: Deployed, reference: list[list[int]]
-) -> None:
+def test_retry_keeps_every_stream_exact(deployed: Deployed, reference: list[list[int]]) -> None:
     streams = start_streams(deployed)
     wait_tokens(streams, 2)
     counts = fault_then_retry(deployed, streams)
     assert any(0 < n < TOKENS for n in counts), f"no stream was mid-generation: {counts}"
     for stream, want in zip(streams, reference, strict=True):
         stream.finish()
-        if deployed.reinference:
-            assert stream.finish_reason == "length", (stream.prompt, stream.tokens)
-            assert stream.tokens == want, f"prompt {stream.prompt}: {stream.chunks}"
-            assert all(len(chunk) <= 1 for chunk in stream.chunks), stream.chunks
-        else:
-            assert stream.finish_reason == "abort", (stream.prompt, stream.tokens)
-            assert stream.tokens == want[: len(stream.tokens)] and len(stream.tokens) < TOKENS
+        assert stream.finish_reason == "length", (stream.prompt, stream.tokens)
+        assert stream.tokens == want, f"prompt {stream.prompt}: {stream.chunks}"
+        assert all(len(chunk) <= 1 for chunk in stream.chunks), stream.chunks
 
 
 @pytest.mark.timeout(900)
-@pytest.mark.parametrize("deployed", [True], ids=["on"], indirect=True)
 def test_requests_in_more_faulted_steps_than_max_reinference_are_aborted_with_the_reason(
     deployed: Deployed, reference: list[list[int]]
 ) -> None:
@@ -200,7 +187,6 @@ def test_requests_in_more_faulted_steps_than_max_reinference_are_aborted_with_th
 
 
 @pytest.mark.timeout(900)
-@pytest.mark.parametrize("deployed", [True], ids=["on"], indirect=True)
 def test_requests_whose_first_step_faulted_resume_exact(
     deployed: Deployed, reference: list[list[int]]
 ) -> None:
@@ -223,7 +209,6 @@ POISON = 42  # a token id in no prompt of PROMPTS
 
 
 @pytest.mark.timeout(900)
-@pytest.mark.parametrize("deployed", [True], ids=["on"], indirect=True)
 def test_a_poison_request_is_aborted_alone_and_its_batch_mates_finish_exact(
     deployed: Deployed, reference: list[list[int]]
 ) -> None:
