@@ -10,7 +10,12 @@ import pytest
 
 from ftengine.cli import main
 from ftengine.errors import ConfigError
-from ftengine.integrations.vllm.launcher import API_SERVER_MODULE, DeploymentConfig
+from ftengine.integrations.vllm.launcher import (
+    API_SERVER_MODULE,
+    OMP_BIND_ENV,
+    DeploymentConfig,
+    rank_env,
+)
 
 
 @pytest.fixture
@@ -58,6 +63,23 @@ def test_without_fault_tolerance_no_ft_flags(checkpoint: Path) -> None:
     argv = DeploymentConfig(checkpoint, fault_tolerance=False).argv(0, rpc_port=1)
     assert "--enable-fault-tolerance" not in argv and "--fault-tolerance-config" not in argv
     assert "--dtype" not in argv  # "auto": vLLM's own default, the checkpoint's dtype
+
+
+def test_each_rank_binds_its_cpu_worker_to_a_core_of_its_own(
+    checkpoint: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: {2, 5})
+    config = DeploymentConfig(checkpoint, dp_size=4, env={"X": "1"})
+    envs = [rank_env(config, rank, {"PATH": "/bin", "VLLM_PLUGINS": "other"}) for rank in range(4)]
+    assert [env[OMP_BIND_ENV] for env in envs] == ["2", "5", "2", "5"]
+    assert all(env["X"] == "1" and env["PATH"] == "/bin" for env in envs)
+    assert envs[0]["VLLM_PLUGINS"].split(",") == ["other", "ftengine"]
+
+
+def test_a_binding_the_user_set_is_kept(checkpoint: Path) -> None:
+    chosen = DeploymentConfig(checkpoint, env={OMP_BIND_ENV: "nobind"})
+    assert rank_env(chosen, 1, {})[OMP_BIND_ENV] == "nobind"
+    assert rank_env(DeploymentConfig(checkpoint), 1, {OMP_BIND_ENV: "0"})[OMP_BIND_ENV] == "0"
 
 
 @pytest.mark.parametrize(
