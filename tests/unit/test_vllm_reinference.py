@@ -264,17 +264,13 @@ def test_the_seams_re_inference_calls_are_where_it_expects_them() -> None:
         moved.target()
 
 
-def test_a_request_without_the_in_flight_counts_fails_the_seam_check(
-    monkeypatch: pytest.MonkeyPatch,
+@pytest.mark.parametrize(
+    ("names", "known"),
+    [("REQUEST_FIELDS", "num_in_flight_tokens"), ("REQUEST_PROPERTIES", "num_output_tokens")],
+)
+def test_a_request_without_a_field_or_property_the_hold_uses_fails_the_seam_check(
+    monkeypatch: pytest.MonkeyPatch, names: str, known: str
 ) -> None:
-    monkeypatch.setattr(patches, "REQUEST_FIELDS", ("num_in_flight_tokens", "no_such_count"))
-    with pytest.raises(VllmSeamMoved, match=r"found no \['no_such_count'\]"):
-        check_reinference_seams()
-
-
-def test_a_request_without_the_output_count_fails_the_seam_check(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    monkeypatch.setattr(patches, "REQUEST_PROPERTIES", ("num_output_tokens", "no_such_count"))
+    monkeypatch.setattr(patches, names, (known, "no_such_count"))
     with pytest.raises(VllmSeamMoved, match=r"found no \['no_such_count'\]"):
         check_reinference_seams()
