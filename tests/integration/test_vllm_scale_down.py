@@ -284,11 +284,11 @@ def test_sigkill_mid_traffic_then_scale_down_answers_as_before(
         assert stream.finish_reason == "length", (where, stream.stop_reason, stream.tokens)
         assert stream.tokens == want.tokens, f"{where} prompt {stream.prompt}: {stream.chunks}"
     for i, (stream, seen) in enumerate(zip(streams, at_kill, strict=True)):
-        # Before the kill one step, one token. After it an API server that lags its engine
-        # merges deltas: the survivor's, serving six streams on these loaded cores, sent
-        # chunks of up to 8 tokens, still a stream; the victim's, fed the survivor's tokens
-        # for three requests at once, up to 93 (docs/vllm-dev-notes.md): exact either way.
-        assert all(len(chunk) <= 1 for chunk in stream.chunks[:seen]), stream.chunks
+        # An API server that lags its engine merges a request's deltas (vLLM's
+        # RequestOutputCollector): the survivor's, serving six streams on these loaded cores,
+        # sent chunks of up to 8 tokens after the kill, still a stream; the victim's, fed the
+        # survivor's tokens for three requests at once, up to 93 (docs/vllm-dev-notes.md).
+        # The tokens are exact either way (above).
         if i < len(STREAMED):
             assert sum(1 for chunk in stream.chunks[seen:] if chunk) >= 2, stream.chunks
     report_latency(streams, reference)
