@@ -27,7 +27,7 @@ class NpuDeployment:
     ``fused_mc2``: vllm-ascend's ``enable_fused_mc2`` (its fused dispatch/FFN/combine ops
     take no ``elastic_info``); ``hierarchical_comm``: ``enable_mc2_hierarchy_comm``;
     ``has_dispatch_v2``: whether torch_npu offers ``npu_moe_distribute_dispatch_v2`` /
-    ``combine_v2``; ``elastic_info_kernels``: whether CANN has the aclnn V3 MC2 kernels
+    ``combine_v2``; ``elastic_info_kernels``: whether CANN has the aclnn V4 / V3 MC2 kernels
     those switch to when ``elastic_info`` is passed (None: could not tell, warned);
     ``device_type``: vllm-ascend's ``AscendDeviceType`` name ("A2", "A3", ...; the op docs
     list ``elastic_info`` as reserved, unsupported, on Atlas A2).
@@ -70,8 +70,10 @@ def scale_down_problems(deployment: NpuDeployment) -> tuple[str, ...]:
         )
     if deployment.elastic_info_kernels is False:
         problems.append(
-            "CANN lacks aclnnMoeDistributeDispatchV3 / CombineV3, which dispatch_v2 / "
-            "combine_v2 need once elastic_info is passed: upgrade CANN"
+            "CANN lacks the aclnn MC2 kernels dispatch_v2 / combine_v2 need once "
+            "elastic_info is passed (aclnnMoeDistributeDispatchV4 / aclnnMoeDistributeCombineV4, "
+            "or aclnnMoeDistributeDispatchV3 / aclnnMoeDistributeCombineV3; every CANN "
+            "op-API library was searched): install CANN 8.5.x"
         )
     if deployment.device_type != ELASTIC_INFO_DEVICE:
         problems.append(
@@ -86,8 +88,9 @@ def check_scale_down(deployment: NpuDeployment) -> None:
     problems = scale_down_problems(deployment)
     if deployment.elastic_info_kernels is None:
         logger.warning(
-            "could not tell whether CANN has the aclnn V3 MC2 kernels elastic_info needs; "
-            "the first dummy batch of a scale-down will fail if it does not"
+            "could not tell whether CANN has the aclnn V4 / V3 MC2 kernels elastic_info "
+            "needs (some op-API library did not load); the first dummy batch of a "
+            "scale-down will fail if it does not"
         )
     if problems:
         raise PreconditionFailed(

@@ -33,6 +33,19 @@ the group not yet resumed by reinit_process_group."""
 
 ACLNN_V3 = ("aclnnMoeDistributeDispatchV3", "aclnnMoeDistributeCombineV3")
 """The CANN kernels torch_npu's dispatch_v2 / combine_v2 switch to when elastic_info is given."""
+ACLNN_V4 = ("aclnnMoeDistributeDispatchV4", "aclnnMoeDistributeCombineV4")
+"""Their successors, which op-plugin prefers when CANN exports them."""
+MC2_LIBRARY = "libopapi_transformer.so"
+"""The op-API library CANN's ops-transformer builds the MC2 kernels into."""
+OTHER_OPAPI_LIBRARIES = (
+    "libopapi_math.so",
+    "libopapi_nn.so",
+    "libopapi_cv.so",
+    "libopapi_oam.so",
+    "libopapi_legacy.so",
+    "libopapi.so",
+)
+"""The other op-API libraries of the fake CANN (none exports an MC2 kernel)."""
 
 DISPATCH, COMBINE = "npu_moe_distribute_dispatch_v2", "npu_moe_distribute_combine_v2"
 """The MC2 ops as the fake torch_npu records them."""
@@ -76,6 +89,11 @@ class FakeNpuState:
         self.last_dispatch: dict[str, Any] | None = None
         self.soc = "A3"
         self.aclnn: set[str] = set(ACLNN_V3)
+        # The fake CANN's op-API libraries by file name; the MC2 one exports ``aclnn``.
+        self.opapi_libraries: dict[str, set[str]] = {
+            **{name: set() for name in OTHER_OPAPI_LIBRARIES},
+            MC2_LIBRARY: self.aclnn,
+        }
         self.hccl_groups: dict[str, str] = {DEFAULT_GROUP: RUNNING}
         self._formats: dict[int, tuple[int, torch.Tensor]] = {}
 
@@ -119,6 +137,13 @@ class FakeNpuState:
     def has_aclnn(self, symbol: str) -> bool:
         """Whether the fake CANN exports ``symbol`` (the runtime's aclnn probe in tests)."""
         return symbol in self.aclnn
+
+    def load_library(self, name: str) -> object:
+        """``ctypes.CDLL(name)`` on the fake CANN: an object with one attribute per exported
+        symbol; ``OSError`` for a library this CANN does not have (as ``dlopen`` fails)."""
+        if name not in self.opapi_libraries:
+            raise OSError(f"{name}: cannot open shared object file: No such file or directory")
+        return type(name, (), dict.fromkeys(self.opapi_libraries[name], None))()
 
     # HCCL groups ---------------------------------------------------------------------------
 
