@@ -175,9 +175,7 @@ class NpuRuntime:
         """Whether CANN has a whole aclnn V4 or V3 MC2 kernel pair, which ``elastic_info``
         needs: True when one pair is found, False only when every pair is known to lack a
         kernel, None (unknown) otherwise."""
-        answers = [
-            [self._aclnn_probe(symbol) for symbol in pair] for pair in ELASTIC_INFO_KERNELS
-        ]
+        answers = [[self._aclnn_probe(symbol) for symbol in pair] for pair in ELASTIC_INFO_KERNELS]
         if any(all(answer is True for answer in pair) for pair in answers):
             return True
         if all(any(answer is False for answer in pair) for pair in answers):

@@ -32,21 +32,29 @@ TORCH_NPU_DEFAULT_OP_TIMEOUT_MS = 547_000
 """torch_npu's op timeout when nobody set one (``kMaxOpExecuteTimeOut``, 547 s)."""
 
 
-def validate_abort_timeout(value: object, *, key: str = ABORT_TIMEOUT_KEY) -> int:
+def validate_abort_timeout(
+    value: object, *, key: str = ABORT_TIMEOUT_KEY, integral_float: bool = False
+) -> int:
     """Check T: 0 (off) or an integer >= 2 (``HCCL_EXEC_TIMEOUT = T - 1`` must stay >= 1).
 
-    Integral floats (``30.0``) are accepted; booleans, fractions, negatives and 1 are not.
+    As vLLM-Ascend does for ``ft_communication_abort_timeout`` (#14113 ``ascend_config.py``),
+    only an int is accepted: ``30.0`` is rejected. ``integral_float`` admits ``30.0`` for the
+    backend call, whose protocol takes float seconds; booleans, fractions, negatives and 1
+    are never accepted.
     """
-    if isinstance(value, bool) or not isinstance(value, int | float):
+    accepted = int | float if integral_float else int
+    if isinstance(value, bool) or not isinstance(value, accepted):
         raise ConfigError(
             f"{key} must be an integer number of seconds (0 = off, else >= 2), "
             f"found {value!r} of type {type(value).__name__}"
+            + (f"; write {int(value)}" if isinstance(value, float) and value.is_integer() else "")
         )
     if isinstance(value, float) and not value.is_integer():
         raise ConfigError(
             f"{key} must be a whole number of seconds (0 = off, else >= 2), found {value!r}; "
             f"round it to {max(2, round(value))}"
         )
+    assert isinstance(value, int | float)
     seconds = int(value)
     if seconds < 0 or seconds == 1:
         raise ConfigError(
@@ -145,7 +153,7 @@ class OpTimeoutController:
         Nothing is changed when T > 0 and this torch_npu has no ``set_op_timeout_ms``
         (``TorchNpuUnavailable`` naming the torch_npu and CANN versions it needs).
         """
-        seconds = validate_abort_timeout(seconds)
+        seconds = validate_abort_timeout(seconds, integral_float=True)
         if seconds > 0 and not self._runtime.has_op_timeout:
             raise op_timeout_missing(self._runtime.version, seconds * 1000)
         user_env = {
