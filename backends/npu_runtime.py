@@ -22,6 +22,7 @@ logger = logging.getLogger(__name__)
 # Attribute paths (relative to the torch_npu module) the backend cannot run without.
 REQUIRED_APIS: tuple[str, ...] = (
     "npu.set_device",
+    "npu.current_stream",
     "npu.synchronize",
     "npu.stop_device",
     "npu.restart_device",
@@ -190,6 +191,13 @@ class NpuRuntime:
 
     def set_device(self, index: int) -> None:
         self._mod.npu.set_device(index)
+
+    def initialise_device(self, index: int) -> None:
+        """Set NPU ``index`` and make torch_npu initialise it now: with CANN >= 8.3.RC1
+        (lazy set-device) torch_npu's lazy initialisation runs on the first stream use and
+        sets the op timeout back to its default (547 s), so a timeout must be set after it."""
+        self._mod.npu.set_device(index)
+        self._mod.npu.current_stream()
 
     def stop_device(self, index: int) -> None:
         """Stop the device: clear queued work, mark every HCCL watchdog STOP.
