@@ -3,7 +3,8 @@
 Put ``tests/fakes`` on ``sys.path`` (``tests.fakes.npu_install.fake_torch_npu``) and
 ``import torch_npu`` finds this package. Every call lands in ``tests.fakes.npu_state.STATE``.
 The functions take exactly the published signatures (of the torch_npu release
-``STATE.version`` names, and the op-plugin schemas), so a misspelt keyword raises ``TypeError`` here as it does on a real NPU.
+``STATE.version`` names, and the op-plugin schemas), so a misspelt keyword raises
+``TypeError`` here as it does on a real NPU.
 ``npu_format_cast`` keeps the logical size, as torch_npu does, and remembers the format.
 """
 
