@@ -30,7 +30,10 @@ class NpuDeployment:
     ``combine_v2``; ``elastic_info_kernels``: whether CANN has the aclnn V4 / V3 MC2 kernels
     those switch to when ``elastic_info`` is passed (None: could not tell, warned);
     ``device_type``: vllm-ascend's ``AscendDeviceType`` name ("A2", "A3", ...; the op docs
-    list ``elastic_info`` as reserved, unsupported, on Atlas A2).
+    list ``elastic_info`` as reserved, unsupported, on Atlas A2); ``mc2_dispatch_v3``: MC2's
+    V3 dispatch path is on (its ``elastic_info`` is refreshed by a call ftengine does not
+    make); ``unmanaged_eplb_models``: EPLB models besides the served one (the MTP drafter),
+    whose maps and routing tables a scale-down would leave pointing at dead ranks.
     """
 
     model_runner: str = "v2"
@@ -41,6 +44,8 @@ class NpuDeployment:
     has_dispatch_v2: bool = True
     elastic_info_kernels: bool | None = True
     device_type: str = ELASTIC_INFO_DEVICE
+    mc2_dispatch_v3: bool = False
+    unmanaged_eplb_models: tuple[str, ...] = ()
 
 
 def scale_down_problems(deployment: NpuDeployment) -> tuple[str, ...]:
@@ -74,6 +79,19 @@ def scale_down_problems(deployment: NpuDeployment) -> tuple[str, ...]:
             "elastic_info is passed (aclnnMoeDistributeDispatchV4 / aclnnMoeDistributeCombineV4, "
             "or aclnnMoeDistributeDispatchV3 / aclnnMoeDistributeCombineV3; every CANN "
             "op-API library was searched): install CANN 8.5.x"
+        )
+    if deployment.mc2_dispatch_v3:
+        problems.append(
+            "scale-down does not support vLLM-Ascend's MC2 V3 dispatch "
+            "(VLLM_ASCEND_ENABLE_MOE_DISTRIBUTE_V3): its elastic_info is refreshed by "
+            "set_v3_elastic_info_from_ep(), which ftengine does not call; unset the variable"
+        )
+    if deployment.unmanaged_eplb_models:
+        problems.append(
+            "scale-down updates the EPLB maps and routing tables of the served model only; "
+            f"{', '.join(deployment.unmanaged_eplb_models)} would keep routing to dead ranks "
+            "(vLLM-Ascend's own sentinel also refreshes the MTP drafter's EPLB state): turn "
+            "MTP off for scale-down"
         )
     if deployment.device_type != ELASTIC_INFO_DEVICE:
         problems.append(

@@ -13,6 +13,7 @@ import pytest
 from ftengine.backends.npu_config import NpuFtConfig
 from ftengine.weights.index import CheckpointIndex
 from tests.fakes.npu_host import EP_GROUP, make_npu_rig
+from tests.fakes.vllm_ascend_rig import SchedulerOutput, start_worker
 from tests.fakes.npu_state import (
     DEFAULT_GROUP,
     DEFAULT_OP_TIMEOUT_MS,
@@ -23,6 +24,8 @@ from tests.unit.npu_fixtures import MC2_HIDDEN, TinyCheckpoints
 from tests.unit.npu_fixtures import npu_state as npu_state
 from tests.unit.npu_fixtures import tiny_checkpoints as tiny_checkpoints
 from tests.unit.npu_fixtures import versioned_npu_state as versioned_npu_state
+from tests.unit.test_vllm_npu import command
+from tests.unit.test_vllm_npu import isolated as isolated
 
 T = 30
 """ft_communication_abort_timeout of these tests (seconds)."""
@@ -106,9 +109,6 @@ def test_restart_device_takes_each_releases_signature(versioned_npu_state: FakeN
 def test_on_vllm_ascend_the_op_timeout_holds_after_warm_up_and_after_a_retry(
     npu_state: FakeNpuState, tiny_checkpoints: TinyCheckpoints
 ) -> None:
-    from tests.fakes.vllm_ascend_rig import SchedulerOutput, start_worker
-    from tests.unit.test_vllm_npu import command
-
     path: Path = tiny_checkpoints.path(layers=1, experts=8, hidden=MC2_HIDDEN)
     rig = start_worker(
         path, dp_rank=1, redundant=4, additional={"ft_communication_abort_timeout": T}
