@@ -13,13 +13,13 @@ import pytest
 from ftengine.backends.npu_config import NpuFtConfig
 from ftengine.weights.index import CheckpointIndex
 from tests.fakes.npu_host import EP_GROUP, make_npu_rig
-from tests.fakes.vllm_ascend_rig import SchedulerOutput, start_worker
 from tests.fakes.npu_state import (
     DEFAULT_GROUP,
     DEFAULT_OP_TIMEOUT_MS,
     WATCHDOG_RUN,
     FakeNpuState,
 )
+from tests.fakes.vllm_ascend_rig import SchedulerOutput, start_worker
 from tests.unit.npu_fixtures import MC2_HIDDEN, TinyCheckpoints
 from tests.unit.npu_fixtures import npu_state as npu_state
 from tests.unit.npu_fixtures import tiny_checkpoints as tiny_checkpoints
