@@ -45,19 +45,21 @@ def validate_abort_timeout(
     backend call, whose protocol takes float seconds; booleans, fractions, negatives and 1
     are never accepted.
     """
-    accepted = int | float if integral_float else int
-    if isinstance(value, bool) or not isinstance(value, accepted):
+    if isinstance(value, bool) or not isinstance(value, int | float):
         raise ConfigError(
             f"{key} must be an integer number of seconds (0 = off, else >= 2), "
             f"found {value!r} of type {type(value).__name__}"
-            + (f"; write {int(value)}" if isinstance(value, float) and value.is_integer() else "")
         )
     if isinstance(value, float) and not value.is_integer():
         raise ConfigError(
             f"{key} must be a whole number of seconds (0 = off, else >= 2), found {value!r}; "
             f"round it to {max(2, round(value))}"
         )
-    assert isinstance(value, int | float)
+    if isinstance(value, float) and not integral_float:
+        raise ConfigError(
+            f"{key} must be an integer number of seconds, found {value!r} (a float, which "
+            f"vLLM-Ascend rejects too): write {int(value)}"
+        )
     seconds = int(value)
     if seconds < 0 or seconds == 1:
         raise ConfigError(

@@ -8,6 +8,7 @@ import importlib
 from typing import Any
 
 import pytest
+import torch
 
 from ftengine.errors import PreconditionFailed
 from ftengine.faults import HealthStatus
@@ -75,7 +76,8 @@ def test_a_mask_cleared_by_megamoes_clean_buffers_is_applied_again(
         assert rig.manager.get_elastic_info().tolist() == expected
         assert rig.manager.query_active_mask().tolist() == [0, 1, 0, 0]
         rig.worker.execute_model(SchedulerOutput(["r1"]))  # MC2 with rank 1 masked
-        assert npu_state.of(DISPATCH)[-1].kwargs["elastic_info"].tolist() == expected
+        info = npu_state.of(DISPATCH)[-1].kwargs["elastic_info"]
+        assert isinstance(info, torch.Tensor) and info.tolist() == expected
 
 
 def test_mc2_v3_dispatch_refuses_scale_down_naming_the_variable(
