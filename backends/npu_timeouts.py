@@ -191,7 +191,10 @@ class OpTimeoutController:
         self._installed_ms = plan.op_timeout_ms
         self.plan = plan
         logger.info(
-            "op timeout applied: %s ms in effect",
+            "op timeout applied: %s ms in effect"
+            if self._device_index is not None or plan.op_timeout_ms is None
+            else "op timeout set to %s ms before the device is initialised (torch_npu's lazy "
+            "initialisation may set its default again; the NPU backend sets it once more)",
             plan.op_timeout_ms or "torch_npu's default",
             extra={
                 "abort_timeout_s": plan.seconds,

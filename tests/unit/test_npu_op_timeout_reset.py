@@ -107,14 +107,17 @@ def test_restart_device_takes_each_releases_signature(versioned_npu_state: FakeN
 
 
 def test_on_vllm_ascend_the_op_timeout_holds_after_warm_up_and_after_a_retry(
-    npu_state: FakeNpuState, tiny_checkpoints: TinyCheckpoints
+    npu_state: FakeNpuState, tiny_checkpoints: TinyCheckpoints, caplog: pytest.LogCaptureFixture
 ) -> None:
     path: Path = tiny_checkpoints.path(layers=1, experts=8, hidden=MC2_HIDDEN)
     rig = start_worker(
         path, dp_rank=1, redundant=4, additional={"ft_communication_abort_timeout": T}
     )
-    rig.worker.compile_or_warm_up_model()
+    caplog.clear()
+    with caplog.at_level("INFO", logger="ftengine.backends.npu_timeouts"):
+        rig.worker.compile_or_warm_up_model()
     assert npu_state.op_timeout_ms == T * 1000
+    assert f"op timeout applied: {T * 1000} ms in effect" in caplog.text  # after warm-up
     npu_state.poison()
     with pytest.raises(RuntimeError):
         rig.worker.execute_model(SchedulerOutput(["r1"]))
