@@ -93,8 +93,10 @@ class NpuBackend:
     ``group_factory`` to ``torch.distributed``; ``environ`` to ``os.environ``; ``device`` to
     ``npu:<device_index>``. With ``config.scale_down`` every unmet scale-down precondition
     is reported at once (``PreconditionFailed``) here, at start-up. The FT environment
-    (``npu_env``) and the op timeout are applied here too; vllm-ascend's glue applies them
-    earlier, before the device is set up, and this is then a no-op.
+    (``npu_env``) and the op timeout are applied here too, the op timeout on the initialised
+    device and again after every device restart (torch_npu's lazy initialisation and
+    ``restart_device`` set its default again); vllm-ascend's glue applies the environment
+    earlier, before the device is set up.
     """
 
     name = "npu"
@@ -123,10 +125,12 @@ class NpuBackend:
         self.device = device if device is not None else self.runtime.device(topology.device_index)
         env = os.environ if environ is None else environ
         apply_ft_environment(env, topology.tp_size)
-        self.timeouts = OpTimeoutController(self.runtime, env)
+        self.timeouts = OpTimeoutController(self.runtime, env, device_index=topology.device_index)
         self.timeouts.apply(self.config.communication_abort_timeout_s)
         self.groups = _owned_groups(topology, self.config, group_factory)
-        self._resetter = DeviceResetter(self.runtime, topology.device_index, self.groups)
+        self._resetter = DeviceResetter(
+            self.runtime, topology.device_index, self.groups, after_restart=self.timeouts.reapply
+        )
         self.barrier = FaultBarrier(lambda: self._resetter.reset(recreate_groups=False))
         # One elastic_info per worker, shared by every MoE layer and every MC2 call.
         self.elastic = ElasticInfo(

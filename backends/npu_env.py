@@ -1,11 +1,15 @@
-"""The process environment vllm-ascend sets for fault tolerance, besides the HCCL timeouts.
+"""The process environment fault tolerance forces on an NPU worker, besides the HCCL timeouts.
 
-With FT on, vllm-ascend's ``NPUWorker._init_device`` (PR #16145) forces
 ``TASK_QUEUE_ENABLE=0`` (with torch_npu's task queue the v2 model runner hangs on a faulted
-step instead of raising) and, with TP > 1, ``HCCL_ASYNC_ERROR_HANDLING=0`` (otherwise the
+step instead of raising) and, with TP > 1, HCCL's async error handling off (otherwise the
 HCCL watchdog tears the worker down on the first error in the TP group, before the
-sentinel can quarantine it). torch_npu and HCCL read both when the device and the
-communicators are set up, so they must be in place before ``set_device``.
+sentinel can quarantine it). The async error handling is set under both of torch_npu's
+names: ``HCCL_ASYNC_ERROR_HANDLING`` (torch_npu 7.3.0 / 26.x) and
+``TORCH_HCCL_ASYNC_ERROR_HANDLING`` (torch_npu master, which marks the old name
+deprecated and reads the new one first). torch_npu reads them on first use of the task
+queue and when the communicators are set up, so they must be in place before the device is
+set up. vLLM-Ascend's FT branches were said to force these too; no readable revision does
+(#14113 does not), so ftengine sets them itself.
 """
 
 from __future__ import annotations
@@ -18,7 +22,8 @@ from ftengine.errors import ConfigError
 logger = logging.getLogger(__name__)
 
 TASK_QUEUE_ENABLE = "TASK_QUEUE_ENABLE"
-HCCL_ASYNC_ERROR_HANDLING = "HCCL_ASYNC_ERROR_HANDLING"
+ASYNC_ERROR_HANDLING_NAMES = ("HCCL_ASYNC_ERROR_HANDLING", "TORCH_HCCL_ASYNC_ERROR_HANDLING")
+"""HCCL's async error handling under torch_npu 7.3.0 / 26.x's name and master's."""
 
 
 def ft_environment(tp_size: int) -> dict[str, str]:
@@ -27,7 +32,7 @@ def ft_environment(tp_size: int) -> dict[str, str]:
         raise ConfigError(f"tp_size must be >= 1, found {tp_size}")
     env = {TASK_QUEUE_ENABLE: "0"}
     if tp_size > 1:
-        env[HCCL_ASYNC_ERROR_HANDLING] = "0"
+        env.update(dict.fromkeys(ASYNC_ERROR_HANDLING_NAMES, "0"))
     return env
 
 
@@ -42,7 +47,7 @@ def apply_ft_environment(environ: MutableMapping[str, str], tp_size: int) -> dic
         if old is not None and old != value:
             replaced[name] = old
             logger.warning(
-                "%s=%s overridden to %s: fault tolerance needs it (vllm-ascend forces it too)",
+                "%s=%s overridden to %s: fault tolerance needs it",
                 name,
                 old,
                 value,

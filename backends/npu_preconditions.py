@@ -27,10 +27,13 @@ class NpuDeployment:
     ``fused_mc2``: vllm-ascend's ``enable_fused_mc2`` (its fused dispatch/FFN/combine ops
     take no ``elastic_info``); ``hierarchical_comm``: ``enable_mc2_hierarchy_comm``;
     ``has_dispatch_v2``: whether torch_npu offers ``npu_moe_distribute_dispatch_v2`` /
-    ``combine_v2``; ``elastic_info_kernels``: whether CANN has the aclnn V3 MC2 kernels
+    ``combine_v2``; ``elastic_info_kernels``: whether CANN has the aclnn V4 / V3 MC2 kernels
     those switch to when ``elastic_info`` is passed (None: could not tell, warned);
     ``device_type``: vllm-ascend's ``AscendDeviceType`` name ("A2", "A3", ...; the op docs
-    list ``elastic_info`` as reserved, unsupported, on Atlas A2).
+    list ``elastic_info`` as reserved, unsupported, on Atlas A2); ``mc2_dispatch_v3``: MC2's
+    V3 dispatch path is on (its ``elastic_info`` is refreshed by a call ftengine does not
+    make); ``unmanaged_eplb_models``: EPLB models besides the served one (the MTP drafter),
+    whose maps and routing tables a scale-down would leave pointing at dead ranks.
     """
 
     model_runner: str = "v2"
@@ -41,6 +44,8 @@ class NpuDeployment:
     has_dispatch_v2: bool = True
     elastic_info_kernels: bool | None = True
     device_type: str = ELASTIC_INFO_DEVICE
+    mc2_dispatch_v3: bool = False
+    unmanaged_eplb_models: tuple[str, ...] = ()
 
 
 def scale_down_problems(deployment: NpuDeployment) -> tuple[str, ...]:
@@ -70,8 +75,23 @@ def scale_down_problems(deployment: NpuDeployment) -> tuple[str, ...]:
         )
     if deployment.elastic_info_kernels is False:
         problems.append(
-            "CANN lacks aclnnMoeDistributeDispatchV3 / CombineV3, which dispatch_v2 / "
-            "combine_v2 need once elastic_info is passed: upgrade CANN"
+            "CANN lacks the aclnn MC2 kernels dispatch_v2 / combine_v2 need once "
+            "elastic_info is passed (aclnnMoeDistributeDispatchV4 / aclnnMoeDistributeCombineV4, "
+            "or aclnnMoeDistributeDispatchV3 / aclnnMoeDistributeCombineV3; every CANN "
+            "op-API library was searched): install CANN 8.5.x"
+        )
+    if deployment.mc2_dispatch_v3:
+        problems.append(
+            "scale-down does not support vLLM-Ascend's MC2 V3 dispatch "
+            "(VLLM_ASCEND_ENABLE_MOE_DISTRIBUTE_V3): its elastic_info is refreshed by "
+            "set_v3_elastic_info_from_ep(), which ftengine does not call; unset the variable"
+        )
+    if deployment.unmanaged_eplb_models:
+        problems.append(
+            "scale-down updates the EPLB maps and routing tables of the served model only; "
+            f"{', '.join(deployment.unmanaged_eplb_models)} would keep routing to dead ranks "
+            "(vLLM-Ascend's own sentinel also refreshes the MTP drafter's EPLB state): turn "
+            "MTP off for scale-down"
         )
     if deployment.device_type != ELASTIC_INFO_DEVICE:
         problems.append(
@@ -86,8 +106,9 @@ def check_scale_down(deployment: NpuDeployment) -> None:
     problems = scale_down_problems(deployment)
     if deployment.elastic_info_kernels is None:
         logger.warning(
-            "could not tell whether CANN has the aclnn V3 MC2 kernels elastic_info needs; "
-            "the first dummy batch of a scale-down will fail if it does not"
+            "could not tell whether CANN has the aclnn V4 / V3 MC2 kernels elastic_info "
+            "needs (some op-API library did not load); the first dummy batch of a "
+            "scale-down will fail if it does not"
         )
     if problems:
         raise PreconditionFailed(

@@ -25,16 +25,25 @@ T = TypeVar("T")
 class DeviceResetter:
     """Runs the reset sequence on NPU ``device_index``, then re-creates the owned groups.
 
-    Order (REFERENCE §5): set_device → stop_device → restart_device →
+    Order (REFERENCE §5): set_device → stop_device → restart_device → ``after_restart``
+    (the op timeout again: a restart sets torch_npu's default) →
     reinit_process_group(None, rebuild_link=False) → synchronize → owned groups. The
     reinit resumes every HCCL group of the process in place; only the gloo groups
     ftengine owns are made again (a timed-out gloo group stays broken).
     """
 
-    def __init__(self, runtime: NpuRuntime, device_index: int, groups: OwnedGroups) -> None:
+    def __init__(
+        self,
+        runtime: NpuRuntime,
+        device_index: int,
+        groups: OwnedGroups,
+        *,
+        after_restart: Callable[[], None] = lambda: None,
+    ) -> None:
         self._runtime = runtime
         self._index = device_index
         self._groups = groups
+        self._after_restart = after_restart
         self.resets = 0
 
     def reset(self, *, recreate_groups: bool = True) -> None:
@@ -48,6 +57,7 @@ class DeviceResetter:
             ("set_device", lambda: rt.set_device(index)),
             ("stop_device", lambda: rt.stop_device(index)),
             ("restart_device", lambda: rt.restart_device(index)),
+            ("set_op_timeout_ms", self._after_restart),
             ("reinit_process_group", rt.resume_hccl_groups),
             ("synchronize", rt.synchronize),
         )

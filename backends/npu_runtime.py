@@ -22,6 +22,7 @@ logger = logging.getLogger(__name__)
 # Attribute paths (relative to the torch_npu module) the backend cannot run without.
 REQUIRED_APIS: tuple[str, ...] = (
     "npu.set_device",
+    "npu.current_stream",
     "npu.synchronize",
     "npu.stop_device",
     "npu.restart_device",
@@ -35,14 +36,24 @@ MC2_V2_APIS: tuple[str, ...] = (
     "npu_moe_distribute_dispatch_v2",
     "npu_moe_distribute_combine_v2",
 )
-ELASTIC_INFO_KERNELS: tuple[str, ...] = (
-    "aclnnMoeDistributeDispatchV3",
-    "aclnnMoeDistributeCombineV3",
+ELASTIC_INFO_KERNELS: tuple[tuple[str, str], ...] = (
+    ("aclnnMoeDistributeDispatchV4", "aclnnMoeDistributeCombineV4"),
+    ("aclnnMoeDistributeDispatchV3", "aclnnMoeDistributeCombineV3"),
 )
-"""CANN kernels dispatch_v2 / combine_v2 switch to when ``elastic_info`` is passed."""
-# CANN's op-API library, where the aclnn kernels are exported (*unconfirmed* that the MC2
-# V3 kernels live in this one; if it cannot be loaded the probe answers "unknown").
-OPAPI_LIBRARY = "libopapi.so"
+"""The CANN kernel pairs dispatch_v2 / combine_v2 switch to when ``elastic_info`` is passed:
+op-plugin prefers V4 when CANN exports it, else V3; either whole pair will do."""
+OPAPI_LIBRARIES: tuple[str, ...] = (
+    "libopapi_math.so",
+    "libopapi_nn.so",
+    "libopapi_cv.so",
+    "libopapi_transformer.so",
+    "libopapi_oam.so",
+    "libopapi_legacy.so",
+    "libopapi.so",
+)
+"""CANN's op-API libraries in op-plugin's search order (``op_api_common.h``, 7.3.0): the
+per-package ones first (ops-transformer, where the MC2 kernels are built, makes
+``libopapi_transformer.so``), the monolithic ``libopapi.so`` last."""
 
 AclnnProbe = Callable[[str], "bool | None"]
 """Whether CANN exports an aclnn kernel symbol (None: cannot tell)."""
@@ -57,12 +68,20 @@ class TorchNpuUnavailable(BackendError, ImportError):
 
 
 def cann_exports(symbol: str) -> bool | None:
-    """Whether CANN's op-API library exports ``symbol`` (None when it cannot be loaded)."""
-    try:
-        library = ctypes.CDLL(OPAPI_LIBRARY)
-    except OSError:
-        return None
-    return hasattr(library, symbol)
+    """Whether CANN exports ``symbol`` from one of :data:`OPAPI_LIBRARIES`, searched as
+    op-plugin does: True once found; False only when every library loaded and none has it;
+    None when it was not found but some library could not be loaded (the search was partial).
+    """
+    partial = False
+    for name in OPAPI_LIBRARIES:
+        try:
+            library = ctypes.CDLL(name)
+        except OSError:
+            partial = True
+            continue
+        if hasattr(library, symbol):
+            return True
+    return None if partial else False
 
 
 def _lookup(module: ModuleType, path: str) -> Any:
@@ -154,11 +173,15 @@ class NpuRuntime:
 
     @property
     def has_elastic_info_kernels(self) -> bool | None:
-        """Whether CANN has the aclnn V3 MC2 kernels ``elastic_info`` needs (None: unknown)."""
-        answers = [self._aclnn_probe(symbol) for symbol in ELASTIC_INFO_KERNELS]
-        if any(answer is False for answer in answers):
+        """Whether CANN has a whole aclnn V4 or V3 MC2 kernel pair, which ``elastic_info``
+        needs: True when one pair is found, False only when every pair is known to lack a
+        kernel, None (unknown) otherwise."""
+        answers = [[self._aclnn_probe(symbol) for symbol in pair] for pair in ELASTIC_INFO_KERNELS]
+        if any(all(answer is True for answer in pair) for pair in answers):
+            return True
+        if all(any(answer is False for answer in pair) for pair in answers):
             return False
-        return None if any(answer is None for answer in answers) else True
+        return None
 
     def device(self, index: int) -> torch.device:
         """The torch device of NPU ``index``."""
@@ -168,6 +191,13 @@ class NpuRuntime:
 
     def set_device(self, index: int) -> None:
         self._mod.npu.set_device(index)
+
+    def initialise_device(self, index: int) -> None:
+        """Set NPU ``index`` and make torch_npu initialise it now: with CANN >= 8.3.RC1
+        (lazy set-device) torch_npu's lazy initialisation runs on the first stream use and
+        sets the op timeout back to its default (547 s), so a timeout must be set after it."""
+        self._mod.npu.set_device(index)
+        self._mod.npu.current_stream()
 
     def stop_device(self, index: int) -> None:
         """Stop the device: clear queued work, mark every HCCL watchdog STOP.

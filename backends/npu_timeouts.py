@@ -5,7 +5,10 @@ T seconds (0 = off, else an integer >= 2) gives ``HCCL_EVENT_TIMEOUT = T`` and
 ``torch_npu.npu.set_op_timeout_ms(T * 1000)`` (torch_npu >= 7.3.0, needed only when T > 0).
 Turning T off after it was on restores torch_npu's own default op timeout (547 s). HCCL
 reads its variables when a communicator is created, so the plan must be applied before the
-distributed init.
+distributed init; the op timeout, on the contrary, only holds once the device is really
+initialised: torch_npu's lazy initialisation (CANN >= 8.3.RC1) and ``restart_device`` set
+the default again, so the controller initialises the device before installing it and
+:meth:`OpTimeoutController.reapply` puts it back after every restart.
 """
 
 from __future__ import annotations
@@ -32,10 +35,15 @@ TORCH_NPU_DEFAULT_OP_TIMEOUT_MS = 547_000
 """torch_npu's op timeout when nobody set one (``kMaxOpExecuteTimeOut``, 547 s)."""
 
 
-def validate_abort_timeout(value: object, *, key: str = ABORT_TIMEOUT_KEY) -> int:
+def validate_abort_timeout(
+    value: object, *, key: str = ABORT_TIMEOUT_KEY, integral_float: bool = False
+) -> int:
     """Check T: 0 (off) or an integer >= 2 (``HCCL_EXEC_TIMEOUT = T - 1`` must stay >= 1).
 
-    Integral floats (``30.0``) are accepted; booleans, fractions, negatives and 1 are not.
+    As vLLM-Ascend does for ``ft_communication_abort_timeout`` (#14113 ``ascend_config.py``),
+    only an int is accepted: ``30.0`` is rejected. ``integral_float`` admits ``30.0`` for the
+    backend call, whose protocol takes float seconds; booleans, fractions, negatives and 1
+    are never accepted.
     """
     if isinstance(value, bool) or not isinstance(value, int | float):
         raise ConfigError(
@@ -46,6 +54,11 @@ def validate_abort_timeout(value: object, *, key: str = ABORT_TIMEOUT_KEY) -> in
         raise ConfigError(
             f"{key} must be a whole number of seconds (0 = off, else >= 2), found {value!r}; "
             f"round it to {max(2, round(value))}"
+        )
+    if isinstance(value, float) and not integral_float:
+        raise ConfigError(
+            f"{key} must be an integer number of seconds, found {value!r} (a float, which "
+            f"vLLM-Ascend rejects too): write {int(value)}"
         )
     seconds = int(value)
     if seconds < 0 or seconds == 1:
@@ -129,12 +142,22 @@ class OpTimeoutController:
     """Applies T to one process: env variables first, then ``set_op_timeout_ms``.
 
     Remembers which variables it set itself, so a second ``apply`` with another T replaces
-    them instead of mistaking them for the user's.
+    them instead of mistaking them for the user's. With ``device_index`` the device is
+    initialised (``NpuRuntime.initialise_device``) before the op timeout is installed;
+    without it (before the worker sets its device up) the op timeout may be lost to
+    torch_npu's lazy initialisation, and whoever owns the device must apply it again.
     """
 
-    def __init__(self, runtime: NpuRuntime, environ: MutableMapping[str, str]) -> None:
+    def __init__(
+        self,
+        runtime: NpuRuntime,
+        environ: MutableMapping[str, str],
+        *,
+        device_index: int | None = None,
+    ) -> None:
         self._runtime = runtime
         self._environ = environ
+        self._device_index = device_index
         self._ours: dict[str, str] = {}
         self._installed_ms: int | None = None
         self.plan: OpTimeoutPlan | None = None
@@ -145,7 +168,7 @@ class OpTimeoutController:
         Nothing is changed when T > 0 and this torch_npu has no ``set_op_timeout_ms``
         (``TorchNpuUnavailable`` naming the torch_npu and CANN versions it needs).
         """
-        seconds = validate_abort_timeout(seconds)
+        seconds = validate_abort_timeout(seconds, integral_float=True)
         if seconds > 0 and not self._runtime.has_op_timeout:
             raise op_timeout_missing(self._runtime.version, seconds * 1000)
         user_env = {
@@ -160,19 +183,41 @@ class OpTimeoutController:
         self._environ.update(plan.env)
         self._ours = dict(plan.env)
         if plan.op_timeout_ms is not None:
-            self._runtime.set_op_timeout_ms(plan.op_timeout_ms)
+            self._install(plan.op_timeout_ms)
         elif self._installed_ms is not None:
             # Off after on: back to torch_npu's own default, not 0 (what 0 means to
             # aclrtSetOpExecuteTimeOutV2 is not documented for torch_npu).
-            self._runtime.set_op_timeout_ms(TORCH_NPU_DEFAULT_OP_TIMEOUT_MS)
+            self._install(TORCH_NPU_DEFAULT_OP_TIMEOUT_MS)
         self._installed_ms = plan.op_timeout_ms
         self.plan = plan
         logger.info(
-            "op timeout applied",
+            "op timeout applied: %s ms in effect"
+            if self._device_index is not None or plan.op_timeout_ms is None
+            else "op timeout set to %s ms before the device is initialised (torch_npu's lazy "
+            "initialisation may set its default again; the NPU backend sets it once more)",
+            plan.op_timeout_ms or "torch_npu's default",
             extra={
                 "abort_timeout_s": plan.seconds,
+                "op_timeout_ms": plan.op_timeout_ms,
                 "hccl_event_timeout_s": plan.event_timeout_s,
                 "hccl_exec_timeout_s": plan.exec_timeout_s,
             },
         )
         return plan
+
+    def reapply(self) -> None:
+        """Install the op timeout again after ``restart_device`` (which sets torch_npu's
+        default again); nothing when none is installed."""
+        if self._installed_ms is None:
+            return
+        self._install(self._installed_ms)
+        logger.info(
+            "op timeout re-applied after a device restart: %d ms in effect",
+            self._installed_ms,
+            extra={"op_timeout_ms": self._installed_ms},
+        )
+
+    def _install(self, milliseconds: int) -> None:
+        if self._device_index is not None:
+            self._runtime.initialise_device(self._device_index)
+        self._runtime.set_op_timeout_ms(milliseconds)

@@ -9,7 +9,7 @@ import sys
 from collections.abc import Iterator
 from pathlib import Path
 
-from tests.fakes.npu_state import STATE, FakeNpuState
+from tests.fakes.npu_state import STATE, TORCH_NPU_VERSIONS, FakeNpuState
 
 FAKES_DIR = Path(__file__).resolve().parent
 
@@ -25,9 +25,9 @@ def _fake_modules() -> dict[str, object]:
 
 
 @contextlib.contextmanager
-def fake_torch_npu() -> Iterator[FakeNpuState]:
-    """Make ``import torch_npu`` load the fake (and ``import vllm_ascend`` the stand-in);
-    yields the fresh shared ``STATE``.
+def fake_torch_npu(version: str = TORCH_NPU_VERSIONS[0]) -> Iterator[FakeNpuState]:
+    """Make ``import torch_npu`` load the fake of torch_npu ``version`` (and ``import
+    vllm_ascend`` the stand-in); yields the fresh shared ``STATE``.
 
     Restores ``sys.path`` and ``sys.modules`` on exit, so no later test sees the fake.
     """
@@ -35,7 +35,7 @@ def fake_torch_npu() -> Iterator[FakeNpuState]:
     for name in saved:
         del sys.modules[name]
     sys.path.insert(0, str(FAKES_DIR))
-    STATE.reset()
+    STATE.reset(version)
     try:
         module = importlib.import_module("torch_npu")
         origin = Path(str(module.__file__)).resolve()

@@ -12,6 +12,7 @@ import functools
 import importlib
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 from ftengine.backends.npu_runtime import NpuRuntime
@@ -31,9 +32,11 @@ from tests.unit.test_vllm_standin import (
 
 @dataclass
 class AscendVllmConfig(VllmConfig):
-    """The stand-in vLLM config with the flag vLLM-Ascend's worker reads for its runner."""
+    """The stand-in vLLM config with the flag vLLM-Ascend's worker reads for its runner and
+    vLLM's speculative decoding config (None: off)."""
 
     use_v2_model_runner: bool = True
+    speculative_config: Any = None
 
 
 @dataclass
@@ -74,6 +77,7 @@ def ascend_config(
     tp_size: int = 1,
     redundant: int,
     additional: dict[str, object] | None = None,
+    speculative_method: str | None = None,
 ) -> AscendVllmConfig:
     parallel = ParallelConfig(
         data_parallel_rank=dp_rank,
@@ -82,7 +86,10 @@ def ascend_config(
         world_size=tp_size,
     )
     parallel.eplb_config.num_redundant_experts = redundant
-    return AscendVllmConfig(parallel, ModelConfig(str(checkpoint)), dict(additional or {}))
+    speculative = None if speculative_method is None else SimpleNamespace(method=speculative_method)
+    return AscendVllmConfig(
+        parallel, ModelConfig(str(checkpoint)), dict(additional or {}), True, speculative
+    )
 
 
 def start_worker(
@@ -94,6 +101,7 @@ def start_worker(
     tp_rank: int = 0,
     redundant: int = 4,
     additional: dict[str, object] | None = None,
+    speculative_method: str | None = None,
 ) -> AscendWorker:
     """EP rank ``dp_rank * tp_size + tp_rank``'s worker, initialised and loaded."""
     worker_module = importlib.import_module("vllm_ascend.worker.worker")
@@ -105,6 +113,7 @@ def start_worker(
         tp_size=tp_size,
         redundant=redundant,
         additional=additional,
+        speculative_method=speculative_method,
     )
     local_rank = dp_rank * tp_size + tp_rank
     worker = worker_module.NPUWorker(config, local_rank, tp_rank, "tcp://127.0.0.1:0")

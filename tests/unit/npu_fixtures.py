@@ -16,7 +16,7 @@ import pytest
 from ftengine.weights.checkpoint_gen import make_checkpoint
 from ftengine.weights.index import CheckpointIndex, Quant
 from tests.fakes.npu_install import fake_torch_npu
-from tests.fakes.npu_state import COMBINE, DISPATCH, FakeNpuState
+from tests.fakes.npu_state import COMBINE, DISPATCH, TORCH_NPU_VERSIONS, FakeNpuState
 
 __all__ = ["COMBINE", "DISPATCH", "HIDDEN", "INTERMEDIATE", "MC2_HIDDEN", "TinyCheckpoints"]
 
@@ -69,4 +69,11 @@ def tiny_checkpoints(tmp_path_factory: pytest.TempPathFactory) -> TinyCheckpoint
 def npu_state() -> Iterator[FakeNpuState]:
     """The fake ``torch_npu`` importable for this test; its shared, freshly reset state."""
     with fake_torch_npu() as state:
+        yield state
+
+
+@pytest.fixture(params=TORCH_NPU_VERSIONS)
+def versioned_npu_state(request: pytest.FixtureRequest) -> Iterator[FakeNpuState]:
+    """The fake ``torch_npu`` of each targeted release in turn (its signatures differ)."""
+    with fake_torch_npu(request.param) as state:
         yield state

@@ -19,6 +19,7 @@ from types import SimpleNamespace
 import pytest
 
 import ftengine
+from ftengine.backends.npu_env import ASYNC_ERROR_HANDLING_NAMES, TASK_QUEUE_ENABLE
 from ftengine.backends.npu_runtime import TorchNpuUnavailable
 from ftengine.integrations.vllm import plugin as vllm_plugin
 from ftengine.integrations.vllm.config import VllmConfigError
@@ -39,8 +40,8 @@ gpu_worker = pytest.importorskip("vllm.v1.worker.gpu_worker")
 worker_base = pytest.importorskip("vllm.v1.worker.worker_base")
 
 FT_ENV = (
-    "TASK_QUEUE_ENABLE",
-    "HCCL_ASYNC_ERROR_HANDLING",
+    TASK_QUEUE_ENABLE,
+    *ASYNC_ERROR_HANDLING_NAMES,
     "HCCL_EVENT_TIMEOUT",
     "HCCL_EXEC_TIMEOUT",
 )
@@ -127,6 +128,7 @@ def test_the_ft_environment_is_in_place_before_the_npu_is_set_up(
     assert rig.worker.env_at_set_device == {
         "TASK_QUEUE_ENABLE": "0",
         "HCCL_ASYNC_ERROR_HANDLING": "0",
+        "TORCH_HCCL_ASYNC_ERROR_HANDLING": "0",
         "HCCL_EVENT_TIMEOUT": "30",
         "HCCL_EXEC_TIMEOUT": "29",
     }

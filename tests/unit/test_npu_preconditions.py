@@ -114,7 +114,7 @@ def test_an_aclnn_probe_that_cannot_tell_keeps_the_hosts_word(
         backend_with_unknown_aclnn(index, False)
     with caplog.at_level("WARNING"):
         backend_with_unknown_aclnn(index, None)
-    assert "could not tell whether CANN has the aclnn V3 MC2 kernels" in caplog.text
+    assert "could not tell whether CANN has the aclnn V4 / V3 MC2 kernels" in caplog.text
 
 
 def test_with_scale_down_off_start_up_passes_and_scale_down_is_refused(

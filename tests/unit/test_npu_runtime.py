@@ -33,6 +33,7 @@ NPU_MODULES = (
     "ftengine.backends.npu_timeouts",
     "ftengine.integrations.vllm_ascend",
     "ftengine.integrations.vllm_ascend.config",
+    "ftengine.integrations.vllm_ascend.engine_core",
     "ftengine.integrations.vllm_ascend.factory",
     "ftengine.integrations.vllm_ascend.hooks",
     "ftengine.integrations.vllm_ascend.names",

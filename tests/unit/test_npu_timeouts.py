@@ -23,6 +23,8 @@ from tests.unit.npu_fixtures import tiny_checkpoints as tiny_checkpoints
 
 EVENT, EXEC = "HCCL_EVENT_TIMEOUT", "HCCL_EXEC_TIMEOUT"
 TASK_QUEUE, ASYNC_ERRORS = "TASK_QUEUE_ENABLE", "HCCL_ASYNC_ERROR_HANDLING"
+TORCH_ASYNC_ERRORS = "TORCH_HCCL_ASYNC_ERROR_HANDLING"
+"""torch_npu master's name for it (the old one deprecated there)."""
 FT_ENV = {TASK_QUEUE: "0"}
 """What every FT worker's environment holds whatever T is (TP = 1)."""
 
@@ -75,6 +77,21 @@ def test_users_exec_timeout_is_kept_as_in_the_seed_command(
 def test_bad_abort_timeouts_are_rejected_naming_the_key(bad: object) -> None:
     with pytest.raises(ConfigError, match="ft_communication_abort_timeout"):
         NpuFtConfig.from_additional_config({"ft_communication_abort_timeout": bad})
+
+
+def test_an_integral_float_in_the_config_is_rejected_as_vllm_ascend_does() -> None:
+    # vLLM-Ascend validates ft_communication_abort_timeout as an int (#14113), so 30.0
+    # would stop its own start-up: ftengine agrees instead of accepting it.
+    with pytest.raises(
+        ConfigError, match=r"ft_communication_abort_timeout .*found 30\.0.*write 30"
+    ):
+        NpuFtConfig.from_additional_config({"ft_communication_abort_timeout": 30.0})
+    assert (
+        NpuFtConfig.from_additional_config(
+            {"ft_communication_abort_timeout": 30}
+        ).communication_abort_timeout_s
+        == 30
+    )
 
 
 def test_an_integral_float_is_accepted_by_the_backend_call(
@@ -181,7 +198,18 @@ def test_tp_2_also_turns_hccl_async_error_handling_off(
     npu_state: FakeNpuState, index: CheckpointIndex
 ) -> None:
     rig = make_npu_rig(index, dp_size=2, tp_size=2, num_redundant=4)
-    assert rig.environ == {TASK_QUEUE: "0", ASYNC_ERRORS: "0"}
+    assert rig.environ == {TASK_QUEUE: "0", ASYNC_ERRORS: "0", TORCH_ASYNC_ERRORS: "0"}
+
+
+@pytest.mark.parametrize("name", [ASYNC_ERRORS, TORCH_ASYNC_ERRORS])
+def test_async_error_handling_left_on_under_either_name_is_a_problem_and_overridden(
+    name: str,
+) -> None:
+    env = {TASK_QUEUE: "0", ASYNC_ERRORS: "0", TORCH_ASYNC_ERRORS: "0", name: "1"}
+    problems = ft_environment_problems(env, 2)
+    assert len(problems) == 1 and problems[0].startswith(f"{name} is '1'")
+    assert apply_ft_environment(env, 2) == {name: "1"}
+    assert env == {TASK_QUEUE: "0", ASYNC_ERRORS: "0", TORCH_ASYNC_ERRORS: "0"}
 
 
 def test_the_users_task_queue_is_overridden_and_logged(caplog: pytest.LogCaptureFixture) -> None:
@@ -190,7 +218,7 @@ def test_the_users_task_queue_is_overridden_and_logged(caplog: pytest.LogCapture
     with caplog.at_level("WARNING"):
         replaced = apply_ft_environment(env, 2)
     assert replaced == {TASK_QUEUE: "2", ASYNC_ERRORS: "1"}
-    assert env == {TASK_QUEUE: "0", ASYNC_ERRORS: "0"}
+    assert env == {TASK_QUEUE: "0", ASYNC_ERRORS: "0", TORCH_ASYNC_ERRORS: "0"}
     assert "TASK_QUEUE_ENABLE=2 overridden to 0" in caplog.text
     assert ft_environment_problems(env, 2) == ()
     assert apply_ft_environment(env, 1) == {}  # TP = 1 leaves the async handling alone

@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 import torch
 
+from ftengine.backends.npu_env import ASYNC_ERROR_HANDLING_NAMES, TASK_QUEUE_ENABLE
 from ftengine.errors import PreconditionFailed
 from ftengine.faults import HealthStatus
 from ftengine.integrations.vllm.sentinel import CommandFailed
@@ -36,8 +37,8 @@ EMPTY = pytest.importorskip("vllm.v1.outputs").EMPTY_MODEL_RUNNER_OUTPUT
 
 DP = 4
 FT_ENV = (
-    "TASK_QUEUE_ENABLE",
-    "HCCL_ASYNC_ERROR_HANDLING",
+    TASK_QUEUE_ENABLE,
+    *ASYNC_ERROR_HANDLING_NAMES,
     "HCCL_EVENT_TIMEOUT",
     "HCCL_EXEC_TIMEOUT",
 )

@@ -291,7 +291,8 @@ class NewMethod:
     function: Callable[..., Any]
     dispatch: Patch
 
-    def install(self) -> None:
+    def check(self) -> Any:
+        """The owner, once its dispatch fits and it has no method of this name but ours."""
         owner, _dispatch = self.dispatch.target()
         current = getattr(owner, self.name, None)
         if current is not None and current is not self.function:
@@ -300,7 +301,10 @@ class NewMethod:
                 "(ftengine adds it), found one: vLLM now has its own; ftengine's "
                 "scale_down needs updating"
             )
-        setattr(owner, self.name, self.function)
+        return owner
+
+    def install(self) -> None:
+        setattr(self.check(), self.name, self.function)
 
 
 SCALE_DOWN_PATCHES = (

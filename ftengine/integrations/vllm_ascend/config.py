@@ -9,6 +9,9 @@ kernels, the redundant slots) it checks on its own.
 
 from __future__ import annotations
 
+import os
+from collections.abc import Mapping
+
 import attrs
 
 from ftengine.backends.npu_preconditions import NpuDeployment
@@ -21,6 +24,7 @@ from ftengine.integrations.vllm_ascend.names import (
     DEVICE_TYPE,
     FUSED_MC2,
     HIERARCHY_COMM,
+    MC2_V3_ENV,
     NZ_MODE,
     AscendGlueError,
     resolve,
@@ -45,8 +49,19 @@ def _option(config: object, name: str) -> object:
         ) from exc
 
 
-def read_facts(worker: WorkerLike) -> AscendFacts:
-    """The facts of ``worker`` as vLLM-Ascend and vLLM configured it."""
+def _env_flag(environ: Mapping[str, str], name: str) -> bool:
+    return environ.get(name, "0").strip().lower() in ("1", "true")
+
+
+def read_facts(
+    worker: WorkerLike,
+    *,
+    unmanaged_eplb_models: tuple[str, ...] = (),
+    environ: Mapping[str, str] | None = None,
+) -> AscendFacts:
+    """The facts of ``worker`` as vLLM-Ascend and vLLM configured it (``environ``: the
+    process environment vLLM-Ascend reads its switches from)."""
+    env = os.environ if environ is None else environ
     config = resolve(ASCEND_CONFIG_MODULE, ASCEND_CONFIG)()
     device_type = resolve(DEVICE_CONFIG_MODULE, DEVICE_TYPE)()
     nz_mode = _option(config, NZ_MODE)
@@ -58,5 +73,7 @@ def read_facts(worker: WorkerLike) -> AscendFacts:
         fused_mc2=bool(_option(config, FUSED_MC2)),
         hierarchical_comm=bool(_option(config, HIERARCHY_COMM)),
         device_type=str(getattr(device_type, "name", device_type)),
+        mc2_dispatch_v3=_env_flag(env, MC2_V3_ENV),
+        unmanaged_eplb_models=unmanaged_eplb_models,
     )
     return AscendFacts(deployment=deployment, nz=NzPolicy(nz_mode))

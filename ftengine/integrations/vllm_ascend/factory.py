@@ -54,4 +54,6 @@ def npu_backend(
     )
     hooks.prepare_mc2(hooks.placement().local_slots)
     hooks.bind_device(backend.synchronize)
-    return DeviceBackend(backend, backend.elastic.tensor)
+    # Once more after warm-up: whatever the warm-up initialised set torch_npu's default.
+    timeout = settings.npu.communication_abort_timeout_s
+    return DeviceBackend(backend, backend.elastic.tensor, serving_op_timeout_s=timeout or None)

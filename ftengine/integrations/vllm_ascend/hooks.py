@@ -26,12 +26,14 @@ from ftengine.integrations.vllm_ascend.names import (
     LAYER_EPLB_STATE,
     MOE_CONFIG,
     MOE_LAYERS,
+    MTP,
     REFRESH_ROUTING,
     ROUTED_EXPERTS,
     ROUTING_MODULES,
     ROUTING_TABLE,
     SLOT_LISTS,
     SLOT_TENSORS,
+    SPECULATIVE_CONFIG,
     resolve_first,
 )
 
@@ -99,6 +101,7 @@ class AscendWorkerHooks(VllmWorkerHooks):
         super().__init__(worker, dist)
         self._facts: AscendFacts | None = None
         self._synchronize: Callable[[], None] | None = None
+        self._masked: tuple[frozenset[int], torch.Tensor | None] | None = None
 
     def bind_device(self, synchronize: Callable[[], None]) -> None:
         """The device backend's ``synchronize``, run after every dummy batch."""
@@ -114,9 +117,22 @@ class AscendWorkerHooks(VllmWorkerHooks):
 
     @property
     def facts(self) -> AscendFacts:
+        """Read once the model is loaded (the EPLB model states exist then)."""
         if self._facts is None:
-            self._facts = read_facts(self.worker)
+            self._facts = read_facts(self.worker, unmanaged_eplb_models=self._unmanaged_models())
         return self._facts
+
+    def _unmanaged_models(self) -> tuple[str, ...]:
+        """EPLB models a redistribution would not update: every model state but the served
+        one, and an MTP drafter (vLLM-Ascend's own sentinel refreshes its EPLB state)."""
+        state = getattr(self.worker.model_runner, "eplb_state", None)
+        others = list(getattr(state, "model_states", {}))[1:]
+        found = [f"EPLB model state {name!r}" for name in others]
+        spec = getattr(self.worker.vllm_config, SPECULATIVE_CONFIG, None)
+        method = str(getattr(spec, "method", None) or "")
+        if MTP in method.lower() and not found:
+            found.append(f"the MTP drafter (speculative method {method!r})")
+        return tuple(found)
 
     def _model_state(self) -> object:
         state = getattr(self.worker.model_runner, "eplb_state", None)
@@ -156,6 +172,7 @@ class AscendWorkerHooks(VllmWorkerHooks):
     def mask_all2all(self, dead_ep_ranks: frozenset[int], mask: torch.Tensor | None) -> None:
         """Mask the newly dead EP ranks in the manager, then check that the elastic_info it
         rebuilt (in place) is the one the backend computed, ``mask``."""
+        self._masked = (frozenset(dead_ep_ranks), mask)
         manager = self.manager()
         masked = {rank for rank, dead in enumerate(manager.query_active_mask().tolist()) if dead}
         for rank in sorted(frozenset(dead_ep_ranks) - masked):
@@ -168,6 +185,14 @@ class AscendWorkerHooks(VllmWorkerHooks):
                 f"vLLM-Ascend's all2all manager built elastic_info {info.tolist()}, ftengine "
                 f"expects {mask.tolist()} for dead EP ranks {sorted(dead_ep_ranks)}"
             )
+
+    def rebuild_dp_group(self, alive_dp_ranks: frozenset[int], epoch: int) -> None:
+        """vLLM's DP-group rebuild, whose ``clean_buffers()`` clears the manager's mask in
+        vLLM-Ascend's MegaMoE revision; then the mask again (and checked), so the kernels
+        never run a step with dead ranks unmasked."""
+        super().rebuild_dp_group(alive_dp_ranks, epoch)
+        if self._masked is not None:
+            self.mask_all2all(*self._masked)
 
     def refresh_routing(self, table1: torch.Tensor) -> None:
         """``refresh_model_routing_tables`` (from the updated maps), then every layer's

@@ -41,6 +41,8 @@ HIERARCHY_COMM = "enable_mc2_hierarchy_comm"
 NZ_MODE = "weight_nz_mode"
 DEVICE_CONFIG_MODULE = "vllm_ascend.device.device_config"
 DEVICE_TYPE = "get_ascend_device_type"
+# Some #16145 revisions: MC2's V3 dispatch path, on with "1" (scale-down refuses it).
+MC2_V3_ENV = "VLLM_ASCEND_ENABLE_MOE_DISTRIBUTE_V3"
 
 # EPLB: the routing tables are rebuilt from the maps by ``refresh_model_routing_tables``
 # (``vllm_ascend.distributed.eplb_state`` on #14113; #16145 imports it from
@@ -48,6 +50,11 @@ DEVICE_TYPE = "get_ascend_device_type"
 ROUTING_MODULES = ("vllm_ascend.distributed.eplb_state", "vllm_ascend.distributed.eplb.state")
 REFRESH_ROUTING = "refresh_model_routing_tables"
 MOE_LAYERS = "moe_layers"  # on EplbModelState.model
+# MTP speculative decoding: vLLM's ``speculative_config.method`` names it ("mtp",
+# "deepseek_mtp", ...); its drafter has an EPLB state of its own (the newest #16145
+# sentinel refreshes it; ftengine refuses scale-down instead).
+SPECULATIVE_CONFIG = "speculative_config"
+MTP = "mtp"
 LAYER_EPLB_STATE = "eplb_state"  # on each MoE layer: AscendEplbLayerState
 ROUTING_TABLE = "expert_replica_routing_table"
 ROUTED_EXPERTS = "routed_experts"  # where a wrapped MoE layer keeps its weights, if present

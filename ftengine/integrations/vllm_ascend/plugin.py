@@ -28,6 +28,7 @@ from ftengine.integrations.vllm.config import VllmFtSettings
 from ftengine.integrations.vllm.factory import NPU, current_device_type
 from ftengine.integrations.vllm.messages import VllmUnavailable
 from ftengine.integrations.vllm.shapes import WorkerLike
+from ftengine.integrations.vllm_ascend.engine_core import require_engine_core
 from ftengine.integrations.vllm_ascend.names import (
     INIT_DEVICE,
     SENTINEL_NAME,
@@ -92,7 +93,8 @@ def prepare_worker(
     """Before ``NPUWorker._init_device``: the FT environment, then ``sentinel`` where it
     builds its own. Returns whether it took control (FT on, a vLLM-Ascend ``NPUWorker``).
 
-    A bad flag raises ``VllmConfigError`` here, so vLLM stops before touching the NPU.
+    A bad flag raises ``VllmConfigError`` here, and a vLLM whose engine-core seams ftengine
+    cannot patch (``engine_core``) ``VllmSeamMoved``, so vLLM stops before touching the NPU.
     """
     parallel = worker.parallel_config
     if not parallel.enable_fault_tolerance:
@@ -107,6 +109,7 @@ def prepare_worker(
         )
         return False
     settings = VllmFtSettings.from_vllm_config(worker.vllm_config)
+    require_engine_core()
     env = os.environ if environ is None else environ
     apply_ft_environment(env, parallel.tensor_parallel_size)
     if settings.npu.communication_abort_timeout_s:

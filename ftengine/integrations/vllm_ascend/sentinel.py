@@ -70,7 +70,9 @@ class AscendWorkerSentinel(PluginWorkerSentinel):
 
     ``device`` is the worker's NPU (the backend's tensors live there). ``npu`` is the NPU
     backend once ``load_model`` has run. ``worker_faulted`` / ``reset_device`` are what
-    vLLM-Ascend's own ``fault_barrier_wrapper`` reads on ``worker.worker_sentinel``.
+    vLLM-Ascend's own ``fault_barrier_wrapper`` reads on ``worker.worker_sentinel`` (in two
+    of its three revisions; the third reads a module global this sentinel never sets, and
+    then does nothing: ftengine's barrier alone handles the fault, see docs/ascend.md).
     """
 
     def __init__(

@@ -2,8 +2,9 @@
 
 Put ``tests/fakes`` on ``sys.path`` (``tests.fakes.npu_install.fake_torch_npu``) and
 ``import torch_npu`` finds this package. Every call lands in ``tests.fakes.npu_state.STATE``.
-The functions take exactly the published signatures (torch_npu 7.3 and the op-plugin
-schemas), so a misspelt keyword raises ``TypeError`` here as it does on a real NPU.
+The functions take exactly the published signatures (of the torch_npu release
+``STATE.version`` names, and the op-plugin schemas), so a misspelt keyword raises
+``TypeError`` here as it does on a real NPU.
 ``npu_format_cast`` keeps the logical size, as torch_npu does, and remembers the format.
 """
 
@@ -18,7 +19,7 @@ from tests.fakes.npu_state import ACL_FORMAT_ND, STATE
 from . import distributed, npu
 from ._mc2 import npu_moe_distribute_combine_v2, npu_moe_distribute_dispatch_v2
 
-__version__ = "7.3.0+fake"
+__version__ = f"{STATE.version}+fake"
 
 __all__ = [
     "__version__",

@@ -71,11 +71,13 @@ def _check_static(kw: Mapping[str, object], op: str) -> tuple[int, int, int]:
 
 
 def _check_kernel(kw: Mapping[str, object], kernel: str) -> None:
-    """elastic_info (and the special-expert counts) switch the op to CANN's aclnn V3."""
+    """elastic_info (and the special-expert counts) switch the op to CANN's aclnn V3 (V4)."""
     special = any(
         _int(kw, name) for name in ("zero_expert_num", "copy_expert_num", "const_expert_num")
     )
-    if (kw["elastic_info"] is not None or special) and not STATE.has_aclnn(kernel):
+    successor = kernel.replace("V3", "V4")  # op-plugin prefers V4 where CANN has it
+    needed = kw["elastic_info"] is not None or special
+    if needed and not (STATE.has_aclnn(kernel) or STATE.has_aclnn(successor)):
         raise AclnnMissing(
             f"{kernel} not found: elastic_info needs a CANN with the aclnn V3 kernels"
         )

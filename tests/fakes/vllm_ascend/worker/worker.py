@@ -29,6 +29,7 @@ from .v2.model_runner import NPUModelRunner
 WATCHED_ENV = (
     "TASK_QUEUE_ENABLE",
     "HCCL_ASYNC_ERROR_HANDLING",
+    "TORCH_HCCL_ASYNC_ERROR_HANDLING",
     "HCCL_EVENT_TIMEOUT",
     "HCCL_EXEC_TIMEOUT",
 )

@@ -2,6 +2,8 @@
 
 ``_NpuAll2AllManager`` owns the MC2 dead-rank mask as the ``elastic_info`` tensor the token
 dispatcher reads through ``get_elastic_info()``; ``update_mask`` rebuilds it in place.
+``clean_buffers()`` is a no-op as in #16145, or, with ``mega_moe_bound`` (a later revision
+with a MegaMoE buffer bound; the binding itself is not modelled), clears the mask.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ class _NpuAll2AllManager:
         self._elastic_info_host = torch.zeros(4 + 2 * ep_world_size, dtype=torch.int32)
         self._elastic_info: torch.Tensor | None = None
         self.updates: list[tuple[int, bool]] = []
+        self.mega_moe_bound = False
 
     def update_mask(self, rank: int, masked: bool = True) -> None:
         """Mark EP ``rank`` dead (or alive again) and rebuild ``elastic_info`` in place."""
@@ -42,7 +45,10 @@ class _NpuAll2AllManager:
         return torch.tensor(False)
 
     def clean_buffers(self) -> None:
-        """No buffers to clean (kept for the upstream retry flow)."""
+        """Nothing to clean (#16145); with a MegaMoE buffer bound, every rank alive again."""
+        if self.mega_moe_bound:
+            self._dead.clear()
+            self._rebuild_elastic_info()
 
     def get_elastic_info(self) -> torch.Tensor:
         if self._elastic_info is None:

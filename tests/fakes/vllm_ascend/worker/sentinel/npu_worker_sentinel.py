@@ -2,9 +2,17 @@
 
 ``WorkerSentinel`` subclasses vLLM's GPU ``WorkerSentinel`` (bound when this module is
 imported) and, like the real one, does not call its ``__init__``. ``fault_barrier_wrapper``
-is the latest revision's: on the first fault of a wrapped method it marks the worker's
-sentinel faulted, asks it for the local device reset and propagates the fault; while
-faulted, wrapped methods return the empty output.
+exists in three revisions on vLLM-Ascend's FT branches; :data:`BARRIER_REVISION` picks the
+one the stand-in runs (a test sets it before driving the worker):
+
+- ``"swallow"``: reads ``self.worker_sentinel``; on the first fault marks it faulted, asks
+  it for the local device reset and returns the empty output (the fault is swallowed);
+- ``"reraise"``: the same, but the fault propagates;
+- ``"module_global"``: reads this module's ``_sentinel``, which only vLLM-Ascend's own
+  ``WorkerSentinel.__init__`` sets: while ftengine's sentinel stands in its place the
+  barrier does nothing at all; otherwise as ``"reraise"``.
+
+While the sentinel it found is faulted, a wrapped method returns the empty output.
 """
 
 from __future__ import annotations
@@ -21,11 +29,22 @@ from vllm.v1.worker.sentinel.gpu_worker_sentinel import WorkerSentinel as GPUWor
 
 logger = logging.getLogger(__name__)
 
+BARRIER_REVISIONS = ("swallow", "reraise", "module_global")
+BARRIER_REVISION = "reraise"
+_sentinel: Any = None
+"""The newest revision's sentinel: set by vLLM-Ascend's ``WorkerSentinel.__init__`` only."""
+
+
+def _barrier_sentinel(owner: Any) -> Any:
+    if BARRIER_REVISION == "module_global":
+        return _sentinel
+    return getattr(owner, "worker_sentinel", None)
+
 
 def fault_barrier_wrapper(func: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(func)
     def wrapped(self: Any, *args: Any, **kwargs: Any) -> Any:
-        sentinel = getattr(self, "worker_sentinel", None)
+        sentinel = _barrier_sentinel(self)
         if sentinel is not None and sentinel.worker_faulted:
             return EMPTY_MODEL_RUNNER_OUTPUT
         try:
@@ -38,6 +57,8 @@ def fault_barrier_wrapper(func: Callable[..., Any]) -> Callable[..., Any]:
                 sentinel.reset_device()
             except Exception:
                 logger.exception("[FT] self device reset failed")
+            if BARRIER_REVISION == "swallow":
+                return EMPTY_MODEL_RUNNER_OUTPUT
             raise
 
     return wrapped
@@ -47,9 +68,11 @@ class WorkerSentinel(GPUWorkerSentinel):
     """vLLM-Ascend's per-worker sentinel (what ftengine replaces, never subclasses)."""
 
     def __init__(self, worker: Any, device: torch.device) -> None:
+        global _sentinel
         self.worker = worker
         self.device = device
         self.worker_faulted = False
+        _sentinel = self
 
     def reset_device(self) -> None:
         torch_npu.npu.set_device(self.device.index or 0)

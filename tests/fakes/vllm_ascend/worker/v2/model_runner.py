@@ -92,7 +92,17 @@ class NPUModelRunner:
         state = EplbModelState(
             p2l, placement.logical_to_physical_map, placement.logical_replica_count, self.model
         )
-        self.eplb.state = EplbState({"main": state})
+        states = {"main": state}
+        speculative = getattr(self.vllm_config, "speculative_config", None)
+        if "mtp" in str(getattr(speculative, "method", "")):
+            # vLLM's EPLB keeps one model state per MoE model: the MTP drafter has its own.
+            states["mtp_drafter"] = EplbModelState(
+                p2l.clone(),
+                placement.logical_to_physical_map.clone(),
+                placement.logical_replica_count.clone(),
+                self.model,
+            )
+        self.eplb.state = EplbState(states)
 
     def _layers(
         self, placement: ExpertPlacement, slots: ExpertSlots, rank: int
