@@ -14,7 +14,7 @@ from ftengine.backends.base import Backend
 from ftengine.backends.delegating import DelegatingBackend
 from ftengine.backends.fake import FakeBackend
 from ftengine.faults import Fault, FaultKind
-from ftengine.integrations.vllm.backend import VllmWorkerBackend
+from ftengine.integrations.vllm.worker.backend import VllmWorkerBackend
 from ftengine.sentinel import HostedBackend
 from tests.conformance import BackendConformance
 from tests.unit.test_sentinel import RecordingHost

@@ -16,10 +16,10 @@ import pytest
 from ftengine.backends.npu_config import NpuFtConfig
 from ftengine.errors import PeerDead
 from ftengine.faults import Fault, FaultKind
-from ftengine.integrations.vllm import engine_agent
 from ftengine.integrations.vllm.config import VllmFtSettings
-from ftengine.integrations.vllm.dp_board import KEY
-from ftengine.integrations.vllm.engine_agent import FAULT_MARK, UTILS_MODULE, EngineCoreAgent
+from ftengine.integrations.vllm.engine_core import agent as engine_agent
+from ftengine.integrations.vllm.engine_core.agent import FAULT_MARK, UTILS_MODULE, EngineCoreAgent
+from ftengine.integrations.vllm.engine_core.dp_board import KEY
 
 # Imported here, as in a real engine core: the agent's retry thread builds vLLM's request.
 pytest.importorskip(UTILS_MODULE, reason="vllm is not installed")

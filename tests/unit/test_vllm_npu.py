@@ -14,7 +14,7 @@ import torch
 
 from ftengine.errors import PreconditionFailed
 from ftengine.faults import HealthStatus
-from ftengine.integrations.vllm.sentinel import CommandFailed
+from ftengine.integrations.vllm.worker.adapter import CommandFailed
 from ftengine.integrations.vllm_ascend import hooks as ascend_hooks
 from ftengine.integrations.vllm_ascend.plugin import unregister
 from ftengine.placement.elastic import densify_routing_ids, elastic_info_values

@@ -19,16 +19,16 @@ from ftengine.clock import ManualClock
 from ftengine.faults import HealthStatus
 from ftengine.integrations.vllm import plugin
 from ftengine.integrations.vllm.config import VllmConfigError, VllmFtSettings
-from ftengine.integrations.vllm.factory import (
+from ftengine.integrations.vllm.messages import VllmMessages
+from ftengine.integrations.vllm.patches.engine_core import PATCHES, VllmSeamMoved
+from ftengine.integrations.vllm.plugin import PluginWorkerSentinel
+from ftengine.integrations.vllm.worker.factory import (
     DeviceBackend,
     UnsupportedPlatform,
     backend_for_platform,
     vllm_cpu_backend,
 )
-from ftengine.integrations.vllm.hooks import VllmWorkerHooks
-from ftengine.integrations.vllm.messages import VllmMessages
-from ftengine.integrations.vllm.patches import PATCHES, VllmSeamMoved
-from ftengine.integrations.vllm.plugin import PluginWorkerSentinel
+from ftengine.integrations.vllm.worker.hooks import VllmWorkerHooks
 from tests.unit.test_vllm_standin import Distributed, Worker, make_worker
 
 gpu_worker = pytest.importorskip("vllm.v1.worker.gpu_worker", reason="vllm is not installed")

@@ -16,14 +16,14 @@ import pytest
 
 from ftengine.errors import PeerDead
 from ftengine.integrations.vllm import plugin
-from ftengine.integrations.vllm.poison import (
+from ftengine.integrations.vllm.engine_core.poison import (
     PROBE_ATTR,
     EngineProbe,
     noting_clean_steps,
     own_fault,
     skipping_suspects,
 )
-from ftengine.integrations.vllm.reinference import HOLD_ATTR, on_fault
+from ftengine.integrations.vllm.engine_core.reinference import HOLD_ATTR, on_fault
 from tests.unit.test_vllm_reinference import (
     FakeRequest,
     Sentinel,

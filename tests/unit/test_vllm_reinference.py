@@ -15,20 +15,20 @@ from typing import Any
 import attrs
 import pytest
 
-from ftengine.integrations.vllm import patches
 from ftengine.integrations.vllm.config import VllmFtSettings
-from ftengine.integrations.vllm.patches import (
-    REINFERENCE_SEAMS,
-    VllmSeamMoved,
-    check_reinference_seams,
-)
-from ftengine.integrations.vllm.poison import PROBE_ATTR
-from ftengine.integrations.vllm.reinference import (
+from ftengine.integrations.vllm.engine_core.poison import PROBE_ATTR
+from ftengine.integrations.vllm.engine_core.reinference import (
     HOLD_ATTR,
     Hold,
     abort_held,
     install,
     on_fault,
+)
+from ftengine.integrations.vllm.patches import engine_core as patches
+from ftengine.integrations.vllm.patches.engine_core import (
+    REINFERENCE_SEAMS,
+    VllmSeamMoved,
+    check_reinference_seams,
 )
 
 vllm_request = pytest.importorskip("vllm.v1.request", reason="vLLM is not installed")

@@ -17,10 +17,10 @@ from ftengine.backends.fake import FakeBackend
 from ftengine.clock import ManualClock
 from ftengine.faults import HealthStatus, Phase
 from ftengine.integrations.vllm.config import VllmFtSettings
-from ftengine.integrations.vllm.factory import DeviceBackend, build_worker_sentinel
-from ftengine.integrations.vllm.hooks import DEAD_RANKS_ATTR, MASK_ATTR, VllmWorkerHooks
 from ftengine.integrations.vllm.messages import VllmMessages
-from ftengine.integrations.vllm.sentinel import CommandFailed, FtengineWorkerSentinel
+from ftengine.integrations.vllm.worker.adapter import CommandFailed, FtengineWorkerSentinel
+from ftengine.integrations.vllm.worker.factory import DeviceBackend, build_worker_sentinel
+from ftengine.integrations.vllm.worker.hooks import DEAD_RANKS_ATTR, MASK_ATTR, VllmWorkerHooks
 from tests.unit.test_vllm_standin import (
     Distributed,
     RunnerV1,

@@ -17,7 +17,7 @@ import msgspec
 
 from ftengine.commands import CommandResult
 from ftengine.integrations.vllm.messages import VllmMessages
-from ftengine.integrations.vllm.sentinel import FtengineWorkerSentinel, SentinelLike
+from ftengine.integrations.vllm.worker.adapter import FtengineWorkerSentinel, SentinelLike
 
 
 class VllmCommandAdapter:

@@ -28,9 +28,20 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 from ftengine.faults import FaultKind
+from ftengine.integrations.vllm.api_server.metrics import register_collector
 from ftengine.integrations.vllm.config import VllmFtSettings
-from ftengine.integrations.vllm.engine_agent import file_fields
-from ftengine.integrations.vllm.factory import (
+from ftengine.integrations.vllm.engine_core.agent import file_fields
+from ftengine.integrations.vllm.logs import route_logs
+from ftengine.integrations.vllm.messages import VllmUnavailable, import_vllm
+from ftengine.integrations.vllm.patches.engine_core import (
+    VllmSeamMoved,
+    apply_cpu_patches,
+    apply_engine_core_patches,
+)
+from ftengine.integrations.vllm.shapes import WorkerLike
+from ftengine.integrations.vllm.status_file import StatusFile
+from ftengine.integrations.vllm.worker.adapter import FtengineWorkerSentinel
+from ftengine.integrations.vllm.worker.factory import (
     CPU,
     NPU,
     SUPPORTED_PLATFORMS,
@@ -40,17 +51,6 @@ from ftengine.integrations.vllm.factory import (
     build_worker_sentinel,
     current_device_type,
 )
-from ftengine.integrations.vllm.logs import route_logs
-from ftengine.integrations.vllm.messages import VllmUnavailable, import_vllm
-from ftengine.integrations.vllm.metrics import register_collector
-from ftengine.integrations.vllm.patches import (
-    VllmSeamMoved,
-    apply_cpu_patches,
-    apply_engine_core_patches,
-)
-from ftengine.integrations.vllm.sentinel import FtengineWorkerSentinel
-from ftengine.integrations.vllm.shapes import WorkerLike
-from ftengine.integrations.vllm.status_file import StatusFile
 
 if TYPE_CHECKING:
     from typing import Unpack  # 3.11+; annotations are never evaluated at run time

@@ -26,12 +26,12 @@ from ftengine.backends.npu_runtime import NpuRuntime
 from ftengine.clock import Clock
 from ftengine.errors import DeviceError
 from ftengine.integrations.vllm.config import VllmFtSettings
-from ftengine.integrations.vllm.distributed import RealVllmDistributed
-from ftengine.integrations.vllm.factory import DeviceBackend
-from ftengine.integrations.vllm.hooks import VllmWorkerHooks
 from ftengine.integrations.vllm.messages import VllmMessages, import_vllm
 from ftengine.integrations.vllm.plugin import PluginWorkerSentinel
 from ftengine.integrations.vllm.shapes import VllmDistributed, WorkerLike
+from ftengine.integrations.vllm.worker.distributed import RealVllmDistributed
+from ftengine.integrations.vllm.worker.factory import DeviceBackend
+from ftengine.integrations.vllm.worker.hooks import VllmWorkerHooks
 from ftengine.integrations.vllm_ascend.factory import npu_backend
 from ftengine.integrations.vllm_ascend.hooks import AscendWorkerHooks
 from ftengine.integrations.vllm_ascend.names import (

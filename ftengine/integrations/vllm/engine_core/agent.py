@@ -34,12 +34,17 @@ from ftengine.context import RecoveryContext
 from ftengine.errors import PeerDead
 from ftengine.faults import Fault, FaultKind, Phase
 from ftengine.integrations.vllm.config import VllmFtSettings
-from ftengine.integrations.vllm.dp_board import BEAT_ENV as BEAT_ENV
-from ftengine.integrations.vllm.dp_board import BEAT_S as BEAT_S
-from ftengine.integrations.vllm.dp_board import PEER_READ_S, Doorbell, StatusBoard, beat_interval
+from ftengine.integrations.vllm.engine_core.dp_board import BEAT_ENV as BEAT_ENV
+from ftengine.integrations.vllm.engine_core.dp_board import BEAT_S as BEAT_S
+from ftengine.integrations.vllm.engine_core.dp_board import (
+    PEER_READ_S,
+    Doorbell,
+    StatusBoard,
+    beat_interval,
+)
+from ftengine.integrations.vllm.engine_core.worker_exit import worker_dying
 from ftengine.integrations.vllm.messages import import_vllm
 from ftengine.integrations.vllm.status_file import StatusFile, remove_dead_status_files
-from ftengine.integrations.vllm.worker_exit import worker_dying
 from ftengine.policies import GiveUp, Retry, decide
 from ftengine.policies.algebra import Policy
 from ftengine.policies.builtin import OrchestratorDriven
@@ -382,7 +387,7 @@ def adopt_fault(wrapper: Any, kind: str) -> None:
 def start_agent(sentinel: Any, attr: str) -> None:
     """Give vLLM's new ``EngineCoreSentinel`` its agent (as ``attr``) on the platforms
     ftengine supports; elsewhere vLLM's own sentinel runs alone (the worker warns)."""
-    from ftengine.integrations.vllm.factory import SUPPORTED_PLATFORMS, current_device_type
+    from ftengine.integrations.vllm.worker.factory import SUPPORTED_PLATFORMS, current_device_type
 
     if current_device_type() not in SUPPORTED_PLATFORMS:
         return

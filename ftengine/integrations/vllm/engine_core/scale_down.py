@@ -93,7 +93,7 @@ def scale_down(sentinel: Any, ft_request: Any) -> Any:
         # A fault while scaling down is terminal (vLLM's client records the reason in
         # ft_error from the failed result that handle_command builds from this exception);
         # what re-inference held ends now, with the reason, rather than at the deadline.
-        from ftengine.integrations.vllm.reinference import abort_held
+        from ftengine.integrations.vllm.engine_core.reinference import abort_held
 
         sentinel.status_type = import_vllm(ENGINE_MODULE).EngineStatusType.DEAD
         abort_held(sentinel, f"engine {rank}'s scale_down failed: {exc}")

@@ -40,29 +40,29 @@ from typing import Any
 import attrs
 
 from ftengine.errors import CommandRejected
-from ftengine.integrations.vllm.cpu_collectives import (
+from ftengine.integrations.vllm.engine_core.poison import noting_clean_steps, skipping_suspects
+from ftengine.integrations.vllm.messages import import_vllm
+from ftengine.integrations.vllm.patches.mechanism import (
+    PATCHED_MARK as PATCHED_MARK,
+)
+from ftengine.integrations.vllm.patches.mechanism import (
+    Patch as Patch,
+)
+from ftengine.integrations.vllm.patches.mechanism import (
+    VllmSeamMoved as VllmSeamMoved,
+)
+from ftengine.integrations.vllm.patches.mechanism import (
+    _replace,
+    marked,
+)
+from ftengine.integrations.vllm.patches.mechanism import (
+    apply_patches as apply_patches,
+)
+from ftengine.integrations.vllm.worker.cpu_collectives import (
     all_gatherv,
     local_expert_ids,
     reduce_scatterv,
 )
-from ftengine.integrations.vllm.messages import import_vllm
-from ftengine.integrations.vllm.patch_mechanism import (
-    PATCHED_MARK as PATCHED_MARK,
-)
-from ftengine.integrations.vllm.patch_mechanism import (
-    Patch as Patch,
-)
-from ftengine.integrations.vllm.patch_mechanism import (
-    VllmSeamMoved as VllmSeamMoved,
-)
-from ftengine.integrations.vllm.patch_mechanism import (
-    _replace,
-    marked,
-)
-from ftengine.integrations.vllm.patch_mechanism import (
-    apply_patches as apply_patches,
-)
-from ftengine.integrations.vllm.poison import noting_clean_steps, skipping_suspects
 
 logger = logging.getLogger(__name__)
 
@@ -94,12 +94,12 @@ def _with_agent(init: Callable[..., None]) -> Callable[..., None]:
     @functools.wraps(init)
     def init_then_agent(self: Any, *args: Any, **kwargs: Any) -> None:
         init(self, *args, **kwargs)
-        from ftengine.integrations.vllm.engine_agent import start_agent
+        from ftengine.integrations.vllm.engine_core.agent import start_agent
 
         start_agent(self, AGENT_ATTR)
         agent = getattr(self, AGENT_ATTR, None)
         if agent is not None:  # with "reinference": true, faults hold requests
-            from ftengine.integrations.vllm.reinference import install
+            from ftengine.integrations.vllm.engine_core.reinference import install
 
             install(self, agent.settings, check_reinference_seams)
 
@@ -114,12 +114,14 @@ def _agent_on_fault(on_fault: Callable[..., None]) -> Callable[..., None]:
         if agent is not None:
             agent.on_fault(exc)
         # vLLM's (requests aborted, status pushed, with no delay of ours), or with
-        # re-inference on the same with requests held (ftengine.integrations.vllm.reinference)
-        from ftengine.integrations.vllm.reinference import on_fault as hold_or_abort
+        # re-inference on the same with requests held (engine_core.reinference)
+        from ftengine.integrations.vllm.engine_core.reinference import on_fault as hold_or_abort
 
         hold_or_abort(self, exc, on_fault, getattr(agent, "peers", None))
         if agent is not None:
-            from ftengine.integrations.vllm.coordinator_host import park_if_coordinator_host
+            from ftengine.integrations.vllm.engine_core.coordinator_host import (
+                park_if_coordinator_host,
+            )
 
             park_if_coordinator_host(self)  # DEAD rank 0 keeps the DP coordinator up
             agent.after_fault()
@@ -157,7 +159,7 @@ def dead_reason(sentinel: Any) -> str:
 
 
 def _with_fault_marker(handle: Callable[..., None]) -> Callable[..., None]:
-    from ftengine.integrations.vllm.engine_agent import FAULT_MARK
+    from ftengine.integrations.vllm.engine_core.agent import FAULT_MARK
 
     @functools.wraps(handle)
     def handle_or_fault(self: Any, request_type: Any, request: Any) -> None:
@@ -185,7 +187,7 @@ def _after_fault(handle: Callable[..., None]) -> Callable[..., None]:
 def _among_survivors(reinit: Callable[..., dict[str, Any]]) -> Callable[..., dict[str, Any]]:
     @functools.wraps(reinit)
     def reinit_among_survivors(self: Any) -> dict[str, Any]:
-        from ftengine.integrations.vllm.scale_down import reinit_for_retry
+        from ftengine.integrations.vllm.engine_core.scale_down import reinit_for_retry
 
         return reinit_for_retry(self, reinit)
 
@@ -255,7 +257,7 @@ def _checking_scale_down(validate: Callable[..., Any]) -> Callable[..., Any]:
     def validate_or_scale_down(body: Any) -> Any:
         if not isinstance(body, dict) or body.get("instruction") != SCALE_DOWN:
             return validate(body)  # vLLM's own checks and messages
-        from ftengine.integrations.vllm.scale_down import check_payload
+        from ftengine.integrations.vllm.engine_core.scale_down import check_payload
 
         params = body.get("params", {})
         try:
@@ -271,7 +273,7 @@ def _checking_scale_down(validate: Callable[..., Any]) -> Callable[..., Any]:
 
 
 def _engine_scale_down(self: Any, ft_request: Any) -> Any:
-    from ftengine.integrations.vllm.scale_down import scale_down
+    from ftengine.integrations.vllm.engine_core.scale_down import scale_down
 
     return scale_down(self, ft_request)
 
@@ -344,7 +346,7 @@ REINFERENCE_SEAMS = (
         _unchanged,
     ),
 )  # fmt: skip
-"""vLLM names re-inference calls but never replaces (``integrations.vllm.reinference``):
+"""vLLM names re-inference calls but never replaces (``integrations.vllm.engine_core.reinference``):
 checked like the patches (``check_reinference_seams``) so that a vLLM that moves them fails
 at start-up, not at the first fault."""
 REQUEST_FIELDS = ("num_in_flight_tokens", "num_stale_output_tokens", "drop_stale_output")
@@ -356,7 +358,7 @@ sent again as new)."""
 
 def check_reinference_seams() -> None:
     """Raise :class:`VllmSeamMoved` unless every name in :data:`REINFERENCE_SEAMS` and
-    :data:`REQUEST_FIELDS` is what ``integrations.vllm.reinference`` expects."""
+    :data:`REQUEST_FIELDS` is what ``integrations.vllm.engine_core.reinference`` expects."""
     for seam in REINFERENCE_SEAMS:
         seam.target()
     request = getattr(import_vllm("vllm.v1.request"), "Request", None)

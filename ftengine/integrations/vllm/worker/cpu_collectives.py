@@ -15,7 +15,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ftengine.integrations.vllm.distributed import ALIVE_ATTR
+from ftengine.integrations.vllm.worker.distributed import ALIVE_ATTR
 
 
 def _pieces(comm: Any, tensor: torch.Tensor, sizes: Sequence[int] | None) -> list[int]:

@@ -26,7 +26,7 @@ import attrs
 
 from ftengine.backends.base import RepairReport
 from ftengine.errors import PlacementError
-from ftengine.integrations.vllm.experts_rehost import (
+from ftengine.integrations.vllm.worker.experts_rehost import (
     CpuExpertRehoster,
     Hosting,
     Hosts,

@@ -21,19 +21,19 @@ from ftengine.backends.base import Backend
 from ftengine.clock import Clock
 from ftengine.context import RedundancyFacts
 from ftengine.errors import ConfigError
-from ftengine.integrations.vllm.backend import VllmWorkerBackend
 from ftengine.integrations.vllm.config import VllmFtSettings
-from ftengine.integrations.vllm.distributed import RealVllmDistributed
-from ftengine.integrations.vllm.hooks import VllmWorkerHooks
 from ftengine.integrations.vllm.messages import VllmMessages, import_vllm
-from ftengine.integrations.vllm.sentinel import FtengineWorkerSentinel
 from ftengine.integrations.vllm.shapes import VllmDistributed, WorkerLike
+from ftengine.integrations.vllm.worker.adapter import FtengineWorkerSentinel
+from ftengine.integrations.vllm.worker.backend import VllmWorkerBackend
+from ftengine.integrations.vllm.worker.distributed import RealVllmDistributed
+from ftengine.integrations.vllm.worker.hooks import VllmWorkerHooks
 from ftengine.placement.maps import ExpertPlacement
 from ftengine.policies import OrchestratorDriven
 from ftengine.sentinel import WorkerSentinel
 
 if TYPE_CHECKING:
-    from ftengine.integrations.vllm.cpu_backend import Rehost
+    from ftengine.integrations.vllm.worker.cpu_backend import Rehost
 
 PLATFORMS_MODULE = "vllm.platforms"
 NPU = "npu"
@@ -68,8 +68,8 @@ def vllm_cpu_backend(
 ) -> DeviceBackend:
     """ftengine's backend for vLLM's CPU platform; its per-op timeout applies once the worker
     serves (``cpu_distributed_timeout_s``, else ``DEFAULT_OP_TIMEOUT_S``)."""
-    from ftengine.integrations.vllm.cpu_backend import DEFAULT_OP_TIMEOUT_S, VllmCpuBackend
-    from ftengine.integrations.vllm.distributed import real_process_groups
+    from ftengine.integrations.vllm.worker.cpu_backend import DEFAULT_OP_TIMEOUT_S, VllmCpuBackend
+    from ftengine.integrations.vllm.worker.distributed import real_process_groups
 
     timeout = settings.cpu_distributed_timeout_s or DEFAULT_OP_TIMEOUT_S
     hooks.gloo_device_group = True  # on CPU the DP group's device side is gloo as well
@@ -90,8 +90,8 @@ def cpu_rehoster(
     """Scale-down's expert re-hosting on CPU (TP = 1: one EP rank per DP rank), else None.
     With the "failure-aware" ``placement`` the standby copies are loaded here (the model is
     loaded; vLLM has not warmed up yet)."""
-    from ftengine.integrations.vllm.experts_rehost import CpuExpertRehoster
-    from ftengine.integrations.vllm.experts_standby import PLACEMENT, StandbyRehoster
+    from ftengine.integrations.vllm.worker.experts_rehost import CpuExpertRehoster
+    from ftengine.integrations.vllm.worker.experts_standby import PLACEMENT, StandbyRehoster
 
     parallel = worker.parallel_config
     if parallel.tensor_parallel_size != 1:
