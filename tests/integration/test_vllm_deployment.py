@@ -28,7 +28,7 @@ from ftengine.integrations.vllm.launcher import (
     DeploymentFailed,
     VllmDeployment,
 )
-from ftengine.integrations.vllm.plugin import FAULT_FILE_ENV
+from ftengine.integrations.vllm.worker.fault_injection import FAULT_FILE_ENV
 from tests.stream_support import OpenAIStream
 from tests.vllm_support import (
     TEST_DTYPE,

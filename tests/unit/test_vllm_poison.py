@@ -15,7 +15,6 @@ import attrs
 import pytest
 
 from ftengine.errors import PeerDead
-from ftengine.integrations.vllm import plugin
 from ftengine.integrations.vllm.engine_core.poison import (
     PROBE_ATTR,
     EngineProbe,
@@ -24,6 +23,7 @@ from ftengine.integrations.vllm.engine_core.poison import (
     skipping_suspects,
 )
 from ftengine.integrations.vllm.engine_core.reinference import HOLD_ATTR, on_fault
+from ftengine.integrations.vllm.worker import fault_injection
 from tests.unit.test_vllm_reinference import (
     FakeRequest,
     Sentinel,
@@ -178,31 +178,31 @@ def worker_holding(**cached: list[int]) -> Any:
 
 def test_the_decoding_requests_prompts_come_from_the_runners_states() -> None:
     worker = worker_holding(a=[1, 2], b=[3], c=[7])
-    assert plugin.scheduled_decodes(worker, running(a=0, b=2, c=1)) == {"b": [3], "c": [7]}
-    assert plugin.scheduled_decodes(worker, None) == {}
+    assert fault_injection.scheduled_decodes(worker, running(a=0, b=2, c=1)) == {"b": [3], "c": [7]}
+    assert fault_injection.scheduled_decodes(worker, None) == {}
 
 
 def test_a_poison_token_faults_every_step_of_its_request_after_its_first_token(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     fault_file = tmp_path / "inject"
-    monkeypatch.setenv(plugin.FAULT_FILE_ENV, str(fault_file))
+    monkeypatch.setenv(fault_injection.FAULT_FILE_ENV, str(fault_file))
     worker = worker_holding(p=[5, 42, 6], q=[5, 6])
     poisoned = running(q=3, p=1)
-    plugin._maybe_inject(1, worker, poisoned)  # no file: no fault
+    fault_injection.maybe_inject(1, worker, poisoned)  # no file: no fault
     fault_file.write_text("token:42\n")
     for _ in range(2):  # every re-run, on any rank; the file stays
         with pytest.raises(RuntimeError, match="poison token 42 in the prompt of request p"):
-            plugin._maybe_inject(0, worker, poisoned)
+            fault_injection.maybe_inject(0, worker, poisoned)
     assert fault_file.exists()
-    plugin._maybe_inject(0, worker, running(q=3, p=0))  # its first step (its first token)
-    plugin._maybe_inject(0, worker, running(q=3))  # its mate alone: clean
-    plugin._maybe_inject(0, worker, None)  # sample_tokens: not keyed on requests
+    fault_injection.maybe_inject(0, worker, running(q=3, p=0))  # its first step (its first token)
+    fault_injection.maybe_inject(0, worker, running(q=3))  # its mate alone: clean
+    fault_injection.maybe_inject(0, worker, None)  # sample_tokens: not keyed on requests
     fault_file.write_text("token:x")
     with pytest.raises(ValueError, match=r"a DP rank or token:<token id>, found 'token:x'"):
-        plugin._maybe_inject(0, worker, poisoned)
+        fault_injection.maybe_inject(0, worker, poisoned)
     fault_file.write_text("1")  # the rank form: once, on that rank
-    plugin._maybe_inject(0, worker, poisoned)
+    fault_injection.maybe_inject(0, worker, poisoned)
     with pytest.raises(RuntimeError, match="fault injected on DP rank 1"):
-        plugin._maybe_inject(1, worker, poisoned)
+        fault_injection.maybe_inject(1, worker, poisoned)
     assert not fault_file.exists()

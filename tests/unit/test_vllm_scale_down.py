@@ -213,7 +213,7 @@ def test_vllms_engine_core_relays_scale_down_to_its_workers(
     assert answer(engine) == {"request_id": "s1", "success": True, "reason": None}
     assert core.status_type == EngineStatusType.HEALTHY and engine.step_counter == 0
     assert engine.dp_rank == 0  # the lowest survivor leads the DP wave now
-    status = worker.worker_sentinel.ready.status()
+    status = worker.worker_sentinel.ft.commands.status()
     assert (status["removed_ranks"], status["epoch"], status["phase"]) == ([0], 1, "healthy")
     core.on_fault(RuntimeError("another"))
     command(core, {"removed_dp_ranks": [3]})

