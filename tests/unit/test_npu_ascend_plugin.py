@@ -22,7 +22,7 @@ import ftengine
 from ftengine.backends.npu_runtime import TorchNpuUnavailable
 from ftengine.integrations.vllm import plugin as vllm_plugin
 from ftengine.integrations.vllm.config import VllmConfigError
-from ftengine.integrations.vllm.patches.engine_core import PATCHES
+from ftengine.integrations.vllm.patches.install import PATCHES
 from ftengine.integrations.vllm_ascend import names
 from ftengine.integrations.vllm_ascend import plugin as ascend_plugin
 from ftengine.integrations.vllm_ascend.plugin import prepare_worker, unregister

@@ -13,15 +13,16 @@ import attrs
 import pytest
 import torch
 
-from ftengine.integrations.vllm.patches import engine_core as cpu_patches
-from ftengine.integrations.vllm.patches.engine_core import (
-    CPU_PATCHES,
+from ftengine.integrations.vllm.patches import engine_core as engine_core_patches
+from ftengine.integrations.vllm.patches import worker as cpu_patches
+from ftengine.integrations.vllm.patches.install import PATCHES
+from ftengine.integrations.vllm.patches.mechanism import (
     PATCHED_MARK,
-    PATCHES,
     Patch,
     VllmSeamMoved,
     apply_patches,
 )
+from ftengine.integrations.vllm.patches.worker import CPU_PATCHES
 from ftengine.integrations.vllm.worker.cpu_collectives import all_gatherv, local_expert_ids
 from tests.vllm_support import Comm, gloo_patch_rank
 
@@ -168,7 +169,7 @@ class PushedTo:
         self.engine = type("Engine", (), {"model_executor": executor, "output_queue": queue})()
 
     def payload(self) -> dict[str, Any]:
-        cpu_patches.push_status(self)
+        engine_core_patches.push_status(self)
         (_client, outputs) = self.pushed[-1]
         return dict(outputs.utility_output.result.result)
 

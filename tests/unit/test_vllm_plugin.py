@@ -20,7 +20,8 @@ from ftengine.faults import HealthStatus
 from ftengine.integrations.vllm import plugin
 from ftengine.integrations.vllm.config import VllmConfigError, VllmFtSettings
 from ftengine.integrations.vllm.messages import VllmMessages
-from ftengine.integrations.vllm.patches.engine_core import PATCHES, VllmSeamMoved
+from ftengine.integrations.vllm.patches.install import PATCHES
+from ftengine.integrations.vllm.patches.mechanism import VllmSeamMoved
 from ftengine.integrations.vllm.worker import adapter as adapter_module
 from ftengine.integrations.vllm.worker.adapter import WorkerFaultAdapter
 from ftengine.integrations.vllm.worker.factory import (

@@ -17,12 +17,8 @@ from ftengine.backends.base import RepairReport
 from ftengine.errors import PreconditionFailed
 from ftengine.integrations.vllm.engine_core import scale_down as sd
 from ftengine.integrations.vllm.messages import DP_PORTS_KEY
-from ftengine.integrations.vllm.patches.engine_core import (
-    ENGINE_CORE_PATCHES,
-    ROUTER_MODULE,
-    SCALE_DOWN_METHOD,
-    SCALE_DOWN_PATCHES,
-)
+from ftengine.integrations.vllm.patches.api_server import ROUTER_MODULE, SCALE_DOWN_PATCHES
+from ftengine.integrations.vllm.patches.engine_core import ENGINE_CORE_PATCHES, SCALE_DOWN_METHOD
 from ftengine.integrations.vllm.worker.cpu_backend import VllmCpuBackend
 from ftengine.integrations.vllm.worker.cpu_collectives import all_gatherv
 from ftengine.integrations.vllm.worker.distributed import ALIVE_ATTR

@@ -29,11 +29,11 @@ from typing import TYPE_CHECKING, Any
 from ftengine.integrations.vllm.api_server.metrics import register_collector
 from ftengine.integrations.vllm.logs import route_logs
 from ftengine.integrations.vllm.messages import VllmUnavailable, import_vllm
-from ftengine.integrations.vllm.patches.engine_core import (
-    VllmSeamMoved,
+from ftengine.integrations.vllm.patches.install import (
     apply_cpu_patches,
     apply_engine_core_patches,
 )
+from ftengine.integrations.vllm.patches.mechanism import VllmSeamMoved
 from ftengine.integrations.vllm.shapes import WorkerLike
 from ftengine.integrations.vllm.worker.adapter import WorkerFaultAdapter
 from ftengine.integrations.vllm.worker.factory import (

@@ -141,9 +141,9 @@ class EngineCoreAgent:
         result then reaches the API server after that status, which would replace it)."""
         self._faulted.set()
 
-    def on_fault(self, exc: BaseException) -> None:
-        """Before vLLM's ``on_fault``: remember the fault for the policy (no I/O, so vLLM's
-        status goes out at once)."""
+    def note_fault(self, exc: BaseException) -> None:
+        """Before vLLM's ``EngineCoreSentinel.on_fault``: remember the fault for the policy
+        (no I/O, so vLLM's status goes out at once)."""
         from ftengine.sentinel import classify_exception
 
         with self._lock:

@@ -200,16 +200,17 @@ def install(sentinel: Any, settings: VllmFtSettings, check_seams: Callable[[], N
     handoff.install(sentinel, settings)
 
 
-def on_fault(
+def hold_or_abort(
     sentinel: Any,
     exc: BaseException,
     vllm_on_fault: Any,
     peers: Mapping[int, str] | None = None,
 ) -> None:
-    """``EngineCoreSentinel.on_fault``: vLLM's own without a :class:`Hold`; with one, the
-    same steps (vLLM 0.32's) except that requests are held, or aborted with the reason when
-    the engine is DEAD (its worker process died: nothing can resume them here). ``peers``:
-    the engine-core agent's view of its peers' statuses (``poison.own_fault``)."""
+    """What the patched ``EngineCoreSentinel.on_fault`` runs: vLLM's own ``on_fault``
+    (``vllm_on_fault``) without a :class:`Hold`; with one, the same steps (vLLM 0.32's)
+    except that requests are held, or aborted with the reason when the engine is DEAD (its
+    worker process died: nothing can resume them here). ``peers``: the engine-core agent's
+    view of its peers' statuses (``poison.own_fault``)."""
     hold: Hold | None = getattr(sentinel, HOLD_ATTR, None)
     if hold is None:
         vllm_on_fault(sentinel, exc)

@@ -1,93 +1,43 @@
-"""Every vLLM name ftengine's plugin replaces, in one place.
+"""The vLLM names ftengine replaces in vLLM's engine-core process (any platform ftengine
+supports).
 
-**Engine core** (any platform ftengine supports): ``EngineCoreSentinel.__init__`` starts
-ftengine's :class:`~ftengine.integrations.vllm.engine_agent.EngineCoreAgent`,
-``on_fault`` tells it of the fault (and the worker's FSM, after vLLM's own status push),
-``_push_status`` adds ftengine's phase, epoch and removed ranks to the pushed status,
-``handle_command`` (vLLM's input thread) waits for ``on_fault`` after the agent's early
-``unhealthy`` report, and ``EngineCoreProc._handle_client_request`` lets the agent's
-input-queue marker raise a peer fault into the busy loop (vLLM's own fault path then runs).
-With re-inference on, ``Scheduler._handle_blocked_waiting_request`` and
-``Scheduler.update_from_output`` run the poison probe (``poison.py``; vLLM's own otherwise).
-``scale_down`` (vLLM 0.32 has only ``retry``): the router's ``_validate_payload`` passes it
-(400 when malformed) and ``EngineCoreSentinel.scale_down`` is added for vLLM's own dispatch
-(``scale_down.py``); after one, ``EngineCoreSentinel._reinit_dp_group`` (``retry``'s DP-group
-rebuild) rebuilds among the survivors instead of every original rank.
-
-**CPU platform** (what it lacks for DP+EP MoE):
-With ``--enable-expert-parallel`` and DP > 1, vLLM on CPU picks the
-``allgather_reducescatter`` all2all, which calls ``all_gatherv`` / ``reduce_scatterv`` on the
-group's communicator: ``CpuCommunicator`` inherits the base class's ``NotImplementedError``.
-Both are written over gloo (``cpu_collectives.py``). Next, ``CPUUnquantizedExperts.apply``
-hands the *global* expert ids to a kernel that holds only this rank's experts (it ignores
-``expert_map``) and segfaults; the wrapper maps the ids through ``expert_map`` and gives the
-experts this rank does not hold a zero weight (their rows are then summed in by the other
-ranks' combine).
-
-:data:`PATCHES` names each replaced attribute with the parameters ftengine expects it to
-have; ``tests/unit/test_vllm_patches.py`` fails when vLLM moves or changes one.
+``EngineCoreSentinel.__init__`` starts ftengine's
+:class:`~ftengine.integrations.vllm.engine_core.agent.EngineCoreAgent`, ``on_fault`` tells it
+of the fault (and the worker's FSM, after vLLM's own status push), ``_push_status`` adds
+ftengine's phase, epoch and removed ranks to the pushed status, ``handle_command`` (vLLM's
+input thread) waits for ``on_fault`` after the agent's early ``unhealthy`` report, and
+``EngineCoreProc._handle_client_request`` lets the agent's input-queue marker raise a peer
+fault into the busy loop (vLLM's own fault path then runs). With re-inference on,
+``Scheduler._handle_blocked_waiting_request`` and ``Scheduler.update_from_output`` run the
+poison probe (``engine_core/poison.py``; vLLM's own otherwise). ``scale_down`` (vLLM 0.32 has
+only ``retry``): ``EngineCoreSentinel.scale_down`` is added for vLLM's own dispatch
+(``engine_core/scale_down.py``); after one, ``EngineCoreSentinel._reinit_dp_group``
+(``retry``'s DP-group rebuild) rebuilds among the survivors instead of every original rank.
 """
 
 from __future__ import annotations
 
 import functools
 import inspect
-import logging
-import multiprocessing
 from collections.abc import Callable
 from typing import Any
 
-import attrs
-
-from ftengine.errors import CommandRejected
 from ftengine.integrations.vllm.engine_core.poison import noting_clean_steps, skipping_suspects
 from ftengine.integrations.vllm.messages import import_vllm
 from ftengine.integrations.vllm.patches.mechanism import (
-    PATCHED_MARK as PATCHED_MARK,
-)
-from ftengine.integrations.vllm.patches.mechanism import (
-    Patch as Patch,
-)
-from ftengine.integrations.vllm.patches.mechanism import (
-    VllmSeamMoved as VllmSeamMoved,
-)
-from ftengine.integrations.vllm.patches.mechanism import (
-    _replace,
+    PATCHED_MARK,
+    NewMethod,
+    Patch,
+    VllmSeamMoved,
     marked,
-)
-from ftengine.integrations.vllm.patches.mechanism import (
-    apply_patches as apply_patches,
-)
-from ftengine.integrations.vllm.worker.cpu_collectives import (
-    all_gatherv,
-    local_expert_ids,
-    reduce_scatterv,
+    replacing,
 )
 
-logger = logging.getLogger(__name__)
-
-COMMUNICATOR_MODULE = "vllm.distributed.device_communicators.cpu_communicator"
-EXPERTS_MODULE = "vllm.model_executor.layers.fused_moe.experts.cpu_moe"
 CORE_MODULE = "vllm.v1.engine.core"
 CORE_SENTINEL_MODULE = "vllm.v1.fault_tolerance.engine_core_sentinel"
 ENGINE_MODULE = "vllm.v1.engine"
 SERIAL_MODULE = "vllm.v1.serial_utils"
 AGENT_ATTR = "_ftengine_agent"
-
-
-def _ep_correct_apply(apply: Callable[..., None]) -> Callable[..., None]:
-    @functools.wraps(apply)
-    def ep_apply(self: Any, *args: Any, **kwargs: Any) -> None:
-        bound = inspect.signature(apply).bind(self, *args, **kwargs)
-        arguments = bound.arguments
-        arguments["topk_ids"], arguments["topk_weights"] = local_expert_ids(
-            arguments["topk_ids"], arguments["topk_weights"], arguments["expert_map"]
-        )
-        arguments["expert_map"] = None  # the ids are local now
-        apply(*bound.args, **bound.kwargs)
-
-    setattr(ep_apply, PATCHED_MARK, apply)
-    return ep_apply
 
 
 def _with_agent(init: Callable[..., None]) -> Callable[..., None]:
@@ -112,10 +62,10 @@ def _agent_on_fault(on_fault: Callable[..., None]) -> Callable[..., None]:
     def agent_on_fault(self: Any, exc: BaseException) -> None:
         agent = getattr(self, AGENT_ATTR, None)
         if agent is not None:
-            agent.on_fault(exc)
+            agent.note_fault(exc)
         # vLLM's (requests aborted, status pushed, with no delay of ours), or with
         # re-inference on the same with requests held (engine_core.reinference)
-        from ftengine.integrations.vllm.engine_core.reinference import on_fault as hold_or_abort
+        from ftengine.integrations.vllm.engine_core.reinference import hold_or_abort
 
         hold_or_abort(self, exc, on_fault, getattr(agent, "peers", None))
         if agent is not None:
@@ -202,7 +152,7 @@ ENGINE_CORE_PATCHES = (
         _with_agent,
     ),
     Patch(CORE_SENTINEL_MODULE, "EngineCoreSentinel", "on_fault", ("exc",), _agent_on_fault),
-    Patch(CORE_SENTINEL_MODULE, "EngineCoreSentinel", "_push_status", (), _replace(push_status)),
+    Patch(CORE_SENTINEL_MODULE, "EngineCoreSentinel", "_push_status", (), replacing(push_status)),
     Patch(
         CORE_SENTINEL_MODULE, "EngineCoreSentinel", "handle_command",
         ("client_idx", "call_id", "ft_args"), _after_fault,
@@ -223,54 +173,6 @@ ENGINE_CORE_PATCHES = (
     ),
 )  # fmt: skip
 
-CPU_PATCHES = (
-    Patch(
-        COMMUNICATOR_MODULE, "CpuCommunicator", "all_gatherv", ("input_", "dim", "sizes"),
-        _replace(all_gatherv),
-    ),
-    Patch(
-        COMMUNICATOR_MODULE, "CpuCommunicator", "reduce_scatterv", ("input_", "dim", "sizes"),
-        _replace(reduce_scatterv),
-    ),
-    Patch(
-        EXPERTS_MODULE,
-        "CPUUnquantizedExperts",
-        "apply",
-        (
-            "output", "hidden_states", "w1", "w2", "topk_weights", "topk_ids", "activation",
-            "global_num_experts", "expert_map", "a1q_scale", "a2_scale", "workspace13",
-            "workspace2", "expert_tokens_meta", "apply_router_weight_on_input",
-        ),
-        _ep_correct_apply,
-    ),
-)  # fmt: skip
-
-
-# -- scale_down through vLLM's own path (``scale_down.py``) -------------------------------
-
-ROUTER_MODULE = "vllm.entrypoints.serve.fault_tolerance.api_router"
-SCALE_DOWN = "scale_down"
-
-
-def _checking_scale_down(validate: Callable[..., Any]) -> Callable[..., Any]:
-    @functools.wraps(validate)
-    def validate_or_scale_down(body: Any) -> Any:
-        if not isinstance(body, dict) or body.get("instruction") != SCALE_DOWN:
-            return validate(body)  # vLLM's own checks and messages
-        from ftengine.integrations.vllm.engine_core.scale_down import check_payload
-
-        params = body.get("params", {})
-        try:
-            if not isinstance(params, dict):
-                raise CommandRejected("'params' must be an object.")
-            check_payload(SCALE_DOWN, params)
-        except CommandRejected as exc:  # vLLM's own answer to a malformed command: 400
-            raise import_vllm("fastapi").HTTPException(400, str(exc)) from exc
-        return SCALE_DOWN, params
-
-    setattr(validate_or_scale_down, PATCHED_MARK, validate)
-    return validate_or_scale_down
-
 
 def _engine_scale_down(self: Any, ft_request: Any) -> Any:
     from ftengine.integrations.vllm.engine_core.scale_down import scale_down
@@ -282,32 +184,6 @@ def _checked_only(original: Callable[..., Any]) -> Callable[..., Any]:
     return original  # a NewMethod's dispatch is checked, never replaced
 
 
-@attrs.frozen
-class NewMethod:
-    """``module.owner.name`` added (vLLM has none: it must still have none, or be ours);
-    ``dispatch`` is the owner's method that reaches it by name, with its parameters."""
-
-    module: str
-    owner: str
-    name: str
-    function: Callable[..., Any]
-    dispatch: Patch
-
-    def install(self) -> None:
-        owner, _dispatch = self.dispatch.target()
-        current = getattr(owner, self.name, None)
-        if current is not None and current is not self.function:
-            raise VllmSeamMoved(
-                f"expected no {self.module}.{self.owner}.{self.name} in the installed vLLM "
-                "(ftengine adds it), found one: vLLM now has its own; ftengine's "
-                "scale_down needs updating"
-            )
-        setattr(owner, self.name, self.function)
-
-
-SCALE_DOWN_PATCHES = (
-    Patch(ROUTER_MODULE, "", "_validate_payload", ("body",), _checking_scale_down),
-)
 SCALE_DOWN_METHOD = NewMethod(
     CORE_SENTINEL_MODULE,
     "EngineCoreSentinel",
@@ -318,18 +194,6 @@ SCALE_DOWN_METHOD = NewMethod(
         ("client_idx", "call_id", "ft_args"), _checked_only,
     ),
 )  # fmt: skip
-
-
-PATCHES = ENGINE_CORE_PATCHES + CPU_PATCHES + SCALE_DOWN_PATCHES
-
-
-def apply_scale_down_patches() -> None:
-    """``scale_down`` in vLLM's router and engine-core sentinel (idempotent). The router is
-    patched only in a main process (an API server): vLLM's engine cores and workers are its
-    children, and importing the FastAPI router there only costs them time."""
-    SCALE_DOWN_METHOD.install()
-    if multiprocessing.parent_process() is None:
-        apply_patches(SCALE_DOWN_PATCHES)
 
 
 def _unchanged(original: Callable[..., Any]) -> Callable[..., Any]:
@@ -375,14 +239,3 @@ def check_reinference_seams() -> None:
             f"{', '.join(REQUEST_PROPERTIES)}, found no {missing}: ftengine's re-inference "
             "needs updating"
         )
-
-
-def apply_cpu_patches() -> None:
-    """The CPU platform's DP+EP pieces (:data:`CPU_PATCHES`)."""
-    apply_patches(CPU_PATCHES)
-
-
-def apply_engine_core_patches() -> None:
-    """ftengine's engine-core agent (:data:`ENGINE_CORE_PATCHES`) and ``scale_down``."""
-    apply_patches(ENGINE_CORE_PATCHES)
-    apply_scale_down_patches()

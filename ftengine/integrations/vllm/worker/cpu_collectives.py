@@ -1,4 +1,4 @@
-"""What vLLM's CPU platform lacks for DP+EP MoE, as plain functions ``patches.py`` installs.
+"""What vLLM's CPU platform lacks for DP+EP MoE, as plain functions ``patches/worker.py`` installs.
 
 ``CpuCommunicator`` inherits the base class's ``NotImplementedError`` for ``all_gatherv`` /
 ``reduce_scatterv``, which the ``allgather_reducescatter`` all2all calls: both are written
