@@ -20,7 +20,7 @@ from ftengine.reinference import DEFAULT_MAX_REINFERENCE
 FTENGINE_KEY = "ftengine"
 PLACEMENTS = ("default", "failure-aware")
 """``ftengine.placement`` values. On vLLM's CPU platform "failure-aware" loads standby expert
-copies at start-up (``ftengine.integrations.vllm.experts_standby``); on an NPU the slot
+copies at start-up (``ftengine.integrations.vllm.worker.experts_standby``); on an NPU the slot
 layout is vLLM-Ascend's expert map (``ftengine plan --placement failure-aware`` writes one)."""
 
 
@@ -104,10 +104,10 @@ class NpuFtConfig:
     DEAD. ``cpu_distributed_timeout_s``: timeout of the gloo groups ftengine owns
     (None = torch's default). ``reinference``: a fault holds the engine core's requests and
     resumes them after recovery instead of aborting them (vLLM's CPU path; see
-    ``ftengine.integrations.vllm.reinference``); ``max_reinference``: re-runs of one request
-    after faults before it is aborted. ``placement``: one of :data:`PLACEMENTS`.
+    ``ftengine.integrations.vllm.engine_core.reinference``); ``max_reinference``: re-runs of
+    one request after faults before it is aborted. ``placement``: one of :data:`PLACEMENTS`.
     ``handoff_urls``: the survivors' OpenAI servers a DEAD engine core hands its held
-    requests to (needs ``reinference``; see ``ftengine.integrations.vllm.handoff``).
+    requests to (needs ``reinference``; see ``ftengine.integrations.vllm.engine_core.handoff``).
     """
 
     communication_abort_timeout_s: int = 0

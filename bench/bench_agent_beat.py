@@ -25,8 +25,8 @@ from types import SimpleNamespace
 import torch
 from torch._C._distributed_c10d import TCPStore
 
-from ftengine.integrations.vllm.dp_board import KEY, PUBLISH_S
-from ftengine.integrations.vllm.engine_agent import EngineCoreAgent
+from ftengine.integrations.vllm.engine_core.agent import EngineCoreAgent
+from ftengine.integrations.vllm.engine_core.dp_board import KEY, PUBLISH_S
 from tests.unit.test_vllm_engine_agent import Sentinel, agent_for
 
 

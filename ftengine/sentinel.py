@@ -1,10 +1,11 @@
 """WorkerSentinel: the one glue object between a RecoveryEngine, a device Backend and the
 host worker (the CPU cluster worker, the NPU worker, the vLLM adapter).
 
-The host gives the sentinel a :class:`WorkerHooks` object (clean its state, run a dummy
-batch of its model, reach its expert layers); the sentinel hands the engine a backend
-that composes the device backend with those hooks, turns exceptions the host catches
-into :class:`~ftengine.faults.Fault` records, and relays orchestrator commands. It
+The host gives the sentinel a :class:`HostedBackend`: its device backend composed with a
+:class:`WorkerHooks` object (clean its state, run a dummy batch of its model, reach its
+expert layers), a subclass where the host has steps of its own (the vLLM worker's
+``VllmHostedBackend``). The sentinel hands that backend to the engine, turns exceptions the
+host catches into :class:`~ftengine.faults.Fault` records, and relays orchestrator commands. It
 owns no threads and knows nothing about any particular cluster.
 """
 
@@ -50,6 +51,7 @@ class HostedBackend(DelegatingBackend):
     ``quarantine`` also cleans the host's state, and ``run_dummy_batch`` runs the
     host's full model step (which goes through the device backend's collectives)
     instead of the backend's model-less one. Everything else is the device backend's.
+    A host with steps of its own subclasses it (one wrapper, the hooks passed once).
     """
 
     def __init__(self, backend: Backend, hooks: WorkerHooks) -> None:
@@ -65,7 +67,8 @@ class HostedBackend(DelegatingBackend):
 
 
 class WorkerSentinel:
-    """Joins a policy, a device backend and a host worker into one recovering worker.
+    """Joins a policy and a hosted backend (a device backend and its host worker) into one
+    recovering worker.
 
     ``rank`` / ``world_size`` are original DP ranks. ``engine`` is the RecoveryEngine
     it built (the host may ``subscribe`` to it); call ``on_fault`` from the host's
@@ -77,8 +80,7 @@ class WorkerSentinel:
     def __init__(
         self,
         policy: Policy,
-        backend: Backend,
-        hooks: WorkerHooks,
+        backend: HostedBackend,
         *,
         rank: int = 0,
         world_size: int = 1,
@@ -86,9 +88,8 @@ class WorkerSentinel:
         redundancy: RedundancyFacts | None = None,
     ) -> None:
         self.rank = rank
-        self.hooks = hooks
         self.clock: Clock = clock if clock is not None else MonotonicClock()
-        self.backend = HostedBackend(backend, hooks)
+        self.backend = backend
         self.engine = RecoveryEngine(
             policy,
             self.backend,

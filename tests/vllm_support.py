@@ -76,7 +76,7 @@ def gloo_patch_rank(rank: int, init_file: str, out: Any) -> None:
     import torch
     import torch.distributed as dist
 
-    from ftengine.integrations.vllm.cpu_collectives import all_gatherv, reduce_scatterv
+    from ftengine.integrations.vllm.worker.cpu_collectives import all_gatherv, reduce_scatterv
 
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
     try:

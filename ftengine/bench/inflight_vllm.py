@@ -123,7 +123,7 @@ def _scale_down_round(
 def _deployed(run: VllmRun, reinference: bool, scratch: Path) -> Iterator[Any]:
     """DP=2 EP=2 float32, rank 1's fault file at ``scratch/inject``."""
     from ftengine.integrations.vllm.launcher import DeploymentConfig, VllmDeployment
-    from ftengine.integrations.vllm.plugin import FAULT_FILE_ENV
+    from ftengine.integrations.vllm.worker.fault_injection import FAULT_FILE_ENV
 
     options = {"cpu_distributed_timeout_sec": OP_TIMEOUT_S, "reinference": reinference}
     config = DeploymentConfig(

@@ -9,7 +9,7 @@ from pathlib import Path
 import attrs
 
 from ftengine.integrations.vllm.launcher import DeploymentConfig
-from ftengine.integrations.vllm.plugin import FAULT_FILE_ENV
+from ftengine.integrations.vllm.worker.fault_injection import FAULT_FILE_ENV
 
 MODEL_NAME = "chaos"  # what the chaos traffic asks for (vLLM's --served-model-name)
 

@@ -58,7 +58,7 @@ from ftengine.cluster.protocol import (
 from ftengine.context import RedundancyFacts
 from ftengine.errors import ConfigError
 from ftengine.model_limits import ModelLimits
-from ftengine.sentinel import WorkerSentinel
+from ftengine.sentinel import HostedBackend, WorkerSentinel
 from ftengine.status import PhaseChange
 from ftengine.weights.index import CheckpointIndex
 
@@ -165,8 +165,7 @@ class ClusterWorker:
         spec, experts = self.spec, self.backend.experts
         sentinel = WorkerSentinel(
             build_policy(spec.config.policy, spec.config.recovery_timeout_s),
-            self.backend,
-            self,
+            HostedBackend(self.backend, self),
             rank=spec.rank,
             world_size=spec.world_size,
             redundancy=RedundancyFacts(

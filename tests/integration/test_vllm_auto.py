@@ -13,7 +13,7 @@ import httpx
 import pytest
 
 from ftengine.integrations.vllm.launcher import DeploymentConfig, VllmDeployment
-from ftengine.integrations.vllm.plugin import FAULT_FILE_ENV
+from ftengine.integrations.vllm.worker.fault_injection import FAULT_FILE_ENV
 from tests.vllm_support import (
     TEST_DTYPE,
     free_port_run,

@@ -2,7 +2,7 @@
 
 The cluster is launched with ``command_adapter`` naming
 ``ftengine.integrations.vllm.cluster_adapter:vllm_command_adapter``: each worker process
-answers commands through ``FtengineWorkerSentinel.handle_ft_command`` with vLLM's
+answers commands through ``VllmCommands.run`` with vLLM's
 ``FaultToleranceRequest`` / ``FaultToleranceResult`` (msgpack-encoded, as they cross
 processes in vLLM); the test drives the cluster with the same types. The SIGKILL + scale-down
 run must pass: SIGKILL rank 3 mid-traffic, DEAD rejects retry, scale_down re-hosts its

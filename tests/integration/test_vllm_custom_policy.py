@@ -19,7 +19,7 @@ from ftengine.integrations.vllm.launcher import (
     DeploymentFailed,
     VllmDeployment,
 )
-from ftengine.integrations.vllm.plugin import FAULT_FILE_ENV
+from ftengine.integrations.vllm.worker.fault_injection import FAULT_FILE_ENV
 from tests.integration.test_vllm_auto import complete, engines
 from tests.vllm_support import TEST_DTYPE, free_port_run, write_tiny_qwen3_moe
 

@@ -32,7 +32,7 @@ from ftengine.integrations.vllm.launcher import (
     DeploymentFailed,
     VllmDeployment,
 )
-from ftengine.integrations.vllm.plugin import FAULT_FILE_ENV
+from ftengine.integrations.vllm.worker.fault_injection import FAULT_FILE_ENV
 from tests.cpu_isa_support import simulated_cpu_env
 from tests.stream_support import OpenAIStream
 from tests.vllm_support import (

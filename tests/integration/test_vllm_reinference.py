@@ -28,7 +28,7 @@ import httpx
 import pytest
 
 from ftengine.integrations.vllm.launcher import DeploymentConfig, VllmDeployment
-from ftengine.integrations.vllm.plugin import FAULT_FILE_ENV
+from ftengine.integrations.vllm.worker.fault_injection import FAULT_FILE_ENV
 from tests.stream_support import OpenAIStream
 from tests.vllm_support import free_port_run, write_tiny_qwen3_moe
 

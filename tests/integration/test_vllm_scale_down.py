@@ -31,7 +31,7 @@ import pytest
 
 from ftengine.integrations.vllm.bench_scale_down import adopted, standby
 from ftengine.integrations.vllm.launcher import DeploymentConfig, VllmDeployment
-from ftengine.integrations.vllm.plugin import FAULT_FILE_ENV
+from ftengine.integrations.vllm.worker.fault_injection import FAULT_FILE_ENV
 from tests.integration.test_vllm_deployment import (
     MAX_TOKENS,
     PROMPTS,

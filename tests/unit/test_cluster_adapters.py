@@ -17,7 +17,7 @@ from ftengine.commands import CommandResult
 from ftengine.errors import ConfigError
 from ftengine.faults import FaultKind, HealthStatus
 from ftengine.policies import OrchestratorDriven
-from ftengine.sentinel import WorkerSentinel
+from ftengine.sentinel import HostedBackend, WorkerSentinel
 
 HERE = __name__
 NOT_CALLABLE = 42
@@ -59,8 +59,8 @@ def faceless(sentinel: WorkerSentinel, rank: int) -> object:
 
 def sentinel(rank: int = 1) -> WorkerSentinel:
     return WorkerSentinel(
-        OrchestratorDriven(), FakeBackend(rank=rank), Hooks(), rank=rank, world_size=4,
-        clock=ManualClock(),
+        OrchestratorDriven(), HostedBackend(FakeBackend(rank=rank), Hooks()), rank=rank,
+        world_size=4, clock=ManualClock(),
     )  # fmt: skip
 
 

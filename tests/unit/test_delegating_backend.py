@@ -1,5 +1,5 @@
 """DelegatingBackend: forwards every ``Backend`` member, passes the conformance suite, and so
-do the two wrappers built on it (the sentinel's ``HostedBackend``, the vLLM worker backend)."""
+do the wrappers built on it (the sentinel's ``HostedBackend``, its vLLM worker subclass)."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from ftengine.backends.base import Backend
 from ftengine.backends.delegating import DelegatingBackend
 from ftengine.backends.fake import FakeBackend
 from ftengine.faults import Fault, FaultKind
-from ftengine.integrations.vllm.backend import VllmWorkerBackend
+from ftengine.integrations.vllm.worker.backend import VllmHostedBackend
 from ftengine.sentinel import HostedBackend
 from tests.conformance import BackendConformance
 from tests.unit.test_sentinel import RecordingHost
@@ -29,17 +29,18 @@ def protocol_methods() -> list[str]:
     )
 
 
-class Steps:
-    """The vLLM worker's own steps, recorded."""
+class Steps(RecordingHost):
+    """A vLLM worker: a recording host plus the worker's own steps, recorded."""
 
-    def __init__(self) -> None:
-        self.log: list[tuple[str, object]] = []
+    def __init__(self, backend: FakeBackend) -> None:
+        super().__init__(backend)
+        self.steps: list[tuple[str, object]] = []
 
     def mask_all2all(self, dead_ep_ranks: frozenset[int], mask: torch.Tensor | None) -> None:
-        self.log.append(("mask_all2all", dead_ep_ranks))
+        self.steps.append(("mask_all2all", dead_ep_ranks))
 
     def rebuild_dp_group(self, alive_dp_ranks: frozenset[int], epoch: int) -> None:
-        self.log.append(("rebuild_dp_group", (alive_dp_ranks, epoch)))
+        self.steps.append(("rebuild_dp_group", (alive_dp_ranks, epoch)))
 
 
 def test_the_protocol_is_read_with_every_method_it_had_when_this_was_written() -> None:
@@ -85,10 +86,11 @@ class TestHostedBackendConformance(BackendConformance):
         yield HostedBackend(device, RecordingHost(device))
 
 
-class TestVllmWorkerBackendConformance(BackendConformance):
+class TestVllmHostedBackendConformance(BackendConformance):
     @pytest.fixture
     def backend(self) -> Iterator[Backend]:
-        yield VllmWorkerBackend(FakeBackend(), Steps())
+        device = FakeBackend()
+        yield VllmHostedBackend(device, Steps(device))
 
 
 def test_hosted_backend_changes_only_quarantine_and_the_dummy_batch() -> None:
@@ -102,15 +104,27 @@ def test_hosted_backend_changes_only_quarantine_and_the_dummy_batch() -> None:
     assert host.log == ["clean_state", "dummy_batch@epoch0"]
 
 
-def test_vllm_worker_backend_adds_its_steps_after_the_devices() -> None:
+def test_vllm_hosted_backend_adds_its_steps_after_the_devices() -> None:
     device = FakeBackend(rank=0)
-    steps = Steps()
-    backend = VllmWorkerBackend(device, steps, tp_size=2)
+    steps = Steps(device)
+    backend = VllmHostedBackend(device, steps, tp_size=2)
     backend.mask_ranks(frozenset({1}))
     backend.rebuild_groups(frozenset({0}), 1)
     backend.synchronize()
     assert device.names() == ["mask_ranks", "rebuild_groups", "synchronize"]
-    assert steps.log == [
+    assert steps.steps == [
         ("mask_all2all", frozenset({2, 3})),  # DP rank 1 is EP ranks 2 and 3 at TP 2
         ("rebuild_dp_group", (frozenset({0}), 1)),
     ]
+    assert steps.log == []  # the host's own hooks ran for none of these
+
+
+def test_vllm_hosted_backend_is_a_hosted_backend_for_quarantine_and_the_dummy_batch() -> None:
+    device = FakeBackend(rank=0)
+    steps = Steps(device)
+    backend = VllmHostedBackend(device, steps)
+    backend.quarantine(Fault(FaultKind.TRANSIENT, rank=0))
+    backend.run_dummy_batch()
+    assert device.names() == ["quarantine"]  # the worker ran the dummy batch
+    assert steps.log == ["clean_state", "dummy_batch@epoch0"]
+    assert steps.steps == []

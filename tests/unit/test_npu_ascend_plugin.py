@@ -23,7 +23,7 @@ from ftengine.backends.npu_env import ASYNC_ERROR_HANDLING_NAMES, TASK_QUEUE_ENA
 from ftengine.backends.npu_runtime import TorchNpuUnavailable
 from ftengine.integrations.vllm import plugin as vllm_plugin
 from ftengine.integrations.vllm.config import VllmConfigError
-from ftengine.integrations.vllm.patches import PATCHES
+from ftengine.integrations.vllm.patches.install import PATCHES
 from ftengine.integrations.vllm_ascend import names
 from ftengine.integrations.vllm_ascend import plugin as ascend_plugin
 from ftengine.integrations.vllm_ascend.plugin import prepare_worker, unregister
@@ -94,7 +94,7 @@ def test_on_npu_only_the_ascend_entry_point_acts_and_the_gpu_sentinel_stays_vllm
         ascend = importlib.import_module(names.SENTINEL_MODULE).WorkerSentinel
         assert gpu_class in ascend.__mro__ and ftengine_classes(ascend) == []
     else:
-        assert gpu_sentinel.WorkerSentinel is vllm_plugin.worker_sentinel
+        assert gpu_sentinel.WorkerSentinel is vllm_plugin.worker_fault_adapter
         assert wrapped is vllm_init_device
 
 
@@ -112,7 +112,7 @@ def test_the_worker_gets_ftengines_sentinel_and_vllm_ascends_stays_whole(
     assert "WorkerSentinel(worker=self, device=device)" in inspect.getsource(module.NPUWorker)
     assert getattr(module, names.SENTINEL_NAME) is not ascend
     assert rig.sentinel.device == rig.worker.device
-    assert rig.sentinel.ready is not None  # built once load_model had run
+    assert rig.sentinel.ft is not None  # built once load_model had run
 
 
 def test_the_ft_environment_is_in_place_before_the_npu_is_set_up(

@@ -9,7 +9,7 @@ from ftengine.clock import ManualClock
 from ftengine.context import RedundancyFacts
 from ftengine.faults import FaultKind, HealthStatus, Phase
 from ftengine.policies import OrchestratorDriven
-from ftengine.sentinel import WorkerSentinel
+from ftengine.sentinel import HostedBackend, WorkerSentinel
 from ftengine.weights.index import CheckpointIndex
 from tests.fakes.npu_host import NpuRig, SentinelHooks, make_npu_rig
 from tests.fakes.npu_state import FakeDeviceError, FakeNpuState
@@ -30,8 +30,7 @@ def sentinel_for(
     hooks = SentinelHooks(rig.host)
     sentinel = WorkerSentinel(
         OrchestratorDriven(),
-        rig.backend,
-        hooks,
+        HostedBackend(rig.backend, hooks),
         rank=0,
         world_size=world_size,
         clock=ManualClock(),

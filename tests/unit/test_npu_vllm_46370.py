@@ -12,8 +12,8 @@ from typing import Any
 
 import pytest
 
-from ftengine.integrations.vllm.patch_mechanism import VllmSeamMoved
-from ftengine.integrations.vllm.patches import CORE_SENTINEL_MODULE, ENGINE_CORE_PATCHES
+from ftengine.integrations.vllm.patches.engine_core import CORE_SENTINEL_MODULE, ENGINE_CORE_PATCHES
+from ftengine.integrations.vllm.patches.mechanism import VllmSeamMoved
 from ftengine.integrations.vllm_ascend.engine_core import (
     carries_upstream_scale_down,
     engine_core_problems,

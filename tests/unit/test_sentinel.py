@@ -47,8 +47,7 @@ def make(
     chosen: Policy = OrchestratorDriven(recovery_timeout=10.0) if policy is None else policy
     sentinel = WorkerSentinel(
         chosen,
-        backend,
-        host,
+        HostedBackend(backend, host),
         rank=rank,
         world_size=4,
         clock=ManualClock(50.0),

@@ -8,9 +8,10 @@ from typing import Any
 
 import pytest
 
-from ftengine.integrations.vllm import dp_board, engine_agent
-from ftengine.integrations.vllm.dp_board import KEY, PUBLISH_S
-from ftengine.integrations.vllm.engine_agent import STALE_S
+from ftengine.integrations.vllm.engine_core import agent as engine_agent
+from ftengine.integrations.vllm.engine_core import dp_board
+from ftengine.integrations.vllm.engine_core.agent import STALE_S
+from ftengine.integrations.vllm.engine_core.dp_board import KEY, PUBLISH_S
 from tests.unit.test_vllm_engine_agent import Sentinel, Status, Store, agent_for, markers
 
 pytest.importorskip(engine_agent.UTILS_MODULE, reason="vllm is not installed")
@@ -121,7 +122,7 @@ def test_the_board_works_on_a_real_tcpstore() -> None:
 
     from torch._C._distributed_c10d import TCPStore
 
-    from ftengine.integrations.vllm.dp_board import StatusBoard
+    from ftengine.integrations.vllm.engine_core.dp_board import StatusBoard
 
     store = TCPStore("127.0.0.1", 0, is_master=True, timeout=timedelta(seconds=5))
     zero, one = StatusBoard(0, 2), StatusBoard(1, 2)

@@ -12,7 +12,7 @@ from vllm.config import ParallelConfig
 from vllm.v1.engine import EngineStatusType
 from vllm.v1.fault_tolerance.engine_core_sentinel import fault_tolerant_wrapper
 
-from ftengine.integrations.vllm.coordinator_host import (
+from ftengine.integrations.vllm.engine_core.coordinator_host import (
     hosts_coordinator,
     park_if_coordinator_host,
     wait_seam_present,

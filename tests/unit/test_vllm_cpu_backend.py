@@ -11,7 +11,7 @@ import pytest
 from ftengine.backends.base import Backend
 from ftengine.errors import BackendError, PreconditionFailed
 from ftengine.faults import Fault, FaultKind
-from ftengine.integrations.vllm.cpu_backend import OFF_S, VllmCpuBackend
+from ftengine.integrations.vllm.worker.cpu_backend import OFF_S, VllmCpuBackend
 from tests.conformance import BackendConformance
 
 

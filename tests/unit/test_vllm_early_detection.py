@@ -17,9 +17,9 @@ from typing import Any
 import psutil
 import pytest
 
-from ftengine.integrations.vllm import worker_exit
-from ftengine.integrations.vllm.dp_board import KEY
-from ftengine.integrations.vllm.worker_exit import worker_dying
+from ftengine.integrations.vllm.engine_core import worker_exit
+from ftengine.integrations.vllm.engine_core.dp_board import KEY
+from ftengine.integrations.vllm.engine_core.worker_exit import worker_dying
 from tests.unit.test_vllm_engine_agent import Sentinel, agent_for, markers
 
 

@@ -16,10 +16,10 @@ import pytest
 from ftengine.backends.npu_config import NpuFtConfig
 from ftengine.errors import PeerDead
 from ftengine.faults import Fault, FaultKind
-from ftengine.integrations.vllm import engine_agent
 from ftengine.integrations.vllm.config import VllmFtSettings
-from ftengine.integrations.vllm.dp_board import KEY
-from ftengine.integrations.vllm.engine_agent import FAULT_MARK, UTILS_MODULE, EngineCoreAgent
+from ftengine.integrations.vllm.engine_core import agent as engine_agent
+from ftengine.integrations.vllm.engine_core.agent import FAULT_MARK, UTILS_MODULE, EngineCoreAgent
+from ftengine.integrations.vllm.engine_core.dp_board import KEY
 
 # Imported here, as in a real engine core: the agent's retry thread builds vLLM's request.
 pytest.importorskip(UTILS_MODULE, reason="vllm is not installed")
@@ -116,7 +116,7 @@ def test_a_marker_from_before_a_handled_fault_does_nothing() -> None:
     sentinel.engine.dp_store.peer(1, "unhealthy")
     agent._watch_peers()
     (marker,) = markers(sentinel)
-    agent.on_fault(RuntimeError("Timed out waiting 5000ms for recv operation to complete"))
+    agent.note_fault(RuntimeError("Timed out waiting 5000ms for recv operation to complete"))
     assert sentinel.rpcs == []  # nothing may delay vLLM's own status push
     agent.after_fault()  # vLLM's on_fault ran: this engine is faulted already
     assert sentinel.rpcs and sentinel.rpcs[0][1] == ("hung_peer",)  # the worker adopts it
@@ -164,7 +164,7 @@ def test_the_policy_sees_a_peer_side_error_among_live_peers_as_transient() -> No
 def test_auto_retries_through_the_engine_core_once_every_peer_is_faulted() -> None:
     sentinel = Sentinel()
     agent = agent_for(sentinel, "auto")
-    agent.on_fault(RuntimeError("Timed out waiting 5000ms for recv operation to complete"))
+    agent.note_fault(RuntimeError("Timed out waiting 5000ms for recv operation to complete"))
     agent.after_fault()
     sentinel.status_type = Status.UNHEALTHY
     agent.peers = {1: "healthy"}
@@ -182,7 +182,7 @@ def test_auto_retries_through_the_engine_core_once_every_peer_is_faulted() -> No
 def test_the_orchestrator_policy_never_retries_by_itself() -> None:
     sentinel = Sentinel()
     agent = agent_for(sentinel)
-    agent.on_fault(RuntimeError("boom"))
+    agent.note_fault(RuntimeError("boom"))
     sentinel.status_type = Status.UNHEALTHY
     agent.peers = {1: "unhealthy"}
     agent._maybe_recover()

@@ -21,11 +21,11 @@ import attrs
 import pytest
 
 from ftengine.errors import ConfigError
-from ftengine.integrations.vllm import handoff
-from ftengine.integrations.vllm.handoff import HANDOFF_ATTR, Handoff, refusal
+from ftengine.integrations.vllm.engine_core import handoff
+from ftengine.integrations.vllm.engine_core.handoff import HANDOFF_ATTR, Handoff, refusal
+from ftengine.integrations.vllm.engine_core.reinference import abort, hold_or_abort, install
 from ftengine.integrations.vllm.launcher import DeploymentConfig
-from ftengine.integrations.vllm.patches import check_reinference_seams
-from ftengine.integrations.vllm.reinference import abort, install, on_fault
+from ftengine.integrations.vllm.patches.engine_core import check_reinference_seams
 from tests.unit.test_vllm_reinference import (
     Engine,
     Executor,
@@ -154,7 +154,7 @@ def hand_off(urls: list[str], engine: Engine, deadline_s: float = 30.0) -> Hando
     held = list(engine.scheduler.requests.values())
     ho = Handoff(tuple(urls), "tiny", deadline_s)
     for reason, refused in ho.take(engine, held, DEAD).items():
-        abort(engine, refused, reason)  # as re-inference's on_fault does
+        abort(engine, refused, reason)  # as re-inference's hold_or_abort does
     for thread in ho.threads:
         thread.join(timeout=30)
         assert not thread.is_alive()
@@ -259,7 +259,7 @@ def test_a_dead_engine_with_survivors_hands_its_held_requests_over(survivor: Sur
     sentinel = Sentinel(engine)
     options = settings(reinference=True, handoff_urls=[survivor.url])
     install(sentinel, options, check_reinference_seams)
-    on_fault(sentinel, RuntimeError("worker died"), None)
+    hold_or_abort(sentinel, RuntimeError("worker died"), None)
     assert sentinel.status_type == v1.EngineStatusType.DEAD
     ho: Handoff = getattr(sentinel, HANDOFF_ATTR)
     assert ho.model == "tiny-served" and ho.deadline_s == options.recovery_timeout_s

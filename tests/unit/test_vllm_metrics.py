@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 
-from ftengine.integrations.vllm.metrics import EngineStateCollector, engine_states
+from ftengine.integrations.vllm.api_server.metrics import EngineStateCollector, engine_states
 from ftengine.integrations.vllm.status_file import StatusFile
 
 

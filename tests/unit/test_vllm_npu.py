@@ -15,7 +15,7 @@ import torch
 from ftengine.backends.npu_env import ASYNC_ERROR_HANDLING_NAMES, TASK_QUEUE_ENABLE
 from ftengine.errors import PreconditionFailed
 from ftengine.faults import HealthStatus
-from ftengine.integrations.vllm.sentinel import CommandFailed
+from ftengine.integrations.vllm.worker.adapter import CommandFailed
 from ftengine.integrations.vllm_ascend import hooks as ascend_hooks
 from ftengine.integrations.vllm_ascend.plugin import unregister
 from ftengine.placement.elastic import densify_routing_ids, elastic_info_values
@@ -78,8 +78,8 @@ def command(rig: AscendWorker, instruction: str, params: dict[str, object], rid:
 
 def health(rig: AscendWorker) -> HealthStatus:
     """The worker's health as ftengine's engine reports it (its sentinel must be built)."""
-    assert rig.sentinel.ready is not None
-    return rig.sentinel.ready.sentinel.health
+    assert rig.sentinel.ft is not None
+    return rig.sentinel.ft.sentinel.health
 
 
 def model_state(rig: AscendWorker) -> Any:
@@ -302,6 +302,6 @@ def test_retry_only_runs_where_scale_down_cannot(
         checkpoint_for(tiny_checkpoints, "none"),
         additional={"enable_fused_mc2": 1, "ftengine": {"scale_down": False}},
     )
-    rig.sentinel.on_fault(RuntimeError("HCCL timeout"))
+    rig.sentinel.report_exception(RuntimeError("HCCL timeout"))
     result = command(rig, "retry", {}, "retry-1")
     assert result.success, result.reason

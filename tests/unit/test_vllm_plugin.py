@@ -19,16 +19,18 @@ from ftengine.clock import ManualClock
 from ftengine.faults import HealthStatus
 from ftengine.integrations.vllm import plugin
 from ftengine.integrations.vllm.config import VllmConfigError, VllmFtSettings
-from ftengine.integrations.vllm.factory import (
+from ftengine.integrations.vllm.messages import VllmMessages
+from ftengine.integrations.vllm.patches.install import PATCHES
+from ftengine.integrations.vllm.patches.mechanism import VllmSeamMoved
+from ftengine.integrations.vllm.worker import adapter as adapter_module
+from ftengine.integrations.vllm.worker.adapter import WorkerFaultAdapter
+from ftengine.integrations.vllm.worker.factory import (
     DeviceBackend,
     UnsupportedPlatform,
     backend_for_platform,
     vllm_cpu_backend,
 )
-from ftengine.integrations.vllm.hooks import VllmWorkerHooks
-from ftengine.integrations.vllm.messages import VllmMessages
-from ftengine.integrations.vllm.patches import PATCHES, VllmSeamMoved
-from ftengine.integrations.vllm.plugin import PluginWorkerSentinel
+from ftengine.integrations.vllm.worker.hooks import VllmWorkerHooks
 from tests.unit.test_vllm_standin import Distributed, Worker, make_worker
 
 gpu_worker = pytest.importorskip("vllm.v1.worker.gpu_worker", reason="vllm is not installed")
@@ -56,17 +58,17 @@ def fake_device(worker: Any, hooks: VllmWorkerHooks, settings: VllmFtSettings) -
     return DeviceBackend(FakeBackend(rank=worker.parallel_config.data_parallel_rank))
 
 
-def plugged(worker: Worker) -> PluginWorkerSentinel:
+def plugged(worker: Worker) -> WorkerFaultAdapter:
     """What vLLM's Worker.__init__ does with the plugin installed, plus test seams."""
-    sentinel = PluginWorkerSentinel(
+    adapter = WorkerFaultAdapter(
         worker,
         backend_factory=fake_device,
         dist=Distributed(),
         messages=VllmMessages.load(),
         clock=ManualClock(),
     )
-    worker.worker_sentinel = sentinel
-    return sentinel
+    worker.worker_sentinel = adapter
+    return adapter
 
 
 def test_vllms_plugin_loader_installs_the_sentinel(
@@ -74,12 +76,12 @@ def test_vllms_plugin_loader_installs_the_sentinel(
 ) -> None:
     monkeypatch.setenv("VLLM_PLUGINS", "ftengine")
     upstream = sentinel_module.WorkerSentinel
-    assert upstream is not plugin.worker_sentinel
+    assert upstream is not plugin.worker_fault_adapter
     vllm_plugins.load_general_plugins()
-    assert sentinel_module.WorkerSentinel is plugin.worker_sentinel
-    assert gpu_worker.WorkerSentinel is plugin.worker_sentinel  # bound at its import
+    assert sentinel_module.WorkerSentinel is plugin.worker_fault_adapter
+    assert gpu_worker.WorkerSentinel is plugin.worker_fault_adapter  # bound at its import
     plugin.register()  # vLLM may load plugins again in another code path
-    assert gpu_worker.WorkerSentinel is plugin.worker_sentinel
+    assert gpu_worker.WorkerSentinel is plugin.worker_fault_adapter
     assert plugin._upstream[plugin.SENTINEL_NAME] is upstream
 
 
@@ -105,8 +107,9 @@ def test_the_cpu_platform_gets_ftengines_sentinel_and_cpu_backend(
 ) -> None:
     plugin.register()
     monkeypatch.setattr(plugin, "current_device_type", lambda: "cpu")
-    sentinel = gpu_worker.WorkerSentinel(worker=make_worker())
-    assert isinstance(sentinel, PluginWorkerSentinel)
+    monkeypatch.setattr(adapter_module, "current_device_type", lambda: "cpu")
+    adapter = gpu_worker.WorkerSentinel(worker=make_worker())
+    assert isinstance(adapter, WorkerFaultAdapter)
     assert backend_for_platform("cpu") is vllm_cpu_backend
     with pytest.raises(UnsupportedPlatform, match=r"no backend for vLLM platform 'cuda'"):
         backend_for_platform("cuda")
@@ -120,14 +123,14 @@ def test_bad_flags_stop_start_up_naming_the_key() -> None:
 
 def test_model_load_builds_the_engine_and_a_failed_step_reports_the_fault() -> None:
     worker = make_worker()
-    sentinel = plugged(worker)
-    assert sentinel.ready is None
+    adapter = plugged(worker)
+    assert adapter.ft is None
     worker.load_model()
-    assert worker.loaded and sentinel.ready is not None
+    assert worker.loaded and adapter.ft is not None
     worker.step_error = RuntimeError("Connection closed by peer")
     with pytest.raises(RuntimeError, match="Connection closed"):
         worker.execute_model("batch")
-    assert sentinel.ready.sentinel.health is HealthStatus.UNHEALTHY
+    assert adapter.ft.sentinel.health is HealthStatus.UNHEALTHY
 
 
 class Executor:

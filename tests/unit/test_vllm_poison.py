@@ -15,15 +15,15 @@ import attrs
 import pytest
 
 from ftengine.errors import PeerDead
-from ftengine.integrations.vllm import plugin
-from ftengine.integrations.vllm.poison import (
+from ftengine.integrations.vllm.engine_core.poison import (
     PROBE_ATTR,
     EngineProbe,
     noting_clean_steps,
     own_fault,
     skipping_suspects,
 )
-from ftengine.integrations.vllm.reinference import HOLD_ATTR, on_fault
+from ftengine.integrations.vllm.engine_core.reinference import HOLD_ATTR, hold_or_abort
+from ftengine.integrations.vllm.worker import fault_injection
 from tests.unit.test_vllm_reinference import (
     FakeRequest,
     Sentinel,
@@ -75,14 +75,14 @@ class StepOutput:
 
 def test_a_poison_request_is_found_by_lone_re_runs_and_aborted_alone() -> None:
     sentinel = held_sentinel(max_reinference=1, running=3, waiting=0)
-    on_fault(sentinel, RuntimeError("worker failed"), vllm_abort_all)  # r2 is the poison
+    hold_or_abort(sentinel, RuntimeError("worker failed"), vllm_abort_all)  # r2 is the poison
     assert scheduled(sentinel) == ["r0"]  # the others wait for their turn
     run_clean_step(sentinel, ["r0"])
     assert scheduled(sentinel) == ["r1"]
     run_clean_step(sentinel, ["r0", "r1"])
     assert scheduled(sentinel) == ["r2"]
     schedule(sentinel, ["r2"])
-    on_fault(sentinel, RuntimeError("worker failed again"), vllm_abort_all)
+    hold_or_abort(sentinel, RuntimeError("worker failed again"), vllm_abort_all)
     reasons = aborts(sentinel.engine)
     assert list(reasons) == ["r2"]
     assert str(reasons["r2"]).startswith("poison request: re-run alone on rank 0 after a fault")
@@ -95,11 +95,11 @@ def test_a_poison_request_is_found_by_lone_re_runs_and_aborted_alone() -> None:
 
 def test_a_fault_while_a_not_yet_clean_mate_ran_suspects_everyone_again() -> None:
     sentinel = held_sentinel(running=2, waiting=1)
-    on_fault(sentinel, RuntimeError("worker failed"), vllm_abort_all)
+    hold_or_abort(sentinel, RuntimeError("worker failed"), vllm_abort_all)
     run_clean_step(sentinel, ["r0", "w0"])  # w0 never faulted: it runs freely
     run_clean_step(sentinel, ["r1"])
     assert getattr(sentinel.engine.scheduler, PROBE_ATTR).probe.suspects == []
-    on_fault(sentinel, RuntimeError("worker failed"), vllm_abort_all)  # nobody was probed
+    hold_or_abort(sentinel, RuntimeError("worker failed"), vllm_abort_all)  # nobody was probed
     assert aborts(sentinel.engine) == {}
     assert getattr(sentinel.engine.scheduler, PROBE_ATTR).probe.suspects == ["r0", "w0", "r1"]
 
@@ -112,10 +112,10 @@ def test_a_peers_fault_suspects_nobody_and_finds_no_poison(exc: BaseException) -
         RuntimeError("Worker failed: 'boom'"), {1: "healthy"}
     )
     sentinel = held_sentinel(running=1, waiting=0)
-    on_fault(sentinel, exc, vllm_abort_all)
+    hold_or_abort(sentinel, exc, vllm_abort_all)
     assert scheduled(sentinel) == ["r0"]
     schedule(sentinel, ["r0"])
-    on_fault(sentinel, exc, vllm_abort_all)  # alone again: still the peer's fault
+    hold_or_abort(sentinel, exc, vllm_abort_all)  # alone again: still the peer's fault
     assert aborts(sentinel.engine) == {}
     assert getattr(sentinel, HOLD_ATTR).reruns == {"r0": 2}
 
@@ -124,13 +124,13 @@ def test_any_error_after_a_peer_faulted_is_the_peers() -> None:
     group_gone = RuntimeError("Worker failed with error 'Process group is not initialized'")
     assert not own_fault(group_gone, {1: "unhealthy"}) and not own_fault(group_gone, {1: "dead"})
     sentinel = held_sentinel(running=1, waiting=0)
-    on_fault(sentinel, group_gone, vllm_abort_all, {1: "unhealthy"})  # the agent's view
+    hold_or_abort(sentinel, group_gone, vllm_abort_all, {1: "unhealthy"})  # the agent's view
     assert getattr(sentinel.engine.scheduler, PROBE_ATTR).probe.suspects == []
 
 
 def test_a_suspect_its_client_aborted_never_holds_the_others_back() -> None:
     sentinel = held_sentinel(running=2, waiting=0)
-    on_fault(sentinel, RuntimeError("worker failed"), vllm_abort_all)
+    hold_or_abort(sentinel, RuntimeError("worker failed"), vllm_abort_all)
     scheduler = sentinel.engine.scheduler
     scheduler.finish_requests(["r0"], Status.FINISHED_ABORTED)  # the probe, gone
     assert scheduled(sentinel) == ["r1"]
@@ -178,31 +178,31 @@ def worker_holding(**cached: list[int]) -> Any:
 
 def test_the_decoding_requests_prompts_come_from_the_runners_states() -> None:
     worker = worker_holding(a=[1, 2], b=[3], c=[7])
-    assert plugin.scheduled_decodes(worker, running(a=0, b=2, c=1)) == {"b": [3], "c": [7]}
-    assert plugin.scheduled_decodes(worker, None) == {}
+    assert fault_injection.scheduled_decodes(worker, running(a=0, b=2, c=1)) == {"b": [3], "c": [7]}
+    assert fault_injection.scheduled_decodes(worker, None) == {}
 
 
 def test_a_poison_token_faults_every_step_of_its_request_after_its_first_token(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     fault_file = tmp_path / "inject"
-    monkeypatch.setenv(plugin.FAULT_FILE_ENV, str(fault_file))
+    monkeypatch.setenv(fault_injection.FAULT_FILE_ENV, str(fault_file))
     worker = worker_holding(p=[5, 42, 6], q=[5, 6])
     poisoned = running(q=3, p=1)
-    plugin._maybe_inject(1, worker, poisoned)  # no file: no fault
+    fault_injection.maybe_inject(1, worker, poisoned)  # no file: no fault
     fault_file.write_text("token:42\n")
     for _ in range(2):  # every re-run, on any rank; the file stays
         with pytest.raises(RuntimeError, match="poison token 42 in the prompt of request p"):
-            plugin._maybe_inject(0, worker, poisoned)
+            fault_injection.maybe_inject(0, worker, poisoned)
     assert fault_file.exists()
-    plugin._maybe_inject(0, worker, running(q=3, p=0))  # its first step (its first token)
-    plugin._maybe_inject(0, worker, running(q=3))  # its mate alone: clean
-    plugin._maybe_inject(0, worker, None)  # sample_tokens: not keyed on requests
+    fault_injection.maybe_inject(0, worker, running(q=3, p=0))  # its first step (its first token)
+    fault_injection.maybe_inject(0, worker, running(q=3))  # its mate alone: clean
+    fault_injection.maybe_inject(0, worker, None)  # sample_tokens: not keyed on requests
     fault_file.write_text("token:x")
     with pytest.raises(ValueError, match=r"a DP rank or token:<token id>, found 'token:x'"):
-        plugin._maybe_inject(0, worker, poisoned)
+        fault_injection.maybe_inject(0, worker, poisoned)
     fault_file.write_text("1")  # the rank form: once, on that rank
-    plugin._maybe_inject(0, worker, poisoned)
+    fault_injection.maybe_inject(0, worker, poisoned)
     with pytest.raises(RuntimeError, match="fault injected on DP rank 1"):
-        plugin._maybe_inject(1, worker, poisoned)
+        fault_injection.maybe_inject(1, worker, poisoned)
     assert not fault_file.exists()

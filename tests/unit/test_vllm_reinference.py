@@ -15,21 +15,21 @@ from typing import Any
 import attrs
 import pytest
 
-from ftengine.integrations.vllm import patches
 from ftengine.integrations.vllm.config import VllmFtSettings
-from ftengine.integrations.vllm.patches import (
-    REINFERENCE_SEAMS,
-    VllmSeamMoved,
-    check_reinference_seams,
-)
-from ftengine.integrations.vllm.poison import PROBE_ATTR
-from ftengine.integrations.vllm.reinference import (
+from ftengine.integrations.vllm.engine_core.poison import PROBE_ATTR
+from ftengine.integrations.vllm.engine_core.reinference import (
     HOLD_ATTR,
     Hold,
     abort_held,
+    hold_or_abort,
     install,
-    on_fault,
 )
+from ftengine.integrations.vllm.patches import engine_core as patches
+from ftengine.integrations.vllm.patches.engine_core import (
+    REINFERENCE_SEAMS,
+    check_reinference_seams,
+)
+from ftengine.integrations.vllm.patches.mechanism import VllmSeamMoved
 
 vllm_request = pytest.importorskip("vllm.v1.request", reason="vLLM is not installed")
 v1 = pytest.importorskip("vllm.v1.engine")
@@ -156,7 +156,7 @@ def test_the_stand_in_has_the_real_schedulers_signatures() -> None:
 def test_a_fault_holds_running_and_waiting_requests_with_nothing_in_flight() -> None:
     sentinel = held_sentinel()
     engine = sentinel.engine
-    on_fault(sentinel, RuntimeError("boom"), vllm_abort_all)
+    hold_or_abort(sentinel, RuntimeError("boom"), vllm_abort_all)
     assert not hasattr(sentinel, "vllm_ran")
     scheduler = engine.scheduler
     assert [r.request_id for r in scheduler.waiting] == ["r0", "r1", "w0"]  # order kept
@@ -182,7 +182,7 @@ def test_a_running_request_that_emitted_nothing_is_sent_again_as_new() -> None:
     sentinel = held_sentinel()
     scheduler = sentinel.engine.scheduler
     scheduler.requests["r1"].num_output_tokens = 0
-    on_fault(sentinel, RuntimeError("boom"), vllm_abort_all)
+    hold_or_abort(sentinel, RuntimeError("boom"), vllm_abort_all)
     assert [(r.request_id, r.status) for r in scheduler.waiting] == [
         ("r0", Status.PREEMPTED),
         ("r1", Status.WAITING),
@@ -194,14 +194,14 @@ def test_a_running_request_that_emitted_nothing_is_sent_again_as_new() -> None:
 def test_a_request_in_more_faulted_steps_than_the_limit_is_aborted_with_the_reason() -> None:
     sentinel = held_sentinel(max_reinference=1, running=1, waiting=1)
     engine = sentinel.engine
-    on_fault(sentinel, RuntimeError("first"), vllm_abort_all)
+    hold_or_abort(sentinel, RuntimeError("first"), vllm_abort_all)
     scheduler = engine.scheduler
     scheduler.running = [scheduler.waiting.pop(0)]  # resumed, running again
     scheduler.running[0].status = Status.RUNNING
     # ... and it ran clean steps since: no longer a suspect (re-run alone, a second fault
     # straight away would make it the poison request, test_vllm_poison)
     getattr(scheduler, PROBE_ATTR).ran_clean(["r0"])
-    on_fault(sentinel, RuntimeError("second"), vllm_abort_all)
+    hold_or_abort(sentinel, RuntimeError("second"), vllm_abort_all)
     reasons = aborts(engine)
     assert list(reasons) == ["r0"] and "w0" in scheduler.requests  # never ran: still held
     assert reasons["r0"].startswith("re-inference limit reached: the request was in 2 faulted")
@@ -211,7 +211,7 @@ def test_a_request_in_more_faulted_steps_than_the_limit_is_aborted_with_the_reas
 def test_a_dead_engine_aborts_what_it_held_saying_so() -> None:
     sentinel = held_sentinel()
     sentinel.engine.model_executor.is_failed = True
-    on_fault(sentinel, RuntimeError("worker died"), vllm_abort_all)
+    hold_or_abort(sentinel, RuntimeError("worker died"), vllm_abort_all)
     reasons = aborts(sentinel.engine)
     assert set(reasons) == {"r0", "r1", "w0"} and sentinel.engine.scheduler.requests == {}
     assert all(str(r).startswith("recovery ended DEAD") for r in reasons.values())
@@ -220,7 +220,7 @@ def test_a_dead_engine_aborts_what_it_held_saying_so() -> None:
 
 def test_an_engine_dead_after_a_failed_scale_down_aborts_what_it_held() -> None:
     sentinel = held_sentinel()
-    on_fault(sentinel, RuntimeError("peer died"), vllm_abort_all)
+    hold_or_abort(sentinel, RuntimeError("peer died"), vllm_abort_all)
     assert aborts(sentinel.engine) == {}  # held for the recovery
     abort_held(sentinel, "engine 0's scale_down failed: peer gone")
     reasons = aborts(sentinel.engine)
@@ -231,7 +231,7 @@ def test_an_engine_dead_after_a_failed_scale_down_aborts_what_it_held() -> None:
 
 def test_a_wait_for_recovery_past_the_deadline_aborts_every_held_request() -> None:
     sentinel = held_sentinel()
-    on_fault(sentinel, RuntimeError("boom"), vllm_abort_all)
+    hold_or_abort(sentinel, RuntimeError("boom"), vllm_abort_all)
     assert sentinel.resumed.wait(timeout=0.01) is False  # vLLM's wrapper, then it re-raises
     reasons = aborts(sentinel.engine)
     assert set(reasons) == {"r0", "r1", "w0"}
@@ -242,7 +242,7 @@ def test_without_the_option_vllms_own_on_fault_runs() -> None:
     sentinel = Sentinel(Engine(FakeScheduler([FakeRequest("r0")], [])))
     install(sentinel, settings(), check_reinference_seams)
     assert not hasattr(sentinel, HOLD_ATTR) and type(sentinel.resumed) is threading.Event
-    on_fault(sentinel, RuntimeError("boom"), vllm_abort_all)
+    hold_or_abort(sentinel, RuntimeError("boom"), vllm_abort_all)
     assert getattr(sentinel, "vllm_ran", False) is True
 
 

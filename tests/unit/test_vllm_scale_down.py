@@ -15,18 +15,14 @@ import torch.distributed as dist
 
 from ftengine.backends.base import RepairReport
 from ftengine.errors import PreconditionFailed
-from ftengine.integrations.vllm import scale_down as sd
-from ftengine.integrations.vllm.cpu_backend import VllmCpuBackend
-from ftengine.integrations.vllm.cpu_collectives import all_gatherv
-from ftengine.integrations.vllm.distributed import ALIVE_ATTR
-from ftengine.integrations.vllm.experts_rehost import Hosting, grow_layer, plan_rehost
+from ftengine.integrations.vllm.engine_core import scale_down as sd
 from ftengine.integrations.vllm.messages import DP_PORTS_KEY
-from ftengine.integrations.vllm.patches import (
-    ENGINE_CORE_PATCHES,
-    ROUTER_MODULE,
-    SCALE_DOWN_METHOD,
-    SCALE_DOWN_PATCHES,
-)
+from ftengine.integrations.vllm.patches.api_server import ROUTER_MODULE, SCALE_DOWN_PATCHES
+from ftengine.integrations.vllm.patches.engine_core import ENGINE_CORE_PATCHES, SCALE_DOWN_METHOD
+from ftengine.integrations.vllm.worker.cpu_backend import VllmCpuBackend
+from ftengine.integrations.vllm.worker.cpu_collectives import all_gatherv
+from ftengine.integrations.vllm.worker.distributed import ALIVE_ATTR
+from ftengine.integrations.vllm.worker.experts_rehost import Hosting, grow_layer, plan_rehost
 from ftengine.weights.index import CheckpointIndex
 from tests.unit.test_vllm_plugin import Engine, answer, engine_core, plugged
 from tests.unit.test_vllm_standin import make_worker
@@ -213,7 +209,7 @@ def test_vllms_engine_core_relays_scale_down_to_its_workers(
     assert answer(engine) == {"request_id": "s1", "success": True, "reason": None}
     assert core.status_type == EngineStatusType.HEALTHY and engine.step_counter == 0
     assert engine.dp_rank == 0  # the lowest survivor leads the DP wave now
-    status = worker.worker_sentinel.ready.status()
+    status = worker.worker_sentinel.ft.commands.status()
     assert (status["removed_ranks"], status["epoch"], status["phase"]) == ([0], 1, "healthy")
     core.on_fault(RuntimeError("another"))
     command(core, {"removed_dp_ranks": [3]})

@@ -1,4 +1,4 @@
-"""The vLLM worker-sentinel adapter driven by vLLM's real message types and status enum.
+"""The vLLM worker's fault adapter driven by vLLM's real message types and status enum.
 
 The worker is the stand-in of ``test_vllm_standin`` (vLLM's names, checked there) and
 the device is ftengine's recording ``FakeBackend``; ``test_vllm_npu`` runs the NPU one.
@@ -17,10 +17,10 @@ from ftengine.backends.fake import FakeBackend
 from ftengine.clock import ManualClock
 from ftengine.faults import HealthStatus, Phase
 from ftengine.integrations.vllm.config import VllmFtSettings
-from ftengine.integrations.vllm.factory import DeviceBackend, build_worker_sentinel
-from ftengine.integrations.vllm.hooks import DEAD_RANKS_ATTR, MASK_ATTR, VllmWorkerHooks
 from ftengine.integrations.vllm.messages import VllmMessages
-from ftengine.integrations.vllm.sentinel import CommandFailed, FtengineWorkerSentinel
+from ftengine.integrations.vllm.worker.adapter import CommandFailed, WorkerFaultAdapter
+from ftengine.integrations.vllm.worker.factory import DeviceBackend, WorkerFt
+from ftengine.integrations.vllm.worker.hooks import DEAD_RANKS_ATTR, MASK_ATTR, VllmWorkerHooks
 from tests.unit.test_vllm_standin import (
     Distributed,
     RunnerV1,
@@ -44,13 +44,14 @@ class Rig:
         self.dist = Distributed()
         self.clock = ManualClock()
         self.mask = mask
-        self.adapter: FtengineWorkerSentinel = build_worker_sentinel(
+        self.adapter = WorkerFaultAdapter(
             worker,
             backend_factory=self._device,
             dist=self.dist,
             messages=VllmMessages.load(),
             clock=self.clock,
         )
+        self.ft: WorkerFt = self.adapter.attach()
 
     def _device(
         self, worker: Any, hooks: VllmWorkerHooks, settings: VllmFtSettings
@@ -58,15 +59,15 @@ class Rig:
         return DeviceBackend(self.device, self.mask)
 
     def health(self) -> HealthStatus:
-        return self.adapter.sentinel.health
+        return self.ft.sentinel.health
 
     def fault(self) -> None:
-        self.adapter.on_fault(RuntimeError("Connection closed by peer"), step=7)
+        self.ft.sentinel.on_fault(RuntimeError("Connection closed by peer"), step=7)
 
     def send(self, instruction: str, params: dict[str, Any], request_id: str) -> Any:
         # Through msgpack, as the request crosses processes in vLLM.
         wire = msgspec.msgpack.encode(Request(instruction, params, request_id))
-        result = self.adapter.handle_ft_command(msgspec.msgpack.decode(wire, type=Request))
+        result = self.ft.commands.run(msgspec.msgpack.decode(wire, type=Request))
         assert isinstance(result, Result)
         return result
 
@@ -110,8 +111,8 @@ def test_scale_down_masks_the_all2all_manager_and_rebuilds_among_survivors() -> 
     assert getattr(manager, MASK_ATTR) is r.mask  # the device's mask, shared not copied
     # survivors 1, 2, 3: original DP rank 2 is dense rank 1 of 3
     assert [(rank, size) for _, _, rank, size, _ in r.dist.inits] == [(1, 3)]
-    assert r.adapter.status()["removed_ranks"] == [0]
-    assert r.adapter.status()["status_name"] == "healthy"
+    assert r.ft.commands.status()["removed_ranks"] == [0]
+    assert r.ft.commands.status()["status_name"] == "healthy"
 
 
 def test_commands_are_rejected_unless_unhealthy_with_vllms_reason() -> None:
@@ -123,7 +124,7 @@ def test_commands_are_rejected_unless_unhealthy_with_vllms_reason() -> None:
 
     r.fault()
     r.clock.advance(121.0)  # past engine_recovery_timeout_sec with no command
-    r.adapter.poll()
+    r.ft.sentinel.poll()
     assert r.health() is HealthStatus.DEAD
     dead = r.send("retry", {"new_stateless_dp_group_ports": PORTS}, "late")
     assert not dead.success
@@ -182,7 +183,7 @@ def test_handle_command_adopts_the_engine_cores_fault_and_raises_on_failure() ->
     assert r.health() is HealthStatus.HEALTHY  # no model step failed here
     request = Request("retry", {"new_stateless_dp_group_ports": PORTS}, "core-1")
     result = r.adapter.handle_command(request)
-    assert result.success and r.adapter.status()["phase"] == Phase.HEALTHY.value
+    assert result.success and r.ft.commands.status()["phase"] == Phase.HEALTHY.value
     assert r.device.names()[0] == "quarantine"
     with pytest.raises(CommandFailed) as failed:
         r.adapter.handle_command(Request("scale_down", {"removed_dp_ranks": [1]}, "core-2"))

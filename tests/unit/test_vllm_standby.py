@@ -14,14 +14,14 @@ import torch
 
 from ftengine.backends.npu_config import NpuFtConfig
 from ftengine.errors import ConfigError
-from ftengine.integrations.vllm.experts_rehost import CpuExpertRehoster, Hosting, plan_rehost
-from ftengine.integrations.vllm.experts_standby import (
+from ftengine.integrations.vllm.worker.experts_rehost import CpuExpertRehoster, Hosting, plan_rehost
+from ftengine.integrations.vllm.worker.experts_standby import (
     Standby,
     StandbyRehoster,
     plan_activation,
 )
-from ftengine.integrations.vllm.factory import cpu_rehoster
-from ftengine.integrations.vllm.hooks import VllmWorkerHooks
+from ftengine.integrations.vllm.worker.factory import cpu_rehoster
+from ftengine.integrations.vllm.worker.hooks import VllmWorkerHooks
 from ftengine.weights.index import CheckpointIndex
 from tests.unit.test_vllm_scale_down import Experts, owners
 from tests.unit.test_vllm_standin import make_worker
@@ -83,7 +83,7 @@ class Layer(torch.nn.Module):
 
     def __init__(self, index: CheckpointIndex, layer: int, rank: int, ep_size: int) -> None:
         super().__init__()
-        from ftengine.integrations.vllm.experts_rehost import expert_weights
+        from ftengine.integrations.vllm.worker.experts_rehost import expert_weights
 
         self.layer_name = f"model.layers.{layer}.mlp.experts"
         self.global_num_experts = 8
@@ -109,7 +109,7 @@ def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def moe(layer: Layer, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
     """vLLM's CPU kernel on ``layer`` for global ``ids``, routed through its ``expert_map``
     the way the patched ``CPUUnquantizedExperts.apply`` does (remote experts weigh 0)."""
-    from ftengine.integrations.vllm.cpu_collectives import local_expert_ids
+    from ftengine.integrations.vllm.worker.cpu_collectives import local_expert_ids
 
     local, local_w = local_expert_ids(ids, weights, layer.get_buffer("_expert_map"))
     out = torch.empty_like(x)

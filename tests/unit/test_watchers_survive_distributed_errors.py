@@ -14,8 +14,8 @@ import torch.distributed as dist
 
 from ftengine.backends.npu_config import NpuFtConfig
 from ftengine.errors import PeerDead
-from ftengine.integrations.vllm import engine_agent
 from ftengine.integrations.vllm.config import VllmFtSettings
+from ftengine.integrations.vllm.engine_core import agent as engine_agent
 from tests.unit.test_vllm_engine_agent import Sentinel, markers
 
 pytest.importorskip(engine_agent.UTILS_MODULE, reason="vllm is not installed")

@@ -1,1 +1,2 @@
-"""ftengine inside a vLLM worker: plugin and worker-sentinel adapter."""
+"""ftengine inside vLLM: the plugin (``plugin``), and what runs in each of vLLM's processes:
+``worker/``, ``engine_core/``, ``api_server/``; ``patches/`` lists the vLLM names replaced."""

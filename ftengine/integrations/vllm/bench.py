@@ -26,7 +26,7 @@ import httpx
 
 from ftengine.integrations.vllm.bench_overhead import Sample, interleaved, measure, overhead
 from ftengine.integrations.vllm.bench_scale_down import scale_down_figures
-from ftengine.integrations.vllm.engine_agent import BEAT_ENV
+from ftengine.integrations.vllm.engine_core.agent import BEAT_ENV
 from ftengine.integrations.vllm.launcher import DeploymentConfig, VllmDeployment
 
 PROMPT = "w1 w2 w3 w4"

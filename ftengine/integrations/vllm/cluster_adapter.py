@@ -3,7 +3,7 @@
 Name ``ftengine.integrations.vllm.cluster_adapter:vllm_command_adapter`` in
 ``ClusterConfig.command_adapter`` and each worker answers the orchestrator's commands as a
 vLLM worker does: the command becomes vLLM's ``FaultToleranceRequest``, crosses a msgpack
-wire as it does between vLLM's processes, is run by :class:`FtengineWorkerSentinel` (vLLM's
+wire as it does between vLLM's processes, is run by :class:`VllmCommands` (vLLM's
 rejection rules, e.g. ``"status is DEAD"``), and its ``FaultToleranceResult`` crosses the
 wire back. Needs vLLM importable in the workers.
 """
@@ -17,7 +17,7 @@ import msgspec
 
 from ftengine.commands import CommandResult
 from ftengine.integrations.vllm.messages import VllmMessages
-from ftengine.integrations.vllm.sentinel import FtengineWorkerSentinel, SentinelLike
+from ftengine.integrations.vllm.worker.commands import SentinelLike, VllmCommands
 
 
 class VllmCommandAdapter:
@@ -31,7 +31,7 @@ class VllmCommandAdapter:
         self, sentinel: SentinelLike, rank: int, messages: VllmMessages | None = None
     ) -> None:
         self.messages = messages if messages is not None else VllmMessages.load()
-        self.adapter = FtengineWorkerSentinel(sentinel, engine_index=rank, messages=self.messages)
+        self.adapter = VllmCommands(sentinel, engine_index=rank, messages=self.messages)
         self.last_request: Any = None
         self.last_result: Any = None
 
@@ -42,7 +42,7 @@ class VllmCommandAdapter:
         request_type: Any = self.messages.request_type
         request = request_type(instruction, dict(params), request_id)
         self.last_request = _over_the_wire(request, request_type)
-        result = self.adapter.handle_ft_command(self.last_request)
+        result = self.adapter.run(self.last_request)
         self.last_result = _over_the_wire(result, self.messages.result_type)
         return CommandResult(
             str(self.last_result.request_id),

@@ -9,11 +9,11 @@
 - ``--additional-config '{"ft_communication_abort_timeout": T, "ftengine": {...}}'``: the NPU
   op timeout and ftengine's own options, parsed by ``ftengine.backends.npu_config``
   (``"reinference": true`` and ``"max_reinference": N`` hold in-flight requests through a
-  fault, see ``ftengine.integrations.vllm.reinference``; ``"placement": "failure-aware"``
-  loads standby expert copies so that a one-rank scale-down reloads nothing, see
-  ``ftengine.integrations.vllm.experts_standby``;
+  fault, see ``ftengine.integrations.vllm.engine_core.reinference``;
+  ``"placement": "failure-aware"`` loads standby expert copies so that a one-rank
+  scale-down reloads nothing, see ``ftengine.integrations.vllm.worker.experts_standby``;
   ``"handoff_urls": [...]`` hands a DEAD engine core's held requests to those survivors,
-  see ``...vllm.handoff``).
+  see ``...vllm.engine_core.handoff``).
 
 Invalid values raise :class:`VllmConfigError` at start-up, naming the flag and the key.
 """
@@ -90,7 +90,7 @@ class VllmFtSettings:
 
     @property
     def reinference(self) -> bool:
-        """``ftengine.reinference``: faults hold requests (``integrations.vllm.reinference``)."""
+        """``ftengine.reinference``: faults hold requests (``engine_core.reinference``)."""
         return self.npu.reinference
 
     @property
@@ -105,7 +105,7 @@ class VllmFtSettings:
     @property
     def handoff_urls(self) -> tuple[str, ...]:
         """``ftengine.handoff_urls``: survivors a DEAD engine core resumes its requests on
-        (``integrations.vllm.handoff``)."""
+        (``integrations.vllm.engine_core.handoff``)."""
         return self.npu.handoff_urls
 
     @classmethod

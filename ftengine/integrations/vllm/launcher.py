@@ -98,7 +98,7 @@ class DeploymentConfig:
     all-gatherv's per-rank sizes (data-dependent shapes), and compiling costs minutes of
     start-up on 2 cores. ``handoff``: each rank's ``ftengine.handoff_urls`` are the other
     ranks' URLs, so a rank whose worker dies resumes its held requests there (needs
-    ``"reinference": true``; ``ftengine.integrations.vllm.handoff``).
+    ``"reinference": true``; ``ftengine.integrations.vllm.engine_core.handoff``).
     """
 
     checkpoint: Path = attrs.field(converter=Path, validator=_checkpoint)

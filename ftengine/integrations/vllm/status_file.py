@@ -21,6 +21,19 @@ ENGINE_CORE_TITLE = "VLLM::EngineCore"
 STATUS_NAME = re.compile(r"ftengine-status-(?P<pid>\d+)-(?P<rank>\d+)\.(?:json|\d+\.partial)$")
 """A status file's name (or its half-written ``.partial``), keyed by its engine core's pid."""
 
+STATUS_FIELDS = ("phase", "epoch", "removed_ranks")
+FILE_FIELDS = (*STATUS_FIELDS, "attempts")
+
+
+def file_fields(status: Mapping[str, object]) -> dict[str, object]:
+    """What a worker writes to its :class:`StatusFile` (``EngineStatus.to_dict()`` subset)."""
+    return {key: status.get(key) for key in FILE_FIELDS}
+
+
+def worker_fields(status: Mapping[str, object]) -> dict[str, object]:
+    """The ftengine fields an engine's vLLM status carries, from ``EngineStatus.to_dict()``."""
+    return {key: status.get(key) for key in STATUS_FIELDS}
+
 
 def _status_path(engine_core_pid: int, dp_rank: int) -> Path:
     return Path(tempfile.gettempdir()) / f"ftengine-status-{engine_core_pid}-{dp_rank}.json"

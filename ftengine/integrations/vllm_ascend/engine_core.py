@@ -14,12 +14,12 @@ that carries it is refused here, naming the way out.
 from __future__ import annotations
 
 from ftengine.integrations.vllm.messages import import_vllm
-from ftengine.integrations.vllm.patch_mechanism import VllmSeamMoved
-from ftengine.integrations.vllm.patches import (
+from ftengine.integrations.vllm.patches.engine_core import (
     CORE_SENTINEL_MODULE,
     ENGINE_CORE_PATCHES,
     SCALE_DOWN_METHOD,
 )
+from ftengine.integrations.vllm.patches.mechanism import VllmSeamMoved
 
 UPSTREAM_SCALE_DOWN_PR = "vLLM PR #46370"
 UPSTREAM_SCALE_DOWN_SEAMS = ("scale_down", "_reinit_groups")

@@ -10,9 +10,9 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from ftengine.integrations.vllm.config import VllmFtSettings
-from ftengine.integrations.vllm.factory import DeviceBackend
-from ftengine.integrations.vllm.hooks import VllmWorkerHooks
 from ftengine.integrations.vllm.shapes import WorkerLike
+from ftengine.integrations.vllm.worker.factory import DeviceBackend
+from ftengine.integrations.vllm.worker.hooks import VllmWorkerHooks
 from ftengine.integrations.vllm_ascend.hooks import AscendWorkerHooks
 
 if TYPE_CHECKING:  # typing.Unpack is 3.11+; annotations are never evaluated at run time

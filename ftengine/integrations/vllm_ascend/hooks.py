@@ -19,8 +19,8 @@ import torch
 from ftengine.backends.npu_mc2 import densify_routing_table
 from ftengine.backends.npu_reload import NzPolicy, SlotStorage, TpShard
 from ftengine.errors import BackendError
-from ftengine.integrations.vllm.hooks import VllmWorkerHooks
 from ftengine.integrations.vllm.shapes import VllmDistributed, WorkerLike
+from ftengine.integrations.vllm.worker.hooks import VllmWorkerHooks
 from ftengine.integrations.vllm_ascend.config import AscendFacts, read_facts
 from ftengine.integrations.vllm_ascend.names import (
     LAYER_EPLB_STATE,

@@ -25,9 +25,9 @@ from ftengine.backends.npu_env import apply_ft_environment
 from ftengine.backends.npu_runtime import NpuRuntime
 from ftengine.backends.npu_timeouts import OpTimeoutController
 from ftengine.integrations.vllm.config import VllmFtSettings
-from ftengine.integrations.vllm.factory import NPU, current_device_type
 from ftengine.integrations.vllm.messages import VllmUnavailable
 from ftengine.integrations.vllm.shapes import WorkerLike
+from ftengine.integrations.vllm.worker.factory import NPU, current_device_type
 from ftengine.integrations.vllm_ascend.engine_core import require_engine_core
 from ftengine.integrations.vllm_ascend.names import (
     INIT_DEVICE,

@@ -26,12 +26,12 @@ from ftengine.backends.npu_runtime import NpuRuntime
 from ftengine.clock import Clock
 from ftengine.errors import DeviceError
 from ftengine.integrations.vllm.config import VllmFtSettings
-from ftengine.integrations.vllm.distributed import RealVllmDistributed
-from ftengine.integrations.vllm.factory import DeviceBackend
-from ftengine.integrations.vllm.hooks import VllmWorkerHooks
 from ftengine.integrations.vllm.messages import VllmMessages, import_vllm
-from ftengine.integrations.vllm.plugin import PluginWorkerSentinel
 from ftengine.integrations.vllm.shapes import VllmDistributed, WorkerLike
+from ftengine.integrations.vllm.worker.adapter import WorkerFaultAdapter
+from ftengine.integrations.vllm.worker.distributed import RealVllmDistributed
+from ftengine.integrations.vllm.worker.factory import DeviceBackend
+from ftengine.integrations.vllm.worker.hooks import VllmWorkerHooks
 from ftengine.integrations.vllm_ascend.factory import npu_backend
 from ftengine.integrations.vllm_ascend.hooks import AscendWorkerHooks
 from ftengine.integrations.vllm_ascend.names import (
@@ -65,7 +65,7 @@ def empty_output() -> Any:
     return getattr(import_vllm(OUTPUTS_MODULE), EMPTY_OUTPUT)
 
 
-class AscendWorkerSentinel(PluginWorkerSentinel):
+class AscendWorkerSentinel(WorkerFaultAdapter):
     """ftengine's sentinel of one vLLM-Ascend worker, built in ``_init_device``.
 
     ``device`` is the worker's NPU (the backend's tensors live there). ``npu`` is the NPU
@@ -139,16 +139,16 @@ class AscendWorkerSentinel(PluginWorkerSentinel):
             try:
                 return call(*args, **kwargs)
             except Exception as exc:
-                self.on_fault(exc)
+                self.report_exception(exc)
                 raise
 
         return run
 
-    def on_fault(self, exc: BaseException) -> None:
+    def report_exception(self, exc: BaseException) -> None:
         """Report a model-step exception, once per fault: while the worker is fenced the
         fault is already being handled (vLLM-Ascend's barrier may have reported it first)."""
         if not self.worker_faulted:
-            super().on_fault(exc)
+            super().report_exception(exc)
 
     # What vLLM-Ascend's fault_barrier_wrapper reads on worker.worker_sentinel --------------
 
@@ -163,7 +163,7 @@ class AscendWorkerSentinel(PluginWorkerSentinel):
         # re-raises the fault: report the exception it is handling.
         if value:
             handled = sys.exc_info()[1]
-            self.on_fault(handled if handled is not None else DeviceError(BARRIER_FAULT))
+            self.report_exception(handled if handled is not None else DeviceError(BARRIER_FAULT))
 
     def reset_device(self) -> None:
         """The local reset vLLM-Ascend's barrier asks for: ftengine's, once per fault."""

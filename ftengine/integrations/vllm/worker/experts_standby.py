@@ -3,7 +3,7 @@
 ``"placement": "failure-aware"`` in ftengine's additional-config. At start-up each rank also
 loads, as extra rows of its layers' ``w13_weight`` / ``w2_weight``, a *standby* copy of
 every expert it would adopt when any single other rank is lost (ftengine's planner decides
-which, exactly as a scale-down would: :func:`~ftengine.integrations.vllm.experts_rehost.
+which, exactly as a scale-down would: :func:`~ftengine.integrations.vllm.worker.experts_rehost.
 plan_rehost` of each one-rank loss). Every logical expert then has two physical copies
 cluster-wide, but only the primary one is *active*: ``expert_map`` routes to it alone, so
 the CPU all2all (which sums every rank's contribution) still counts each expert once, and
@@ -26,7 +26,7 @@ import attrs
 
 from ftengine.backends.base import RepairReport
 from ftengine.errors import PlacementError
-from ftengine.integrations.vllm.experts_rehost import (
+from ftengine.integrations.vllm.worker.experts_rehost import (
     CpuExpertRehoster,
     Hosting,
     Hosts,
@@ -56,7 +56,7 @@ def _frozen(table: list[list[list[int]]]) -> Hosts:
 @attrs.frozen
 class Standby:
     """Inactive expert copies: ``copies[layer][ep_rank]``, the logical experts that rank holds
-    as standby rows, in row order (see :data:`~ftengine.integrations.vllm.experts_rehost.
+    as standby rows, in row order (see :data:`~ftengine.integrations.vllm.worker.experts_rehost.
     Hosts`). An expert has at most one standby copy cluster-wide."""
 
     copies: Hosts

@@ -1,8 +1,9 @@
 """``scale_down`` through vLLM's own fault-tolerance path (vLLM 0.32 accepts only ``retry``).
 
-- **Router** (each API server): ``scale_down`` joins ``_ALLOWED_INSTRUCTIONS``, and its
-  ``params`` are checked there for shape (``{"removed_dp_ranks": [int, ...]}``): a malformed
-  command is a 400 with vLLM's error object, as vLLM answers a malformed ``retry``.
+- **Router** (each API server, ``api_server/scale_down_payload.py``): ``scale_down`` joins
+  ``_ALLOWED_INSTRUCTIONS``, and its ``params`` are checked there for shape
+  (``{"removed_dp_ranks": [int, ...]}``): a malformed command is a 400 with vLLM's error
+  object, as vLLM answers a malformed ``retry``.
 - **Engine core** (``EngineCoreSentinel.scale_down``, reached by vLLM's own ``run_method``
   dispatch after its "status is DEAD / HEALTHY" check): every precondition ftengine's engine
   checks (original ranks, cumulative, not all, not itself, a newly dead rank), then the DP
@@ -51,13 +52,6 @@ WAVE_LEAD_ATTR = "dp_rank"
 """``DPEngineCoreProc.dp_rank``: read only to pick the DP rank that leads the wave (0)."""
 
 
-def check_payload(instruction: str, params: dict[str, Any]) -> None:
-    """The router's shape check of a ``scale_down``; raises ``CommandRejected`` saying what
-    was expected (the router turns it into a 400)."""
-    if instruction == INSTRUCTION:
-        parse_command(instruction, params)
-
-
 def problems(sentinel: Any, params: dict[str, Any]) -> tuple[frozenset[int], list[str]]:
     """The cumulative removed set of a ``scale_down`` and every precondition it breaks."""
     parallel = sentinel.engine.vllm_config.parallel_config
@@ -93,7 +87,7 @@ def scale_down(sentinel: Any, ft_request: Any) -> Any:
         # A fault while scaling down is terminal (vLLM's client records the reason in
         # ft_error from the failed result that handle_command builds from this exception);
         # what re-inference held ends now, with the reason, rather than at the deadline.
-        from ftengine.integrations.vllm.reinference import abort_held
+        from ftengine.integrations.vllm.engine_core.reinference import abort_held
 
         sentinel.status_type = import_vllm(ENGINE_MODULE).EngineStatusType.DEAD
         abort_held(sentinel, f"engine {rank}'s scale_down failed: {exc}")

@@ -10,8 +10,9 @@ from types import ModuleType, SimpleNamespace
 
 import pytest
 
-from ftengine.integrations.vllm import ft_routes_auth
-from ftengine.integrations.vllm.patch_mechanism import VllmSeamMoved
+from ftengine.integrations.vllm.api_server import ft_routes as ft_routes_auth
+from ftengine.integrations.vllm.patches.api_server import FT_ROUTES_PATCHES, ROUTER_MODULE
+from ftengine.integrations.vllm.patches.mechanism import VllmSeamMoved
 
 authenticate = pytest.importorskip("vllm.entrypoints.serve.middleware.authenticate")
 from starlette.applications import Starlette  # noqa: E402
@@ -99,8 +100,9 @@ def test_a_vllm_that_stops_guarding_by_prefix_fails_loudly(
 
 def test_the_start_up_check_patches_vllms_router_registration() -> None:
     """The patched name exists with the parameters ftengine expects (vLLM moved it: fails)."""
-    owner, original = ft_routes_auth.START_UP_CHECK.target()
-    assert owner.__name__ == ft_routes_auth.ROUTER_MODULE
+    (check,) = FT_ROUTES_PATCHES
+    owner, original = check.target()
+    assert owner.__name__ == ROUTER_MODULE
     assert original.__name__ == "register_fault_tolerance_api_router"
 
 

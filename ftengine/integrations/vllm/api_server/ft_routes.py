@@ -15,16 +15,14 @@ from __future__ import annotations
 import inspect
 import ipaddress
 import logging
-from collections.abc import Callable
 from typing import Any
 
 from ftengine.integrations.vllm.messages import import_vllm
-from ftengine.integrations.vllm.patch_mechanism import Patch, VllmSeamMoved, apply_patches, marked
+from ftengine.integrations.vllm.patches.mechanism import VllmSeamMoved
 
 logger = logging.getLogger(__name__)
 
 AUTH_MODULE = "vllm.entrypoints.serve.middleware.authenticate"
-ROUTER_MODULE = "vllm.entrypoints.serve.fault_tolerance.api_router"
 GUARD_NAME = "GUARDED_PREFIX"
 FT_PREFIX = "/fault_tolerance"
 
@@ -80,23 +78,3 @@ def warn_if_open(args: Any) -> bool:
         getattr(args, "port", "?"),
     )
     return True
-
-
-def _warning_when_open(original: Callable[..., Any]) -> Callable[..., Any]:
-    def register_fault_tolerance_api_router(app: Any) -> Any:
-        result = original(app)
-        warn_if_open(app.state.args)
-        return result
-
-    return register_fault_tolerance_api_router
-
-
-START_UP_CHECK = Patch(
-    ROUTER_MODULE, "", "register_fault_tolerance_api_router", ("app",), marked(_warning_when_open)
-)
-
-
-def apply_ft_routes_auth() -> None:
-    """In an API server: the FT routes behind the key, and the start-up warning."""
-    guard_ft_routes()
-    apply_patches((START_UP_CHECK,))

@@ -1,6 +1,8 @@
 """How ftengine replaces a vLLM name: :class:`Patch` (the name, the parameters the original
-must have, how to make the replacement), the marks that make installing idempotent, and
-:func:`apply_patches`. Which names are replaced, and why, is ``patches.py``."""
+must have, how to make the replacement), :class:`NewMethod` (a name ftengine adds), the
+marks that make installing idempotent, and :func:`apply_patches`. Which names are replaced,
+and why: ``engine_core.py``, ``worker.py``, ``api_server.py`` here, by the process they run
+in; ``install.py`` installs them."""
 
 from __future__ import annotations
 
@@ -57,7 +59,9 @@ class Patch:
         return owner, original
 
 
-def _replace(function: Callable[..., Any]) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+def replacing(function: Callable[..., Any]) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """A :class:`Patch`'s ``make`` that puts ``function`` in the original's place."""
+
     def make(original: Callable[..., Any]) -> Callable[..., Any]:
         @functools.wraps(function)
         def replacement(*args: Any, **kwargs: Any) -> Any:
@@ -87,3 +91,30 @@ def apply_patches(patches: Sequence[Patch]) -> None:
         if getattr(current, PATCHED_MARK, None) is None:
             setattr(owner, patch.name, patch.make(original))
     logger.debug("vLLM patches installed: %s", [f"{p.owner}.{p.name}" for p in patches])
+
+
+@attrs.frozen
+class NewMethod:
+    """``module.owner.name`` added (vLLM has none: it must still have none, or be ours);
+    ``dispatch`` is the owner's method that reaches it by name, with its parameters."""
+
+    module: str
+    owner: str
+    name: str
+    function: Callable[..., Any]
+    dispatch: Patch
+
+    def check(self) -> Any:
+        """The owner, once its dispatch fits and it has no method of this name but ours."""
+        owner, _dispatch = self.dispatch.target()
+        current = getattr(owner, self.name, None)
+        if current is not None and current is not self.function:
+            raise VllmSeamMoved(
+                f"expected no {self.module}.{self.owner}.{self.name} in the installed vLLM "
+                "(ftengine adds it), found one: vLLM now has its own; ftengine's "
+                "scale_down needs updating"
+            )
+        return owner
+
+    def install(self) -> None:
+        setattr(self.check(), self.name, self.function)

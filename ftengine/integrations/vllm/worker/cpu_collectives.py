@@ -1,4 +1,4 @@
-"""What vLLM's CPU platform lacks for DP+EP MoE, as plain functions ``patches.py`` installs.
+"""What vLLM's CPU platform lacks for DP+EP MoE, as plain functions ``patches/worker.py`` installs.
 
 ``CpuCommunicator`` inherits the base class's ``NotImplementedError`` for ``all_gatherv`` /
 ``reduce_scatterv``, which the ``allgather_reducescatter`` all2all calls: both are written
@@ -15,7 +15,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ftengine.integrations.vllm.distributed import ALIVE_ATTR
+from ftengine.integrations.vllm.worker.distributed import ALIVE_ATTR
 
 
 def _pieces(comm: Any, tensor: torch.Tensor, sizes: Sequence[int] | None) -> list[int]:

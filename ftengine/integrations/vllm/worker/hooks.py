@@ -18,13 +18,13 @@ from typing import Protocol, cast
 import torch
 
 from ftengine.errors import BackendError, PlacementError
-from ftengine.integrations.vllm.distributed import ALIVE_ATTR
 from ftengine.integrations.vllm.shapes import (
     EplbStateLike,
     ModuleTree,
     VllmDistributed,
     WorkerLike,
 )
+from ftengine.integrations.vllm.worker.distributed import ALIVE_ATTR
 from ftengine.placement.maps import ExpertPlacement
 from ftengine.weights.index import CheckpointIndex
 
@@ -88,8 +88,9 @@ class VllmWorkerHooks:
         self.worker = worker
         self.dist = dist
         self.gloo_device_group = False
-        # Re-inference (integrations.vllm.reinference): the engine core resumes held requests
-        # as preempted ones, and vLLM's runner resumes those from the states it cached.
+        # Re-inference (integrations.vllm.engine_core.reinference): the engine core resumes
+        # held requests as preempted ones, and vLLM's runner resumes those from the states
+        # it cached.
         self.keep_request_states = False
         self.group_timeout_s: float | None = None
         self._dp_ports: list[int] | None = None

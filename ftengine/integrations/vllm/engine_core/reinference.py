@@ -18,7 +18,7 @@ request running in more than ``max_reinference`` faulted steps is aborted with t
 in ``stop_reason``; an engine whose fault leaves it DEAD aborts what it held; a wait past
 ``engine_recovery_timeout_sec`` aborts every held request before vLLM's wrapper gives up.
 With ``"handoff_urls"`` a DEAD engine hands what it held to a survivor instead
-(``ftengine.integrations.vllm.handoff``).
+(``ftengine.integrations.vllm.engine_core.handoff``).
 A poison request (its own content faults every re-run) is found by re-running the requests
 of the engine's own faulted step one at a time (``poison.py``) and aborted alone, with
 ``Reinference.poison``'s reason; its batch-mates are not charged for that fault.
@@ -35,11 +35,11 @@ from typing import Any
 
 import attrs
 
-from ftengine.integrations.vllm import handoff
 from ftengine.integrations.vllm.config import VllmFtSettings
+from ftengine.integrations.vllm.engine_core import handoff
+from ftengine.integrations.vllm.engine_core.poison import EngineProbe, own_fault
+from ftengine.integrations.vllm.engine_core.poison import install as install_probe
 from ftengine.integrations.vllm.messages import import_vllm
-from ftengine.integrations.vllm.poison import EngineProbe, own_fault
-from ftengine.integrations.vllm.poison import install as install_probe
 from ftengine.reinference import Reinference
 
 logger = logging.getLogger(__name__)
@@ -200,16 +200,17 @@ def install(sentinel: Any, settings: VllmFtSettings, check_seams: Callable[[], N
     handoff.install(sentinel, settings)
 
 
-def on_fault(
+def hold_or_abort(
     sentinel: Any,
     exc: BaseException,
     vllm_on_fault: Any,
     peers: Mapping[int, str] | None = None,
 ) -> None:
-    """``EngineCoreSentinel.on_fault``: vLLM's own without a :class:`Hold`; with one, the
-    same steps (vLLM 0.32's) except that requests are held, or aborted with the reason when
-    the engine is DEAD (its worker process died: nothing can resume them here). ``peers``:
-    the engine-core agent's view of its peers' statuses (``poison.own_fault``)."""
+    """What the patched ``EngineCoreSentinel.on_fault`` runs: vLLM's own ``on_fault``
+    (``vllm_on_fault``) without a :class:`Hold`; with one, the same steps (vLLM 0.32's)
+    except that requests are held, or aborted with the reason when the engine is DEAD (its
+    worker process died: nothing can resume them here). ``peers``: the engine-core agent's
+    view of its peers' statuses (``poison.own_fault``)."""
     hold: Hold | None = getattr(sentinel, HOLD_ATTR, None)
     if hold is None:
         vllm_on_fault(sentinel, exc)

