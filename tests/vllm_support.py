@@ -17,7 +17,7 @@ from typing import Any
 
 import attrs
 
-from ftengine.integrations.vllm.demo import TINY_SHAPE
+from ftengine.testbed.vllm.demo import TINY_SHAPE
 from ftengine.weights.checkpoint_gen import make_checkpoint
 
 VOCAB = TINY_SHAPE["vocab"]

@@ -2,7 +2,7 @@
 it reports back while it runs, and how it finished (vLLM's ``finish_reason`` values).
 
 Value types only, with no dependency on the cluster, so the HTTP layer and the cluster's
-serving loop (``ftengine.cluster.serving``) meet here without importing each other.
+serving loop (``ftengine.testbed.cluster.serving``) meet here without importing each other.
 """
 
 from __future__ import annotations

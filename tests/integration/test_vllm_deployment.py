@@ -23,12 +23,12 @@ import psutil
 import pytest
 
 from ftengine.errors import ConfigError
-from ftengine.integrations.vllm.launcher import (
+from ftengine.integrations.vllm.plugin import FAULT_FILE_ENV
+from ftengine.testbed.vllm.launcher import (
     DeploymentConfig,
     DeploymentFailed,
     VllmDeployment,
 )
-from ftengine.integrations.vllm.plugin import FAULT_FILE_ENV
 from tests.stream_support import OpenAIStream
 from tests.vllm_support import (
     TEST_DTYPE,

@@ -29,9 +29,9 @@ from pathlib import Path
 import httpx
 import pytest
 
-from ftengine.integrations.vllm.bench_scale_down import adopted, standby
-from ftengine.integrations.vllm.launcher import DeploymentConfig, VllmDeployment
 from ftengine.integrations.vllm.plugin import FAULT_FILE_ENV
+from ftengine.testbed.bench.vllm_scale_down import adopted, standby
+from ftengine.testbed.vllm.launcher import DeploymentConfig, VllmDeployment
 from tests.integration.test_vllm_deployment import (
     MAX_TOKENS,
     PROMPTS,

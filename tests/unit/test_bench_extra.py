@@ -1,5 +1,5 @@
 """The library imports none of the ``bench`` extra's packages (rich, matplotlib, psutil): only
-``ftengine.bench`` does, and the command line reaches it only inside the demo and bench
+``ftengine.testbed.bench`` does, and the command line reaches it only inside the demo and bench
 commands, where a missing package is named together with the command that installs it."""
 
 from __future__ import annotations
@@ -13,15 +13,15 @@ from pathlib import Path
 import pytest
 import tomllib
 
-from ftengine.cli.extras import BENCH_EXTRA
+from ftengine.testbed.cli.extras import BENCH_EXTRA
 
 LIBRARY = (
     "ftengine",
     "ftengine.engine",
     "ftengine.sentinel",
-    "ftengine.backends.cpu",
-    "ftengine.cluster",
-    "ftengine.control.app",
+    "ftengine.testbed.cpu.backend",
+    "ftengine.testbed.cluster",
+    "ftengine.testbed.control.app",
 )
 PYPROJECT = Path(__file__).resolve().parents[2] / "pyproject.toml"
 
@@ -57,7 +57,11 @@ def test_the_library_imports_no_package_of_the_bench_extra() -> None:
     library = "; ".join(f"import {name}" for name in LIBRARY)
     parser = "from ftengine.cli import build_parser; build_parser()"
     # The last step shows that the probe sees them once imported: the demo's live view.
-    assert _loaded_after(library, parser, "import ftengine.bench.live") == [[], [], ["rich"]]
+    assert _loaded_after(library, parser, "import ftengine.testbed.bench.live") == [
+        [],
+        [],
+        ["rich"],
+    ]
 
 
 @pytest.mark.parametrize(

@@ -16,11 +16,11 @@ from typing import Any
 
 import pytest
 
-from ftengine.chaos.campaign import Campaign, CampaignOptions, Generation
-from ftengine.chaos.catalogue import ChaosKind, PlannedFault, When
-from ftengine.chaos.orchestrate import Outcome, settled_state
-from ftengine.cluster import FaultSpec
-from ftengine.cluster.protocol import PhaseEvent
+from ftengine.testbed.chaos.campaign import Campaign, CampaignOptions, Generation
+from ftengine.testbed.chaos.catalogue import ChaosKind, PlannedFault, When
+from ftengine.testbed.chaos.orchestrate import Outcome, settled_state
+from ftengine.testbed.cluster import FaultSpec
+from ftengine.testbed.cluster.protocol import PhaseEvent
 from ftengine.weights.checkpoint_gen import make_checkpoint
 
 EXIT_FILED_AFTER_S = 0.3  # how long after its SIGKILL the fake supervisor files an exit

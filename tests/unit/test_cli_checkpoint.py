@@ -12,7 +12,7 @@ import torch
 from rich.console import Console
 
 from ftengine.cli import build_parser, main
-from ftengine.cli.checkpoint import phase_progress
+from ftengine.testbed.cli.checkpoint import phase_progress
 from ftengine.weights.checkpoint_gen import make_checkpoint
 from ftengine.weights.index import CheckpointIndex
 from ftengine.weights.integrity import Manifest

@@ -23,9 +23,9 @@ import pytest
 from ftengine.errors import ConfigError
 from ftengine.integrations.vllm import handoff
 from ftengine.integrations.vllm.handoff import HANDOFF_ATTR, Handoff, refusal
-from ftengine.integrations.vllm.launcher import DeploymentConfig
 from ftengine.integrations.vllm.patches import check_reinference_seams
 from ftengine.integrations.vllm.reinference import abort, install, on_fault
+from ftengine.testbed.vllm.launcher import DeploymentConfig
 from tests.unit.test_vllm_reinference import (
     Engine,
     Executor,

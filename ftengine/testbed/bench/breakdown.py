@@ -8,8 +8,8 @@ from collections.abc import Sequence
 
 import attrs
 
-from ftengine.control.snapshot import Episode
 from ftengine.faults import Phase
+from ftengine.testbed.control.snapshot import Episode
 
 # Recovery steps in the order the engine runs them (ftengine.timeline.STEP_OF_ACTION).
 _STEPS = (

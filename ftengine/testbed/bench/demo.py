@@ -19,11 +19,11 @@ import attrs
 from rich.console import Console
 from rich.table import Table
 
-from ftengine.bench.live import NullReporter, PlainReporter, Reporter, RichReporter, Watcher
-from ftengine.bench.prompts import prompts_for
-from ftengine.bench.protocol import ConfigFor
-from ftengine.bench.scenario import SCENARIO, ScenarioResult, ScenarioSettings, run_scenario
 from ftengine.errors import FTEngineError
+from ftengine.testbed.bench.live import NullReporter, PlainReporter, Reporter, RichReporter, Watcher
+from ftengine.testbed.bench.prompts import prompts_for
+from ftengine.testbed.bench.protocol import ConfigFor
+from ftengine.testbed.bench.scenario import SCENARIO, ScenarioResult, ScenarioSettings, run_scenario
 
 
 @attrs.frozen
@@ -100,7 +100,7 @@ def _run_on(
     options: DemoOptions, checkpoint: Path, config: ConfigFor, reporter: Reporter, t0: float
 ) -> tuple[ScenarioResult, float]:
     """Reference, launch, scenario on ``checkpoint``; returns (result, launch seconds)."""
-    from ftengine.cluster import Cluster, compare_outputs, reference_generate
+    from ftengine.testbed.cluster import Cluster, compare_outputs, reference_generate
 
     prompts = prompts_for(checkpoint, options.prompts)
     reporter.note(time.monotonic(), f"checkpoint ready: {checkpoint}")

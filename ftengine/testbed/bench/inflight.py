@@ -2,10 +2,10 @@
 are being served when it strikes. Concurrent streaming completions go to a real ``ftengine
 serve``; mid-generation a fault strikes (an injected transient error answered by ``retry``,
 or a SIGKILLed rank answered by ``scale_down``); each stream is checked against the
-single-process reference (``ftengine.bench.inflight_tally`` says what is counted). Every
+single-process reference (``ftengine.testbed.bench.inflight_tally`` says what is counted). Every
 scenario runs twice side by side, with token-level re-inference on and off (``serve
 --no-reinference``: a fault aborts what was in flight), each on its own server. The same
-for real vLLM's retry and scale-down: ``ftengine.bench.inflight_vllm``."""
+for real vLLM's retry and scale-down: ``ftengine.testbed.bench.inflight_vllm``."""
 
 from __future__ import annotations
 
@@ -19,10 +19,10 @@ from typing import Any
 
 import attrs
 
-from ftengine.bench.inflight_serve import MODEL, Server
-from ftengine.bench.inflight_stream import Stream, join_all, start_streams, wait_streaming
-from ftengine.bench.inflight_tally import durations, tally, targets_met
-from ftengine.bench.inflight_vllm import VllmRun, vllm_rows
+from ftengine.testbed.bench.inflight_serve import MODEL, Server
+from ftengine.testbed.bench.inflight_stream import Stream, join_all, start_streams, wait_streaming
+from ftengine.testbed.bench.inflight_tally import durations, tally, targets_met
+from ftengine.testbed.bench.inflight_vllm import VllmRun, vllm_rows
 
 PROMPTS = ((1, 2, 3, 4), (5, 6, 7), (8, 9, 10, 11, 12), (13, 14), (3, 1, 4, 1, 5, 9), (100, 7))
 MODES = {"reinference": (), "no_reinference": ("--no-reinference",)}
@@ -145,7 +145,7 @@ def cluster_rows(bench: Bench, launch: Launch) -> dict[str, dict[str, Any]]:
 
 def run_inflight(options: InflightOptions, checkpoint: Path) -> dict[str, Any]:
     """Run every measured scenario on ``checkpoint``; the benchmark's JSON object."""
-    from ftengine.cluster import reference_generate
+    from ftengine.testbed.cluster import reference_generate
 
     reference = [g.token_ids for g in reference_generate(checkpoint, PROMPTS, options.tokens)]
     bench = Bench(options, reference)

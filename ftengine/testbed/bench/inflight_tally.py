@@ -20,11 +20,11 @@ from collections import Counter
 from collections.abc import Sequence
 from typing import Any, Protocol
 
-from ftengine.bench.trials import summary
+from ftengine.testbed.bench.trials import summary
 
 
 class StreamLike(Protocol):
-    """``ftengine.bench.inflight_stream.Stream``'s fields the tally reads."""
+    """``ftengine.testbed.bench.inflight_stream.Stream``'s fields the tally reads."""
 
     @property
     def tokens(self) -> list[int]: ...

@@ -26,8 +26,8 @@ from typing import Any
 import attrs
 import httpx
 
-from ftengine.bench.inflight_stream import Stream, StreamRequest, join_all, wait_streaming
-from ftengine.bench.inflight_tally import durations, tally, targets_met
+from ftengine.testbed.bench.inflight_stream import Stream, StreamRequest, join_all, wait_streaming
+from ftengine.testbed.bench.inflight_tally import durations, tally, targets_met
 
 OP_TIMEOUT_S = 5.0
 
@@ -122,8 +122,8 @@ def _scale_down_round(
 @contextlib.contextmanager
 def _deployed(run: VllmRun, reinference: bool, scratch: Path) -> Iterator[Any]:
     """DP=2 EP=2 float32, rank 1's fault file at ``scratch/inject``."""
-    from ftengine.integrations.vllm.launcher import DeploymentConfig, VllmDeployment
     from ftengine.integrations.vllm.plugin import FAULT_FILE_ENV
+    from ftengine.testbed.vllm.launcher import DeploymentConfig, VllmDeployment
 
     options = {"cpu_distributed_timeout_sec": OP_TIMEOUT_S, "reinference": reinference}
     config = DeploymentConfig(

@@ -15,8 +15,8 @@ from rich.live import Live
 from rich.table import Table
 from rich.text import Text
 
-from ftengine.bench.protocol import Watchable
-from ftengine.control.snapshot import ClusterView
+from ftengine.testbed.bench.protocol import Watchable
+from ftengine.testbed.control.snapshot import ClusterView
 
 PHASE_STYLE = {
     "running": "green",

@@ -20,8 +20,8 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 import attrs
 import psutil
 
-from ftengine.bench.protocol import BenchCluster
-from ftengine.bench.trials import quantile, spread, step_time_s
+from ftengine.testbed.bench.protocol import BenchCluster
+from ftengine.testbed.bench.trials import quantile, spread, step_time_s
 
 
 def cpu_seconds(pids: Iterable[int | None]) -> float:

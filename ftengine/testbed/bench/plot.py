@@ -9,7 +9,7 @@ from typing import Any
 
 import attrs
 
-from ftengine.bench.traffic import Sample, tokens_per_second
+from ftengine.testbed.bench.traffic import Sample, tokens_per_second
 
 MARK_STYLE = {
     "fault": ("tab:red", "-"),

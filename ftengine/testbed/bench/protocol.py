@@ -1,5 +1,5 @@
-"""What the demo and the benchmarks need from a cluster (``ftengine.cluster.Cluster`` has all
-of it), so that they run as well over the unit tests' stand-in cluster."""
+"""What the demo and the benchmarks need from a cluster (``ftengine.testbed.cluster.Cluster``
+has all of it), so that they run as well over the unit tests' stand-in cluster."""
 
 from __future__ import annotations
 
@@ -8,11 +8,11 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
-    from ftengine.cluster.config import ClusterConfig
+    from ftengine.testbed.cluster.config import ClusterConfig
 
 
 class GenerationLike(Protocol):
-    """``ftengine.cluster.Generation``'s fields."""
+    """``ftengine.testbed.cluster.Generation``'s fields."""
 
     @property
     def token_ids(self) -> tuple[int, ...]: ...
@@ -21,7 +21,7 @@ class GenerationLike(Protocol):
 
 
 class PhaseEventLike(Protocol):
-    """``ftengine.cluster.protocol.PhaseEvent``'s fields."""
+    """``ftengine.testbed.cluster.protocol.PhaseEvent``'s fields."""
 
     @property
     def source(self) -> str: ...
@@ -34,7 +34,7 @@ class PhaseEventLike(Protocol):
 
 
 class EventLike(Protocol):
-    """``ftengine.cluster.ClusterEvent``'s fields."""
+    """``ftengine.testbed.cluster.ClusterEvent``'s fields."""
 
     @property
     def at(self) -> float: ...
@@ -74,11 +74,12 @@ class BenchCluster(ScenarioCluster, Protocol):
 
 
 Compare = Callable[..., Any]
-"""``ftengine.cluster.compare_outputs``: returns an object with ``.match`` and ``.to_dict()``."""
+"""``ftengine.testbed.cluster.compare_outputs``: returns an object with ``.match`` and
+``.to_dict()``."""
 
 
 class ConfigFor(Protocol):
     """A ``ClusterConfig`` for ``checkpoint`` from the command's cluster flags, ``overrides``
-    winning (``ftengine.cli.launch.cluster_config`` with the parsed flags bound)."""
+    winning (``ftengine.testbed.cli.launch.cluster_config`` with the parsed flags bound)."""
 
     def __call__(self, checkpoint: Path, /, **overrides: object) -> ClusterConfig: ...

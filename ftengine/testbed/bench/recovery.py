@@ -16,12 +16,12 @@ from typing import Any
 
 import attrs
 
-from ftengine.bench.overhead import interleaved_rounds
-from ftengine.bench.plot import Mark, plot_throughput
-from ftengine.bench.prompts import prompts_for
-from ftengine.bench.protocol import BenchCluster, ConfigFor
-from ftengine.bench.traffic import TrafficStream
-from ftengine.bench.trials import (
+from ftengine.testbed.bench.overhead import interleaved_rounds
+from ftengine.testbed.bench.plot import Mark, plot_throughput
+from ftengine.testbed.bench.prompts import prompts_for
+from ftengine.testbed.bench.protocol import BenchCluster, ConfigFor
+from ftengine.testbed.bench.traffic import TrafficStream
+from ftengine.testbed.bench.trials import (
     Restart,
     Trial,
     TrialPlan,
@@ -30,7 +30,7 @@ from ftengine.bench.trials import (
     summary,
     timed_restart,
 )
-from ftengine.bench.waits import serving_waiter
+from ftengine.testbed.bench.waits import serving_waiter
 
 CHAIN_VICTIMS = (1, 3, 2)  # rank 3 holds the last copies of rank 1's experts: 2nd kill reloads
 CHECK_TOKENS = 4
@@ -74,7 +74,7 @@ class _Bench:
     """State shared by the steps of one benchmark run."""
 
     def __init__(self, options: RecoveryOptions, checkpoint: Path, config: ConfigFor) -> None:
-        from ftengine.cluster import compare_outputs, reference_generate
+        from ftengine.testbed.cluster import compare_outputs, reference_generate
 
         self.options = options
         self.checkpoint = checkpoint
@@ -95,7 +95,7 @@ class _Bench:
         """Launch a cluster (``overrides`` on the flags' config) and time it to its first
         token; ``cold`` evicts the checkpoint from the page cache first. FT-on launches count
         as full-restart samples unless ``sample`` is False."""
-        from ftengine.cluster import Cluster
+        from ftengine.testbed.cluster import Cluster
 
         def start() -> BenchCluster:
             return Cluster.launch(self.config(self.checkpoint, **overrides))
@@ -147,7 +147,7 @@ class _Bench:
 def _overhead(bench: _Bench, on: BenchCluster) -> dict[str, object]:
     """Step time of ``on`` and ``overhead_launches - 1`` more FT-on launches against as
     many FT-off launches on the same checkpoint, in interleaved rounds
-    (``ftengine.bench.overhead``); the extra launches are not restart samples."""
+    (``ftengine.testbed.bench.overhead``); the extra launches are not restart samples."""
     options = bench.options
     launches = options.overhead_launches
     extra: list[BenchCluster] = []

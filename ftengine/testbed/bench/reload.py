@@ -16,15 +16,15 @@ from typing import Any, Literal
 
 import attrs
 
-from ftengine.bench.reload_measure import (
+from ftengine.errors import ConfigError, PlacementError
+from ftengine.placement import ExpertPlacement, plan_redistribution
+from ftengine.testbed.bench.reload_measure import (
     BenchError,
     Cache,
     ChildJob,
     ProgressFn,
     run_child,
 )
-from ftengine.errors import ConfigError, PlacementError
-from ftengine.placement import ExpertPlacement, plan_redistribution
 from ftengine.weights.checkpoint_gen import (
     GENERATOR_KEY,
     ModelShape,

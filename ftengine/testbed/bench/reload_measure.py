@@ -23,9 +23,9 @@ import attrs
 import torch
 from safetensors import safe_open
 
-from ftengine.bench.page_cache import cached_fraction, disk_read_bytes, evict
-from ftengine.bench.peak_rss import PeakRss
 from ftengine.errors import FTEngineError
+from ftengine.testbed.bench.page_cache import cached_fraction, disk_read_bytes, evict
+from ftengine.testbed.bench.peak_rss import PeakRss
 from ftengine.weights.index import CheckpointIndex
 from ftengine.weights.range_reader import RangeReader
 from ftengine.weights.reload import Assignment, ReloadStats, load_experts_into_slots

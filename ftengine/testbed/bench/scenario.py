@@ -11,14 +11,14 @@ from collections.abc import Callable, Mapping, Sequence
 
 import attrs
 
-from ftengine.bench.breakdown import BreakdownRow, breakdown, interruption_s
-from ftengine.bench.live import Reporter
-from ftengine.bench.protocol import Compare, GenerationLike, ScenarioCluster, Watchable
-from ftengine.bench.traffic import Sample, TrafficStream
-from ftengine.bench.waits import serving_waiter, wait_until
-from ftengine.control.snapshot import ClusterView, Episode
 from ftengine.errors import FTEngineError
 from ftengine.faults import HealthStatus
+from ftengine.testbed.bench.breakdown import BreakdownRow, breakdown, interruption_s
+from ftengine.testbed.bench.live import Reporter
+from ftengine.testbed.bench.protocol import Compare, GenerationLike, ScenarioCluster, Watchable
+from ftengine.testbed.bench.traffic import Sample, TrafficStream
+from ftengine.testbed.bench.waits import serving_waiter, wait_until
+from ftengine.testbed.control.snapshot import ClusterView, Episode
 
 SCENARIO = "sigkill-scale-down"
 

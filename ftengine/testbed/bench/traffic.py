@@ -42,7 +42,7 @@ class TrafficStream:
 
     ``expected[i]`` is the reference continuation of ``prompts[i]``. After an error the
     stream waits ``backoff_s`` before the next request (the cluster is recovering); with
-    ``ready`` (e.g. :func:`ftengine.bench.waits.serving_waiter`) it instead waits until
+    ``ready`` (e.g. :func:`ftengine.testbed.bench.waits.serving_waiter`) it instead waits until
     ``ready`` says the cluster serves again, so the first request after a recovery is not
     held back by a poll interval (``backoff_s`` still applies when ``ready`` already holds).
     """

@@ -13,13 +13,13 @@ from pathlib import Path
 
 import attrs
 
-from ftengine.bench.page_cache import cached_fraction, evict
-from ftengine.bench.protocol import BenchCluster, GenerationLike
-from ftengine.bench.traffic import TrafficStream
-from ftengine.bench.waits import wait_until
-from ftengine.control.snapshot import ClusterView, Episode
 from ftengine.errors import FTEngineError
 from ftengine.faults import HealthStatus
+from ftengine.testbed.bench.page_cache import cached_fraction, evict
+from ftengine.testbed.bench.protocol import BenchCluster, GenerationLike
+from ftengine.testbed.bench.traffic import TrafficStream
+from ftengine.testbed.bench.waits import wait_until
+from ftengine.testbed.control.snapshot import ClusterView, Episode
 
 
 class BenchError(FTEngineError, RuntimeError):

@@ -24,10 +24,10 @@ from pathlib import Path
 import attrs
 import httpx
 
-from ftengine.integrations.vllm.bench_overhead import Sample, interleaved, measure, overhead
-from ftengine.integrations.vllm.bench_scale_down import scale_down_figures
 from ftengine.integrations.vllm.engine_agent import BEAT_ENV
-from ftengine.integrations.vllm.launcher import DeploymentConfig, VllmDeployment
+from ftengine.testbed.bench.vllm_overhead import Sample, interleaved, measure, overhead
+from ftengine.testbed.bench.vllm_scale_down import scale_down_figures
+from ftengine.testbed.vllm.launcher import DeploymentConfig, VllmDeployment
 
 PROMPT = "w1 w2 w3 w4"
 TOKENS = 8

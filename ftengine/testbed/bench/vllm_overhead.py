@@ -17,7 +17,7 @@ from collections.abc import Callable, Sequence
 
 import attrs
 
-from ftengine.integrations.vllm.launcher import VllmDeployment
+from ftengine.testbed.vllm.launcher import VllmDeployment
 
 TARGET_RATIO = 1.01
 ROLES = ("engine_core", "worker")  # the processes that run the model steps
@@ -38,7 +38,7 @@ def engine_pids(deployment: VllmDeployment) -> list[int]:
 
 def measure(deployment: VllmDeployment, complete: Callable[[], int]) -> Sample:
     """Run ``complete`` (one completion; returns the tokens generated) and time it."""
-    from ftengine.bench.overhead import cpu_seconds  # the bench extra (psutil)
+    from ftengine.testbed.bench.overhead import cpu_seconds  # the bench extra (psutil)
 
     pids = engine_pids(deployment)
     cpu_before, start = cpu_seconds(pids), time.perf_counter()
@@ -81,7 +81,7 @@ def compare(on: Sequence[float], off: Sequence[float]) -> dict[str, object]:
     them ``ratio_p10``, of the 10 % quantiles: the least contended rounds (the machine's
     other jobs only add time, and CPU too: a rank waiting in a collective for a descheduled
     peer spins), so the likelier figure of what FT itself costs on a loaded machine."""
-    from ftengine.bench.trials import quantile, spread
+    from ftengine.testbed.bench.trials import quantile, spread
 
     ratio = statistics.median(on) / statistics.median(off)
     noise = {"on": _noise(on), "off": _noise(off)}

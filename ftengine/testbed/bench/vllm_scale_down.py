@@ -31,7 +31,7 @@ import httpx
 import psutil
 
 from ftengine.backends.npu_config import PLACEMENTS
-from ftengine.integrations.vllm.launcher import VllmDeployment
+from ftengine.testbed.vllm.launcher import VllmDeployment
 
 
 class Client(Protocol):

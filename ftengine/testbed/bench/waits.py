@@ -8,8 +8,8 @@ import time
 from collections.abc import Callable, Mapping
 from typing import Any, Protocol, runtime_checkable
 
-from ftengine.bench.protocol import Watchable
-from ftengine.control.snapshot import ClusterView
+from ftengine.testbed.bench.protocol import Watchable
+from ftengine.testbed.control.snapshot import ClusterView
 
 
 @runtime_checkable

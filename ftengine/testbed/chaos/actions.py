@@ -15,11 +15,11 @@ from pathlib import Path
 
 import attrs
 
-from ftengine.chaos.catalogue import ChaosKind, PlannedFault
-from ftengine.chaos.deployment import Deployment
-from ftengine.cluster import FaultSpec, InjectKind
-from ftengine.cluster.netns import Hosts
 from ftengine.errors import ConfigError
+from ftengine.testbed.chaos.catalogue import ChaosKind, PlannedFault
+from ftengine.testbed.chaos.deployment import Deployment
+from ftengine.testbed.cluster import FaultSpec, InjectKind
+from ftengine.testbed.cluster.netns import Hosts
 
 
 @attrs.define

@@ -15,15 +15,15 @@ from pathlib import Path
 
 import attrs
 
-from ftengine.chaos.actions import Injected, inject
-from ftengine.chaos.catalogue import ChaosKind, PlannedFault, When, plan, sub_plan
-from ftengine.chaos.deployment import Census, Deployment
-from ftengine.chaos.history import History
-from ftengine.chaos.invariants import FaultResult, Violation, check_fault, detection_bound
-from ftengine.chaos.orchestrate import Orchestrator, Outcome
-from ftengine.chaos.traffic import Traffic
-from ftengine.cluster import ClusterConfig
-from ftengine.cluster.netns import Hosts
+from ftengine.testbed.chaos.actions import Injected, inject
+from ftengine.testbed.chaos.catalogue import ChaosKind, PlannedFault, When, plan, sub_plan
+from ftengine.testbed.chaos.deployment import Census, Deployment
+from ftengine.testbed.chaos.history import History
+from ftengine.testbed.chaos.invariants import FaultResult, Violation, check_fault, detection_bound
+from ftengine.testbed.chaos.orchestrate import Orchestrator, Outcome
+from ftengine.testbed.chaos.traffic import Traffic
+from ftengine.testbed.cluster import ClusterConfig
+from ftengine.testbed.cluster.netns import Hosts
 from ftengine.weights.index import CheckpointIndex
 
 # Every kind this cluster mode can inject (the network cut needs hosts in namespaces).
@@ -52,7 +52,7 @@ class CampaignOptions:
     max_reinference: int = 8
     kinds: tuple[ChaosKind, ...] = PROCESS_KINDS
     netns: bool = False
-    """Each worker in its own network namespace (``ftengine.cluster.netns``), which adds
+    """Each worker in its own network namespace (``ftengine.testbed.cluster.netns``), which adds
     the network cut to the kinds."""
     only: tuple[int, ...] | None = None
     """Run only these fault numbers of the ``faults``-fault plan (``--only``), each as it is

@@ -15,11 +15,11 @@ import attrs
 import psutil
 import uvicorn
 
-from ftengine.cluster import Cluster, ClusterConfig
-from ftengine.cluster.serving import ServingLoop
-from ftengine.control.app import create_app
-from ftengine.control.openai_routes import Completions
-from ftengine.control.served_model import ServedModel
+from ftengine.testbed.cluster import Cluster, ClusterConfig
+from ftengine.testbed.cluster.serving import ServingLoop
+from ftengine.testbed.control.app import create_app
+from ftengine.testbed.control.openai_routes import Completions
+from ftengine.testbed.control.served_model import ServedModel
 
 MODEL_NAME = "chaos"
 

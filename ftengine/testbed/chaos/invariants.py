@@ -16,8 +16,8 @@ from typing import Any
 
 import attrs
 
-from ftengine.chaos.catalogue import SILENT_KINDS, ChaosKind, When
-from ftengine.chaos.traffic import StreamRecord
+from ftengine.testbed.chaos.catalogue import SILENT_KINDS, ChaosKind, When
+from ftengine.testbed.chaos.traffic import StreamRecord
 
 
 @attrs.frozen

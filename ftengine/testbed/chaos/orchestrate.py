@@ -15,7 +15,7 @@ from typing import Any
 import attrs
 import httpx
 
-from ftengine.chaos.history import History
+from ftengine.testbed.chaos.history import History
 
 POLL_S = 0.02
 

@@ -9,9 +9,9 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from ftengine.chaos.campaign import PROMPTS, Campaign
-from ftengine.chaos.deployment import Leftovers
-from ftengine.chaos.invariants import Violation, check_request, fault_at, tally
+from ftengine.testbed.chaos.campaign import PROMPTS, Campaign
+from ftengine.testbed.chaos.deployment import Leftovers
+from ftengine.testbed.chaos.invariants import Violation, check_request, fault_at, tally
 
 NOT_COVERED = {
     "net_cut": "not injected: this cluster mode runs every worker in the root network "

@@ -8,11 +8,11 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from ftengine.chaos.campaign import PROMPTS, Campaign, CampaignOptions
-from ftengine.chaos.interrupt import run_until_interrupted
-from ftengine.chaos.report import plot as draw
-from ftengine.chaos.report import summary
-from ftengine.cluster import reference_generate
+from ftengine.testbed.chaos.campaign import PROMPTS, Campaign, CampaignOptions
+from ftengine.testbed.chaos.interrupt import run_until_interrupted
+from ftengine.testbed.chaos.report import plot as draw
+from ftengine.testbed.chaos.report import summary
+from ftengine.testbed.cluster import reference_generate
 
 
 def run_campaign(

@@ -14,7 +14,7 @@ from collections.abc import Sequence
 import attrs
 import httpx
 
-from ftengine.chaos.history import History
+from ftengine.testbed.chaos.history import History
 
 BACKOFF_S = 0.2
 

@@ -19,15 +19,15 @@ import attrs
 import httpx
 import psutil
 
-from ftengine.chaos.actions import Injected
-from ftengine.chaos.campaign import PROMPTS
-from ftengine.chaos.catalogue import ChaosKind, PlannedFault, When, plan
-from ftengine.chaos.history import History
-from ftengine.chaos.invariants import FaultResult, Violation
-from ftengine.chaos.orchestrate import Outcome
-from ftengine.chaos.traffic import StreamRecord, Traffic
-from ftengine.chaos.vllm_options import MODEL_NAME, VllmCampaignOptions
-from ftengine.chaos.vllm_plan import (
+from ftengine.testbed.chaos.actions import Injected
+from ftengine.testbed.chaos.campaign import PROMPTS
+from ftengine.testbed.chaos.catalogue import ChaosKind, PlannedFault, When, plan
+from ftengine.testbed.chaos.history import History
+from ftengine.testbed.chaos.invariants import FaultResult, Violation
+from ftengine.testbed.chaos.orchestrate import Outcome
+from ftengine.testbed.chaos.traffic import StreamRecord, Traffic
+from ftengine.testbed.chaos.vllm_options import MODEL_NAME, VllmCampaignOptions
+from ftengine.testbed.chaos.vllm_plan import (
     VLLM_KINDS,
     as_dead,
     detection_bound,
@@ -39,9 +39,9 @@ from ftengine.chaos.vllm_plan import (
     removed_ranks,
     victims,
 )
-from ftengine.chaos.vllm_recover import VllmOrchestrator
-from ftengine.chaos.vllm_watch import Census, StatusWatch
-from ftengine.integrations.vllm.launcher import VllmDeployment
+from ftengine.testbed.chaos.vllm_recover import VllmOrchestrator
+from ftengine.testbed.chaos.vllm_watch import Census, StatusWatch
+from ftengine.testbed.vllm.launcher import VllmDeployment
 
 STEP_S = 0.25  # a planned "step" of delay: vLLM exposes no step counter over HTTP
 

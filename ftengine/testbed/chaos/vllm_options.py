@@ -8,8 +8,8 @@ from pathlib import Path
 
 import attrs
 
-from ftengine.integrations.vllm.launcher import DeploymentConfig
 from ftengine.integrations.vllm.plugin import FAULT_FILE_ENV
+from ftengine.testbed.vllm.launcher import DeploymentConfig
 
 MODEL_NAME = "chaos"  # what the chaos traffic asks for (vLLM's --served-model-name)
 

@@ -16,8 +16,8 @@ from typing import Any
 
 import attrs
 
-from ftengine.chaos.catalogue import ChaosKind, PlannedFault, When
-from ftengine.chaos.invariants import FaultResult, check_fault
+from ftengine.testbed.chaos.catalogue import ChaosKind, PlannedFault, When
+from ftengine.testbed.chaos.invariants import FaultResult, check_fault
 
 VLLM_KINDS = (
     ChaosKind.STEP_RAISE,

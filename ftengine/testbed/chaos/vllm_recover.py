@@ -1,5 +1,5 @@
 """Recovery of a real vLLM deployment driven as an orchestrator drives it: every rank's
-``/fault_tolerance/status`` read, :func:`ftengine.chaos.vllm_plan.decide` asked what to do,
+``/fault_tolerance/status`` read, :func:`ftengine.testbed.chaos.vllm_plan.decide` asked what to do,
 ``retry`` / ``scale_down`` POSTed to vLLM's ``/fault_tolerance/apply`` of every faulted
 rank (vLLM answers 202 and runs it in the background: the command's end is seen on the
 status), a hung engine fenced by SIGKILL of its worker, until it settles, ends dead, or
@@ -16,10 +16,10 @@ from typing import Any
 
 import httpx
 
-from ftengine.chaos.history import History
-from ftengine.chaos.orchestrate import Outcome
-from ftengine.chaos.vllm_plan import Decision, decide
-from ftengine.chaos.vllm_watch import StatusWatch
+from ftengine.testbed.chaos.history import History
+from ftengine.testbed.chaos.orchestrate import Outcome
+from ftengine.testbed.chaos.vllm_plan import Decision, decide
+from ftengine.testbed.chaos.vllm_watch import StatusWatch
 
 POLL_S = 0.05
 MARK = ("status", "epoch", "ft_error", "last_ft_request_id", "removed_ranks")

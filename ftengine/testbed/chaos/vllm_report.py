@@ -9,14 +9,14 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from ftengine.chaos.deployment import Leftovers
-from ftengine.chaos.interrupt import run_until_interrupted
-from ftengine.chaos.invariants import Violation, check_request, fault_at, tally
-from ftengine.chaos.report import by_kind, fault_counts, run_violations, spread
-from ftengine.chaos.traffic import StreamRecord
-from ftengine.chaos.vllm_campaign import VllmCampaign
-from ftengine.chaos.vllm_options import VllmCampaignOptions
-from ftengine.chaos.vllm_plan import NOT_COVERED
+from ftengine.testbed.chaos.deployment import Leftovers
+from ftengine.testbed.chaos.interrupt import run_until_interrupted
+from ftengine.testbed.chaos.invariants import Violation, check_request, fault_at, tally
+from ftengine.testbed.chaos.report import by_kind, fault_counts, run_violations, spread
+from ftengine.testbed.chaos.traffic import StreamRecord
+from ftengine.testbed.chaos.vllm_campaign import VllmCampaign
+from ftengine.testbed.chaos.vllm_options import VllmCampaignOptions
+from ftengine.testbed.chaos.vllm_plan import NOT_COVERED
 
 
 def coalesced(record: StreamRecord, problems: list[str]) -> bool:

@@ -15,7 +15,7 @@ import attrs
 import httpx
 import psutil
 
-from ftengine.chaos.deployment import Leftovers, wait_for_leftovers
+from ftengine.testbed.chaos.deployment import Leftovers, wait_for_leftovers
 
 POLL_S = 0.05
 

@@ -10,9 +10,9 @@ import argparse
 import json
 from pathlib import Path
 
-from ftengine.cli import launch
-from ftengine.cli.extras import bench_extra
 from ftengine.cli.options import at_least, options_from_args
+from ftengine.testbed.cli import launch
+from ftengine.testbed.cli.extras import testbed_extra
 
 BENCH = "inflight"
 
@@ -51,9 +51,9 @@ def register(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    """Run the benchmark (``ftengine.bench.inflight``) and print its JSON object."""
-    with bench_extra(f"bench {BENCH}"):
-        from ftengine.bench.inflight import InflightOptions, run_inflight
+    """Run the benchmark (``ftengine.testbed.bench.inflight``) and print its JSON object."""
+    with testbed_extra(f"bench {BENCH}"):
+        from ftengine.testbed.bench.inflight import InflightOptions, run_inflight
 
     with launch.run_checkpoint(args) as checkpoint:
         result = run_inflight(options_from_args(InflightOptions, args), checkpoint)

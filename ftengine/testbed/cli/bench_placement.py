@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import argparse
 
-from ftengine.cli.extras import bench_extra
+from ftengine.testbed.cli.extras import testbed_extra
 
 BENCH = "placement"
 
@@ -18,8 +18,8 @@ def register(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    """Run every placement measurement (``ftengine.bench.placement``) and print the JSON."""
-    with bench_extra(f"bench {BENCH}"):
-        from ftengine.bench.placement import run_placement
+    """Run every placement measurement (``ftengine.testbed.bench.placement``) and print the JSON."""
+    with testbed_extra(f"bench {BENCH}"):
+        from ftengine.testbed.bench.placement import run_placement
 
     return run_placement()

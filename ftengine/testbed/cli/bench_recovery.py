@@ -10,9 +10,9 @@ import functools
 import importlib
 from pathlib import Path
 
-from ftengine.cli import launch
-from ftengine.cli.extras import bench_extra
 from ftengine.cli.options import at_least, options_from_args
+from ftengine.testbed.cli import launch
+from ftengine.testbed.cli.extras import testbed_extra
 
 BENCH = "recovery"
 # About 600 MB of bf16 weights (experts dominate), so that reloading experts costs real I/O.
@@ -59,9 +59,9 @@ def register(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    """Run the benchmark (``ftengine.bench.recovery``) and print its JSON object."""
-    with bench_extra(f"bench {BENCH}"):
-        from ftengine.bench.recovery import RecoveryOptions, run_recovery
+    """Run the benchmark (``ftengine.testbed.bench.recovery``) and print its JSON object."""
+    with testbed_extra(f"bench {BENCH}"):
+        from ftengine.testbed.bench.recovery import RecoveryOptions, run_recovery
 
         if args.plot is not None:
             # matplotlib is imported only to draw, after every measurement: check it first.

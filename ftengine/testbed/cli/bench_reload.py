@@ -13,17 +13,17 @@ import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, get_args
 
-from ftengine.cli.checkpoint import phase_progress
-from ftengine.cli.extras import bench_extra
 from ftengine.cli.options import options_from_args
 from ftengine.errors import FTEngineError
+from ftengine.testbed.cli.checkpoint import phase_progress
+from ftengine.testbed.cli.extras import testbed_extra
 from ftengine.weights.checkpoint_gen import is_generated_checkpoint, remove_checkpoint
 from ftengine.weights.index import Quant
 
 if TYPE_CHECKING:
     from rich.table import Table
 
-    from ftengine.bench.reload_measure import Cache
+    from ftengine.testbed.bench.reload_measure import Cache
 
 BENCH = "reload"
 
@@ -84,12 +84,12 @@ def _caches(args: argparse.Namespace) -> tuple[Cache, ...]:
 
 
 def run(args: argparse.Namespace) -> int:
-    """Run the benchmark (``ftengine.bench.reload``); print JSON (``--json``) or a table.
+    """Run the benchmark (``ftengine.testbed.bench.reload``); print JSON (``--json``) or a table.
     Exit 0 even if a target is missed."""
-    with bench_extra(f"bench {BENCH}"):
+    with testbed_extra(f"bench {BENCH}"):
         from rich.console import Console
 
-        from ftengine.bench.reload import BenchSetup, run_bench
+        from ftengine.testbed.bench.reload import BenchSetup, run_bench
 
     setup = options_from_args(BenchSetup, args, repeat=max(1, args.repeat), caches=_caches(args))
     root = args.checkpoint or default_checkpoint(args.size_mb, args.quant)

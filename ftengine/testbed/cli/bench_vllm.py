@@ -44,8 +44,8 @@ def register(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ftengine.integrations.vllm.bench import BenchConfig
-    from ftengine.integrations.vllm.bench import run as run_bench
+    from ftengine.testbed.bench.vllm import BenchConfig
+    from ftengine.testbed.bench.vllm import run as run_bench
 
     if args.trials < 1 or args.overhead_rounds < 2 or args.dp < 2 or args.scale_down_trials < 1:
         print("ftengine bench vllm: expected --trials >= 1, --overhead-rounds >= 2, --dp >= 2, "

@@ -12,9 +12,9 @@ import sys
 import time
 from pathlib import Path
 
-from ftengine.cli import launch
-from ftengine.cli.extras import bench_extra
 from ftengine.cli.options import at_least
+from ftengine.testbed.cli import launch
+from ftengine.testbed.cli.extras import testbed_extra
 
 COMMAND = "chaos"
 CHAOS_SIZE = launch.CheckpointSize(layers=2, experts=8, hidden=64, intermediate=32)
@@ -60,7 +60,7 @@ def register(parser: argparse.ArgumentParser) -> None:
 
 
 def _only(text: str) -> tuple[int, ...]:
-    from ftengine.chaos.catalogue import parse_only
+    from ftengine.testbed.chaos.catalogue import parse_only
 
     try:
         return parse_only(text)
@@ -70,12 +70,13 @@ def _only(text: str) -> tuple[int, ...]:
 
 def run(args: argparse.Namespace) -> int:
     """Run the campaign and print its JSON object."""
-    with bench_extra(COMMAND):
-        importlib.import_module("psutil")
+    with testbed_extra(COMMAND):
+        from ftengine.testbed.chaos.campaign import CampaignOptions
+        from ftengine.testbed.chaos.run import run_campaign
+
         if args.plot is not None:
+            # matplotlib is imported only to draw, after every fault: check it first.
             importlib.import_module("matplotlib")
-    from ftengine.chaos.campaign import CampaignOptions
-    from ftengine.chaos.run import run_campaign
 
     options = CampaignOptions(
         faults=args.faults, seed=args.seed, policy=args.policy, dp_size=args.dp_size,

@@ -7,14 +7,13 @@ an invariant was violated)."""
 from __future__ import annotations
 
 import argparse
-import importlib
 import json
 import sys
 import time
 from pathlib import Path
 
-from ftengine.cli.extras import bench_extra
 from ftengine.cli.options import at_least
+from ftengine.testbed.cli.extras import testbed_extra
 
 COMMAND = "chaos-vllm"
 
@@ -43,11 +42,10 @@ def register(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Run the campaign and print its JSON object."""
-    with bench_extra(COMMAND):
-        importlib.import_module("psutil")
-    from ftengine.chaos.vllm_options import VllmCampaignOptions
-    from ftengine.chaos.vllm_report import run_vllm_campaign
-    from ftengine.integrations.vllm.demo import TINY_SHAPE
+    with testbed_extra(COMMAND):
+        from ftengine.testbed.chaos.vllm_options import VllmCampaignOptions
+        from ftengine.testbed.chaos.vllm_report import run_vllm_campaign
+        from ftengine.testbed.vllm.demo import TINY_SHAPE
     from ftengine.weights.checkpoint_gen import make_checkpoint
 
     if not (args.checkpoint / "config.json").is_file():

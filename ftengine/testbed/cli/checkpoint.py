@@ -11,8 +11,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, get_args
 
-from ftengine.cli.extras import missing_extra
 from ftengine.errors import FTEngineError
+from ftengine.testbed.cli.extras import missing_extra
 from ftengine.weights.checkpoint_gen import make_checkpoint
 from ftengine.weights.index import CheckpointIndex, Quant
 

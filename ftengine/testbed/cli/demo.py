@@ -9,9 +9,9 @@ import argparse
 import functools
 from pathlib import Path
 
-from ftengine.cli import launch
-from ftengine.cli.extras import bench_extra
 from ftengine.cli.options import options_from_args
+from ftengine.testbed.cli import launch
+from ftengine.testbed.cli.extras import testbed_extra
 
 COMMAND = "demo"
 DEMO_SIZE = launch.CheckpointSize(layers=2, experts=8, hidden=64, intermediate=64, vocab=256)
@@ -49,12 +49,13 @@ def register(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    """Run the vLLM demo (``ftengine.integrations.vllm.demo``), or with ``--cluster`` the
-    CPU-cluster one (``ftengine.bench.demo``) on the checkpoint and cluster the flags name."""
+    """Run the vLLM demo (``ftengine.testbed.vllm.demo``), or with ``--cluster`` the
+    CPU-cluster one (``ftengine.testbed.bench.demo``) on the checkpoint and cluster the flags
+    name."""
     if not args.cluster:
         return _run_vllm(args)
-    with bench_extra(COMMAND):
-        from ftengine.bench.demo import DemoOptions, run_demo
+    with testbed_extra(COMMAND):
+        from ftengine.testbed.bench.demo import DemoOptions, run_demo
 
     victim = CLUSTER_VICTIM if args.victim is None else args.victim
     return run_demo(
@@ -65,8 +66,8 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _run_vllm(args: argparse.Namespace) -> int:
-    with bench_extra(COMMAND):
-        from ftengine.integrations.vllm.demo import VllmDemoOptions, run_vllm_demo
+    with testbed_extra(COMMAND):
+        from ftengine.testbed.vllm.demo import VllmDemoOptions, run_vllm_demo
 
     victim = VLLM_VICTIM if args.victim is None else args.victim
     # DP=2 whatever --dp-size says: a vLLM rank costs ~1.9 GB and 25-50 s to start here.

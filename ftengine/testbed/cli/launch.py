@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Literal
 import attrs
 
 if TYPE_CHECKING:
-    from ftengine.cluster.config import ClusterConfig
+    from ftengine.testbed.cluster.config import ClusterConfig
 
 Quant = Literal["none", "w8a8_dynamic"]
 
@@ -162,7 +162,7 @@ def cluster_config(
     args: argparse.Namespace, checkpoint: Path, **overrides: object
 ) -> ClusterConfig:
     """A ``ClusterConfig`` from the parsed cluster flags (``overrides`` win)."""
-    from ftengine.cluster.config import ClusterConfig
+    from ftengine.testbed.cluster.config import ClusterConfig
 
     fields: dict[str, object] = {
         "checkpoint": checkpoint,

@@ -11,10 +11,10 @@ import sys
 from pathlib import Path
 from types import FrameType
 
-from ftengine.cli import launch
-from ftengine.control.auth import API_KEY_ENV, check_bind
 from ftengine.errors import ConfigError
 from ftengine.policies.registry import check_name
+from ftengine.testbed.cli import launch
+from ftengine.testbed.control.auth import API_KEY_ENV, check_bind
 
 COMMAND = "serve"
 logger = logging.getLogger(__name__)
@@ -82,11 +82,11 @@ def run(args: argparse.Namespace) -> int:
 def _serve(args: argparse.Namespace, sock: socket.socket, checkpoint: Path, key: str | None) -> int:
     import uvicorn
 
-    from ftengine.cluster import Cluster
-    from ftengine.cluster.serving import ServingLoop
-    from ftengine.control.app import create_app
-    from ftengine.control.openai_routes import Completions
-    from ftengine.control.served_model import ServedModel
+    from ftengine.testbed.cluster import Cluster
+    from ftengine.testbed.cluster.serving import ServingLoop
+    from ftengine.testbed.control.app import create_app
+    from ftengine.testbed.control.openai_routes import Completions
+    from ftengine.testbed.control.served_model import ServedModel
 
     model = ServedModel.from_checkpoint(checkpoint, args.served_model_name)
     cluster = Cluster.launch(launch.cluster_config(args, checkpoint))

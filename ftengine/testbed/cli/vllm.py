@@ -93,7 +93,7 @@ def _stop(signum: int, _frame: FrameType | None) -> None:
 
 def run_up(args: argparse.Namespace) -> int:
     """Check the flags, start every rank, print URLs and pids, wait for Ctrl-C / SIGTERM."""
-    from ftengine.integrations.vllm.launcher import (
+    from ftengine.testbed.vllm.launcher import (
         DeploymentConfig,
         DeploymentFailed,
         VllmDeployment,

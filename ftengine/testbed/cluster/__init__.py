@@ -6,19 +6,19 @@ caller's process) and ``dp_size`` workers; ``status()``, ``apply()``, ``generate
 fault-free run its outputs must match (``compare_outputs``).
 """
 
-from ftengine.cluster.config import ClusterConfig
-from ftengine.cluster.faults_inject import ENV_VAR as INJECT_ENV_VAR
-from ftengine.cluster.faults_inject import FaultSpec, InjectKind
-from ftengine.cluster.generation import Generation, RequestAborted
-from ftengine.cluster.handles import ClusterEvent
-from ftengine.cluster.reference import (
+from ftengine.testbed.cluster.config import ClusterConfig
+from ftengine.testbed.cluster.faults_inject import ENV_VAR as INJECT_ENV_VAR
+from ftengine.testbed.cluster.faults_inject import FaultSpec, InjectKind
+from ftengine.testbed.cluster.generation import Generation, RequestAborted
+from ftengine.testbed.cluster.handles import ClusterEvent
+from ftengine.testbed.cluster.reference import (
     LOGITS_ATOL,
     OutputsCheck,
     compare_outputs,
     reference_generate,
 )
-from ftengine.cluster.roster import ClusterError
-from ftengine.cluster.supervisor import Cluster
+from ftengine.testbed.cluster.roster import ClusterError
+from ftengine.testbed.cluster.supervisor import Cluster
 
 __all__ = [
     "INJECT_ENV_VAR",

@@ -4,7 +4,7 @@
 worker resolves once and calls as ``factory(sentinel, rank)``; every ``retry`` /
 ``scale_down`` the supervisor relays then goes through the returned object's
 ``handle_ft_command``. Without one, commands go straight to the worker's WorkerSentinel.
-``ftengine.integrations.vllm.cluster_adapter:vllm_command_adapter`` is the one that drives
+``ftengine.testbed.vllm.cluster_adapter:vllm_command_adapter`` is the one that drives
 the cluster through vLLM's own message types.
 """
 

@@ -10,9 +10,9 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from ftengine.cluster.model_config import ModelConfig
-from ftengine.cluster.prompts import load_tokenizer
 from ftengine.errors import ConfigError, WeightLoadError
+from ftengine.testbed.cluster.model_config import ModelConfig
+from ftengine.testbed.cluster.prompts import load_tokenizer
 from ftengine.weights.index import CONFIG_NAME, INDEX_NAME, CheckpointIndex
 from ftengine.weights.model_spec import ModelShape, disk_tensors, tensor_specs
 from ftengine.weights.safetensors_header import DTYPES

@@ -8,17 +8,17 @@ from pathlib import Path
 
 import attrs
 
-from ftengine.cluster.faults_inject import FaultSpec
 from ftengine.errors import ConfigError
 from ftengine.policies.registry import PolicyName, check_name
 from ftengine.reinference import DEFAULT_MAX_REINFERENCE, Reinference
+from ftengine.testbed.cluster.faults_inject import FaultSpec
 
 # torch.distributed's default process-group timeout (30 min): what a gloo collective waits
 # for a peer in a cluster without ftengine.
 TORCH_DEFAULT_TIMEOUT_S = 1800.0
 
 WORKER_STARTS = ("spawn", "forkserver")
-"""How the supervisor may start workers (``ftengine.cluster.starts``); never ``fork``, which
+"""How the supervisor may start workers (``ftengine.testbed.cluster.starts``); never ``fork``, which
 would copy the supervisor's threads and locks into each worker."""
 
 
@@ -73,7 +73,7 @@ class ClusterConfig:
     ``command_adapter`` (``"package.module:function"``) names a factory each worker calls
     once as ``factory(sentinel, rank)``; every orchestrator command then goes through the
     returned object's ``handle_ft_command(instruction, params, request_id)`` (see
-    :mod:`ftengine.cluster.adapters`). ``fault_tolerance=False`` runs the cluster as one
+    :mod:`ftengine.testbed.cluster.adapters`). ``fault_tolerance=False`` runs the cluster as one
     without ftengine would run (see :attr:`fault_tolerance`).
     """
 
@@ -91,11 +91,11 @@ class ClusterConfig:
     torch_threads: int = attrs.field(default=1, validator=attrs.validators.ge(1))
     command_adapter: str | None = attrs.field(default=None, validator=_adapter_spec)
     worker_netns: tuple[str, ...] | None = attrs.field(default=None, converter=_to_names)
-    """One network namespace per rank (``ftengine.cluster.netns.Hosts.namespaces``): each
+    """One network namespace per rank (``ftengine.testbed.cluster.netns.Hosts.namespaces``): each
     worker enters its own at start and heartbeats over the network; ``host`` is then the
     supervisor's address on the bridge. None: every worker in the supervisor's namespace."""
     worker_start: str = attrs.field(default="spawn", validator=attrs.validators.in_(WORKER_STARTS))
-    """How workers start (``ftengine.cluster.starts``): ``spawn``, a fresh interpreter each;
+    """How workers start (``ftengine.testbed.cluster.starts``): ``spawn``, a fresh interpreter each;
     ``forkserver``, forked from a server process that imported torch and ftengine once, so a
     relaunch costs no imports (the chaos campaign's rebuilds)."""
     fault_tolerance: bool = True

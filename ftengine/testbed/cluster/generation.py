@@ -6,7 +6,7 @@ with every rank alive is announced to the ranks as a transient fault; with it of
 
 :meth:`StepRunner.step` is the primitive (one step, any items per rank; a request a rank
 rejects fails alone); :meth:`StepRunner.run` is one synchronous batch built on it, and
-``ftengine.cluster.serving`` the continuous-batching loop.
+``ftengine.testbed.cluster.serving`` the continuous-batching loop.
 """
 
 from __future__ import annotations
@@ -17,12 +17,18 @@ from collections.abc import Iterable, Mapping, Sequence
 
 import attrs
 
-from ftengine.cluster.config import ClusterConfig
-from ftengine.cluster.handles import WorkerHandle
-from ftengine.cluster.protocol import PeerFault, StepItem, StepOutput, StepReply, StepRequest
-from ftengine.cluster.roster import Roster
 from ftengine.errors import ConfigError, FTEngineError
 from ftengine.faults import FaultKind, Phase
+from ftengine.testbed.cluster.config import ClusterConfig
+from ftengine.testbed.cluster.handles import WorkerHandle
+from ftengine.testbed.cluster.protocol import (
+    PeerFault,
+    StepItem,
+    StepOutput,
+    StepReply,
+    StepRequest,
+)
+from ftengine.testbed.cluster.roster import Roster
 
 # Step errors that only say a peer misbehaved (the rank itself is not the culprit).
 PEER_ERROR_TYPES = frozenset({"PeerDead", "CollectiveTimeout", "NotServing"})

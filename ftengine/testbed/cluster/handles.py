@@ -1,6 +1,6 @@
 """The supervisor's view of one worker process: its pipe, its last reports (status, phase
 changes, the history of its fault episodes), its lifecycle state (moved only through
-``ftengine.cluster.lifecycle``'s table); and the events the supervisor logs.
+``ftengine.testbed.cluster.lifecycle``'s table); and the events the supervisor logs.
 """
 
 from __future__ import annotations
@@ -17,10 +17,10 @@ from typing import Any
 
 import attrs
 
-from ftengine.cluster.lifecycle import INITIAL, WorkerEvent, WorkerState, next_state
-from ftengine.cluster.protocol import PhaseEvent
 from ftengine.faults import HealthStatus, Phase
 from ftengine.status import EngineStatus
+from ftengine.testbed.cluster.lifecycle import INITIAL, WorkerEvent, WorkerState, next_state
+from ftengine.testbed.cluster.protocol import PhaseEvent
 
 EPISODE_HISTORY = 64
 """Fault episodes each engine's status keeps (the last ones); ``fault_episodes`` counts all."""

@@ -15,8 +15,8 @@ from collections.abc import Callable, Sequence
 
 import attrs
 
-from ftengine.cluster.generation import StepFailed
 from ftengine.reinference import PoisonProbe, Reinference, TokenLedger
+from ftengine.testbed.cluster.generation import StepFailed
 
 Ran = tuple[str, int, TokenLedger]  # a failed step's item: request id, rank, its ledger
 

@@ -8,7 +8,7 @@ softmax), residual, RMSNorm, a softmax top-k router (renormalised when ``norm_to
 and SiLU-gated experts, residual; then the final norm and the (tied or untied) head.
 Every dense op runs per request on exactly the shapes a single-process run uses; experts
 run one token row at a time and the top-k outputs are summed in a fixed k order, all in
-float32 (``ftengine.backends.cpu_moe``). So a distributed run, with any placement and any
+float32 (``ftengine.testbed.cpu.moe``). So a distributed run, with any placement and any
 batch mix, reproduces the single-process reference bit for bit on one machine
 (``reference.LOGITS_ATOL`` only covers BLAS variation).
 """
@@ -22,7 +22,7 @@ import attrs
 import torch
 import torch.nn.functional as F
 
-from ftengine.cluster.model_config import ModelConfig
+from ftengine.testbed.cluster.model_config import ModelConfig
 from ftengine.weights import hf_names
 
 __all__ = [

@@ -16,8 +16,8 @@ from typing import Any
 
 import attrs
 
-from ftengine.cluster.faults_inject import FaultSpec
 from ftengine.faults import FaultKind
+from ftengine.testbed.cluster.faults_inject import FaultSpec
 
 
 @attrs.frozen

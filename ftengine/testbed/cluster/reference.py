@@ -16,11 +16,11 @@ from pathlib import Path
 import attrs
 import torch
 
-from ftengine.backends.cpu_moe import LocalMoe
-from ftengine.cluster.checkpoint_check import validate_checkpoint
-from ftengine.cluster.generation import Generation
-from ftengine.cluster.model import DenseWeights, ModelConfig, RequestState, forward_step
-from ftengine.cluster.prompts import Prompt, PromptTokenizer
+from ftengine.testbed.cluster.checkpoint_check import validate_checkpoint
+from ftengine.testbed.cluster.generation import Generation
+from ftengine.testbed.cluster.model import DenseWeights, ModelConfig, RequestState, forward_step
+from ftengine.testbed.cluster.prompts import Prompt, PromptTokenizer
+from ftengine.testbed.cpu.moe import LocalMoe
 from ftengine.weights.reload import load_experts_into_slots
 from ftengine.weights.slots import ExpertSlots
 

@@ -8,11 +8,11 @@ from __future__ import annotations
 import time
 from collections.abc import Mapping
 
-from ftengine.cluster.config import ClusterConfig
-from ftengine.cluster.handles import WorkerHandle
-from ftengine.cluster.protocol import FtCommand, FtReply
-from ftengine.cluster.roster import Roster
 from ftengine.commands import REMOVED_KEY, CommandResult
+from ftengine.testbed.cluster.config import ClusterConfig
+from ftengine.testbed.cluster.handles import WorkerHandle
+from ftengine.testbed.cluster.protocol import FtCommand, FtReply
+from ftengine.testbed.cluster.roster import Roster
 
 
 class CommandRelay:

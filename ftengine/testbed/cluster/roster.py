@@ -15,9 +15,15 @@ import time
 
 import attrs
 
-from ftengine.cluster.handles import ClusterEvent, WorkerHandle, describe_exit, kill_all, signal_pid
-from ftengine.cluster.lifecycle import WorkerState
 from ftengine.errors import FTEngineError
+from ftengine.testbed.cluster.handles import (
+    ClusterEvent,
+    WorkerHandle,
+    describe_exit,
+    kill_all,
+    signal_pid,
+)
+from ftengine.testbed.cluster.lifecycle import WorkerState
 
 logger = logging.getLogger(__name__)
 

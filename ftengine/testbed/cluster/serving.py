@@ -8,7 +8,7 @@ reached ``max_tokens`` or generated a stop id, dropping their caches. Every live
 every step whatever the mix, and the model computes each request on its own shapes, so a
 request's tokens do not depend on what it shares a step with. A request a rank rejects
 fails alone (``error``). A failed step (a fault) aborts every running request, unless the
-loop was given a :class:`~ftengine.cluster.inflight.Resumption` (token-level
+loop was given a :class:`~ftengine.testbed.cluster.inflight.Resumption` (token-level
 re-inference): then the running and waiting requests are held while the cluster recovers
 and resume from their last emitted token (a request whose rank is gone is re-routed and
 recomputed), so each stream carries exactly the fault-free tokens; see
@@ -26,12 +26,12 @@ from typing import Protocol
 
 import attrs
 
-from ftengine.cluster.generation import StepFailed, StepResult
-from ftengine.cluster.inflight import Held, Resumption
-from ftengine.cluster.protocol import StepItem
 from ftengine.errors import FTEngineError
 from ftengine.reinference import ReplayMismatch, TokenLedger
-from ftengine.serving_api import FinishReason, GenerationRequest, Listener, TokenEvent
+from ftengine.testbed.cluster.generation import StepFailed, StepResult
+from ftengine.testbed.cluster.inflight import Held, Resumption
+from ftengine.testbed.cluster.protocol import StepItem
+from ftengine.testbed.serving_api import FinishReason, GenerationRequest, Listener, TokenEvent
 
 logger = logging.getLogger(__name__)
 
@@ -44,7 +44,7 @@ class ServingUnavailable(FTEngineError, RuntimeError):
 
 
 class StepCluster(Protocol):
-    """What the loop needs from a cluster (``ftengine.cluster.Cluster`` has it)."""
+    """What the loop needs from a cluster (``ftengine.testbed.cluster.Cluster`` has it)."""
 
     def serving_ranks(self) -> tuple[int, ...]:
         """Live ranks when all serve; raises an FTEngineError (RequestAborted) otherwise."""

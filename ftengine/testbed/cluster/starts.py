@@ -13,15 +13,15 @@ from collections.abc import Callable, Mapping
 from multiprocessing.connection import Connection
 from multiprocessing.context import BaseContext
 
-from ftengine.cluster.worker import WorkerSpec, worker_main
+from ftengine.testbed.cluster.worker import WorkerSpec, worker_main
 
-FORKSERVER_PRELOAD = ["ftengine.cluster.worker"]
+FORKSERVER_PRELOAD = ["ftengine.testbed.cluster.worker"]
 """What the fork server imports before its first fork (torch, the model, the backend)."""
 
 
 def worker_context(method: str) -> BaseContext:
     """The multiprocessing context that starts workers by ``method`` (one of
-    ``ftengine.cluster.config.WORKER_STARTS``)."""
+    ``ftengine.testbed.cluster.config.WORKER_STARTS``)."""
     context = multiprocessing.get_context(method)
     if method == "forkserver":
         # Read when the fork server starts (once per process); ignored after.

@@ -2,7 +2,7 @@
 messages, relays orchestrator commands and routes generation to live DP ranks.
 
 It runs in the caller's process (never in a worker, so any rank may die). One reader
-thread per worker files its messages; the exit watch (``ftengine.cluster.watch``) turns a
+thread per worker files its messages; the exit watch (``ftengine.testbed.cluster.watch``) turns a
 process exit or a heartbeat silence into a peer fault for the survivors and fences hung
 workers; steps and commands run in ``generation`` and ``relay``. The workers, their lock
 and the event log are the ``roster`` these parts share; ``Cluster`` composes them.
@@ -20,16 +20,18 @@ from typing import Any
 
 from torch._C._distributed_c10d import TCPStore
 
-from ftengine.cluster.adapters import resolve_adapter_factory
-from ftengine.cluster.checkpoint_check import validate_checkpoint
-from ftengine.cluster.config import ClusterConfig
-from ftengine.cluster.faults_inject import FaultSpec
-from ftengine.cluster.generation import Generation, StepResult, StepRunner
-from ftengine.cluster.handles import ClusterEvent, WorkerHandle, signal_pid
-from ftengine.cluster.inflight import Resumption
-from ftengine.cluster.lifecycle import WorkerState
-from ftengine.cluster.prompts import Prompt, PromptTokenizer
-from ftengine.cluster.protocol import (
+from ftengine.commands import CommandResult
+from ftengine.faults import Phase
+from ftengine.testbed.cluster.adapters import resolve_adapter_factory
+from ftengine.testbed.cluster.checkpoint_check import validate_checkpoint
+from ftengine.testbed.cluster.config import ClusterConfig
+from ftengine.testbed.cluster.faults_inject import FaultSpec
+from ftengine.testbed.cluster.generation import Generation, StepResult, StepRunner
+from ftengine.testbed.cluster.handles import ClusterEvent, WorkerHandle, signal_pid
+from ftengine.testbed.cluster.inflight import Resumption
+from ftengine.testbed.cluster.lifecycle import WorkerState
+from ftengine.testbed.cluster.prompts import Prompt, PromptTokenizer
+from ftengine.testbed.cluster.protocol import (
     FtReply,
     Heartbeat,
     Inject,
@@ -41,13 +43,11 @@ from ftengine.cluster.protocol import (
     StepReply,
     WorkerFailed,
 )
-from ftengine.cluster.relay import CommandRelay
-from ftengine.cluster.roster import ClusterError, Roster
-from ftengine.cluster.starts import worker_context, worker_target
-from ftengine.cluster.watch import ExitWatch
-from ftengine.cluster.worker import WorkerSpec
-from ftengine.commands import CommandResult
-from ftengine.faults import Phase
+from ftengine.testbed.cluster.relay import CommandRelay
+from ftengine.testbed.cluster.roster import ClusterError, Roster
+from ftengine.testbed.cluster.starts import worker_context, worker_target
+from ftengine.testbed.cluster.watch import ExitWatch
+from ftengine.testbed.cluster.worker import WorkerSpec
 from ftengine.weights.index import CheckpointIndex
 
 logger = logging.getLogger(__name__)
@@ -257,7 +257,7 @@ class Cluster:
         with self._serial:
             return self._runner.run(token_ids, max_tokens)
 
-    # -- the serving loop's primitives (``ftengine.cluster.serving``) -----------------------
+    # -- the serving loop's primitives (``ftengine.testbed.cluster.serving``) ---------------
     def serving_ranks(self) -> tuple[int, ...]:
         """The live ranks when all of them serve; raises RequestAborted otherwise."""
         self._check_open()

@@ -13,12 +13,12 @@ from __future__ import annotations
 import time
 from multiprocessing.connection import wait as wait_for_objects
 
-from ftengine.cluster.config import ClusterConfig
-from ftengine.cluster.handles import WorkerHandle
-from ftengine.cluster.lifecycle import WorkerState
-from ftengine.cluster.protocol import PeerFault
-from ftengine.cluster.roster import Roster
 from ftengine.faults import FaultKind
+from ftengine.testbed.cluster.config import ClusterConfig
+from ftengine.testbed.cluster.handles import WorkerHandle
+from ftengine.testbed.cluster.lifecycle import WorkerState
+from ftengine.testbed.cluster.protocol import PeerFault
+from ftengine.testbed.cluster.roster import Roster
 
 TICK_S = 0.05
 

@@ -28,16 +28,23 @@ import attrs
 import torch
 from torch._C._distributed_c10d import TCPStore
 
-from ftengine.backends.cpu import CpuBackend
-from ftengine.backends.cpu_experts import CpuExperts
-from ftengine.cluster.adapters import build_command_adapter
-from ftengine.cluster.config import ClusterConfig
-from ftengine.cluster.faults_inject import FaultInjector, FaultSpec, InjectedFault, InjectKind
-from ftengine.cluster.model import DenseWeights, ModelConfig, RequestState, forward_step
-from ftengine.cluster.netns import enter as enter_netns
-from ftengine.cluster.netns import network_beat
-from ftengine.cluster.policies import build_policy
-from ftengine.cluster.protocol import (
+from ftengine.context import RedundancyFacts
+from ftengine.errors import ConfigError
+from ftengine.sentinel import WorkerSentinel
+from ftengine.status import PhaseChange
+from ftengine.testbed.cluster.adapters import build_command_adapter
+from ftengine.testbed.cluster.config import ClusterConfig
+from ftengine.testbed.cluster.faults_inject import (
+    FaultInjector,
+    FaultSpec,
+    InjectedFault,
+    InjectKind,
+)
+from ftengine.testbed.cluster.model import DenseWeights, ModelConfig, RequestState, forward_step
+from ftengine.testbed.cluster.netns import enter as enter_netns
+from ftengine.testbed.cluster.netns import network_beat
+from ftengine.testbed.cluster.policies import build_policy
+from ftengine.testbed.cluster.protocol import (
     FtCommand,
     FtReply,
     Heartbeat,
@@ -55,11 +62,9 @@ from ftengine.cluster.protocol import (
     StepRequest,
     WorkerFailed,
 )
-from ftengine.context import RedundancyFacts
-from ftengine.errors import ConfigError
-from ftengine.model_limits import ModelLimits
-from ftengine.sentinel import WorkerSentinel
-from ftengine.status import PhaseChange
+from ftengine.testbed.cpu.backend import CpuBackend
+from ftengine.testbed.cpu.experts import CpuExperts
+from ftengine.testbed.model_limits import ModelLimits
 from ftengine.weights.index import CheckpointIndex
 
 logger = logging.getLogger(__name__)

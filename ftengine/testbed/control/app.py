@@ -1,6 +1,6 @@
 """The HTTP API (FastAPI) over one cluster, in vLLM's dialect: its fault-tolerance routes
-(``ftengine.control.ft_routes``), OpenAI completions and models
-(``ftengine.control.openai_routes``), ``/health`` and ``/metrics``.
+(``ftengine.testbed.control.ft_routes``), OpenAI completions and models
+(``ftengine.testbed.control.openai_routes``), ``/health`` and ``/metrics``.
 
 Every error is vLLM's error object. Every POST, and every ``/v1/`` route, needs
 ``Authorization: Bearer <key>`` when a key is set.
@@ -19,19 +19,19 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import ftengine
-from ftengine.control.auth import ApiKeyGuard, Unauthorized
-from ftengine.control.errors import ApiError, ErrorInfo, ErrorResponse
-from ftengine.control.ft_routes import add_fault_tolerance_routes
-from ftengine.control.ledger import CommandConflict, Spawn, spawn_thread
-from ftengine.control.messages import SCHEMA_STRUCTS, HealthBody
-from ftengine.control.metrics import ControlMetrics
-from ftengine.control.openai_messages import OPENAI_STRUCTS
-from ftengine.control.openai_routes import Completions, add_openai_routes
-from ftengine.control.openapi import install_schema, responses
-from ftengine.control.plane import ControlPlane
-from ftengine.control.protocol import ClusterHandle
-from ftengine.control.routing import UNAVAILABLE, json_response
 from ftengine.errors import FTEngineError
+from ftengine.testbed.control.auth import ApiKeyGuard, Unauthorized
+from ftengine.testbed.control.errors import ApiError, ErrorInfo, ErrorResponse
+from ftengine.testbed.control.ft_routes import add_fault_tolerance_routes
+from ftengine.testbed.control.ledger import CommandConflict, Spawn, spawn_thread
+from ftengine.testbed.control.messages import SCHEMA_STRUCTS, HealthBody
+from ftengine.testbed.control.metrics import ControlMetrics
+from ftengine.testbed.control.openai_messages import OPENAI_STRUCTS
+from ftengine.testbed.control.openai_routes import Completions, add_openai_routes
+from ftengine.testbed.control.openapi import install_schema, responses
+from ftengine.testbed.control.plane import ControlPlane
+from ftengine.testbed.control.protocol import ClusterHandle
+from ftengine.testbed.control.routing import UNAVAILABLE, json_response
 
 
 def create_app(

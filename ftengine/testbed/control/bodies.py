@@ -11,7 +11,7 @@ from http import HTTPStatus
 import anyio
 from fastapi import Request
 
-from ftengine.control.errors import ApiError, InvalidRequest, clip
+from ftengine.testbed.control.errors import ApiError, InvalidRequest, clip
 
 MAX_BODY_BYTES = 4 * 1024 * 1024
 """The largest POST body accepted: 64 prompts of a few thousand token ids fit with room."""

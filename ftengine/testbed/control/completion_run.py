@@ -18,18 +18,18 @@ from http import HTTPStatus
 import attrs
 import msgspec
 
-from ftengine.control.completions import CompletionPlan
-from ftengine.control.errors import ApiError
-from ftengine.control.metrics import ControlMetrics
-from ftengine.control.openai_messages import (
+from ftengine.errors import FTEngineError
+from ftengine.testbed.control.completions import CompletionPlan
+from ftengine.testbed.control.errors import ApiError
+from ftengine.testbed.control.metrics import ControlMetrics
+from ftengine.testbed.control.openai_messages import (
     CompletionChoice,
     CompletionResponse,
     CompletionStreamResponse,
     UsageInfo,
 )
-from ftengine.control.protocol import GenerationService, Ticket, Tokenizer
-from ftengine.errors import FTEngineError
-from ftengine.serving_api import FinishReason, Listener, TokenEvent
+from ftengine.testbed.control.protocol import GenerationService, Ticket, Tokenizer
+from ftengine.testbed.serving_api import FinishReason, Listener, TokenEvent
 
 DONE = b"data: [DONE]\n\n"
 

@@ -15,11 +15,11 @@ from typing import Any
 import attrs
 import msgspec
 
-from ftengine.control.errors import InvalidCompletion, ModelNotFound, clip, decode_json
-from ftengine.control.openai_messages import MAX_PROMPTS, CompletionRequest
-from ftengine.control.served_model import ServedModel
-from ftengine.model_limits import ModelLimits
-from ftengine.serving_api import GenerationRequest
+from ftengine.testbed.control.errors import InvalidCompletion, ModelNotFound, clip, decode_json
+from ftengine.testbed.control.openai_messages import MAX_PROMPTS, CompletionRequest
+from ftengine.testbed.control.served_model import ServedModel
+from ftengine.testbed.model_limits import ModelLimits
+from ftengine.testbed.serving_api import GenerationRequest
 
 MAX_CHARS_PER_TOKEN = 32  # a text prompt longer than this many chars per position is refused
 _AT = re.compile(r"at `\$\.([^`]*)`")

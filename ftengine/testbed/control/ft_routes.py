@@ -10,9 +10,9 @@ import msgspec
 from fastapi import Depends, FastAPI, HTTPException, Request, Response
 from starlette.concurrency import run_in_threadpool
 
-from ftengine.control.bodies import read_json_body
-from ftengine.control.errors import ErrorResponse, clip
-from ftengine.control.messages import (
+from ftengine.testbed.control.bodies import read_json_body
+from ftengine.testbed.control.errors import ErrorResponse, clip
+from ftengine.testbed.control.messages import (
     APPLY_PATH,
     REQUESTS_PATH,
     STATUS_PATH,
@@ -22,9 +22,9 @@ from ftengine.control.messages import (
     FaultToleranceResult,
     StatusBody,
 )
-from ftengine.control.openapi import json_body, responses
-from ftengine.control.plane import ControlPlane
-from ftengine.control.routing import (
+from ftengine.testbed.control.openapi import json_body, responses
+from ftengine.testbed.control.plane import ControlPlane
+from ftengine.testbed.control.routing import (
     BAD_INPUT,
     TOO_LARGE,
     TOO_SLOW,

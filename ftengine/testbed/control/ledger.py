@@ -11,8 +11,8 @@ from collections.abc import Callable
 
 import attrs
 
-from ftengine.control.messages import REQUESTS_PATH, Command, FaultToleranceResult
 from ftengine.errors import FTEngineError
+from ftengine.testbed.control.messages import REQUESTS_PATH, Command, FaultToleranceResult
 
 logger = logging.getLogger(__name__)
 

@@ -17,8 +17,14 @@ from typing import Annotated, Any, Literal
 import attrs
 import msgspec
 
-from ftengine.control.errors import ErrorResponse, InvalidCommand, clip, decode_json, shorten
 from ftengine.faults import HealthStatus
+from ftengine.testbed.control.errors import (
+    ErrorResponse,
+    InvalidCommand,
+    clip,
+    decode_json,
+    shorten,
+)
 
 logger = logging.getLogger(__name__)
 

@@ -5,7 +5,7 @@ the cluster keeps each one's last state, so an episode that starts and ends betw
 observations is still there) and a cumulative count of them. Every new fault, every
 finished episode and every episode is counted exactly once, however often (or seldom) the
 status is observed; only an observer that misses more episodes than the status keeps
-(``ftengine.cluster.handles.EPISODE_HISTORY``) counts those episodes without their faults.
+(``ftengine.testbed.cluster.handles.EPISODE_HISTORY``) counts those episodes without their faults.
 """
 
 from __future__ import annotations
@@ -15,9 +15,9 @@ import threading
 import attrs
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-from ftengine.control.snapshot import ClusterView, EngineView, Episode
 from ftengine.faults import Phase
-from ftengine.serving_api import FinishReason
+from ftengine.testbed.control.snapshot import ClusterView, EngineView, Episode
+from ftengine.testbed.serving_api import FinishReason
 
 RECOVERY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 

@@ -4,7 +4,7 @@
 
 ``CompletionRequest`` lists every field ftengine reads or refuses; others are ignored, as
 vLLM ignores fields it does not know. Which values are served is judged in
-``ftengine.control.completions``.
+``ftengine.testbed.control.completions``.
 """
 
 from __future__ import annotations

@@ -12,21 +12,21 @@ import msgspec
 from fastapi import Depends, FastAPI, Request, Response
 from fastapi.responses import StreamingResponse
 
-from ftengine.control.bodies import read_json_body
-from ftengine.control.completion_run import CompletionRun
-from ftengine.control.completions import plan_completion
-from ftengine.control.errors import ApiError, ErrorResponse
-from ftengine.control.metrics import ControlMetrics
-from ftengine.control.openai_messages import (
+from ftengine.testbed.control.bodies import read_json_body
+from ftengine.testbed.control.completion_run import CompletionRun
+from ftengine.testbed.control.completions import plan_completion
+from ftengine.testbed.control.errors import ApiError, ErrorResponse
+from ftengine.testbed.control.metrics import ControlMetrics
+from ftengine.testbed.control.openai_messages import (
     CompletionRequest,
     CompletionResponse,
     CompletionStreamResponse,
     ModelCard,
     ModelList,
 )
-from ftengine.control.openapi import json_body, responses
-from ftengine.control.protocol import GenerationService
-from ftengine.control.routing import (
+from ftengine.testbed.control.openapi import json_body, responses
+from ftengine.testbed.control.protocol import GenerationService
+from ftengine.testbed.control.routing import (
     BAD_INPUT,
     TOO_LARGE,
     TOO_SLOW,
@@ -35,7 +35,7 @@ from ftengine.control.routing import (
     RequireKey,
     json_response,
 )
-from ftengine.control.served_model import ServedModel
+from ftengine.testbed.control.served_model import ServedModel
 
 COMPLETIONS_PATH = "/v1/completions"
 MODELS_PATH = "/v1/models"

@@ -1,5 +1,5 @@
 """The control plane's logic, free of HTTP: validate and submit commands, build status,
-health and metrics answers from one cluster. ``ftengine.control.app`` maps it onto routes.
+health and metrics answers from one cluster. ``ftengine.testbed.control.app`` maps it onto routes.
 """
 
 from __future__ import annotations
@@ -12,8 +12,10 @@ from typing import Any
 
 import msgspec
 
-from ftengine.control.ledger import CommandLedger, Spawn, Submission, spawn_thread
-from ftengine.control.messages import (
+from ftengine.errors import FTEngineError
+from ftengine.faults import HealthStatus
+from ftengine.testbed.control.ledger import CommandLedger, Spawn, Submission, spawn_thread
+from ftengine.testbed.control.messages import (
     REQUESTS_PATH,
     ApplyAccepted,
     Command,
@@ -25,11 +27,9 @@ from ftengine.control.messages import (
     engine_wire,
     validate_request,
 )
-from ftengine.control.metrics import ControlMetrics
-from ftengine.control.protocol import ClusterHandle
-from ftengine.control.snapshot import ClusterView, StatusShapeError
-from ftengine.errors import FTEngineError
-from ftengine.faults import HealthStatus
+from ftengine.testbed.control.metrics import ControlMetrics
+from ftengine.testbed.control.protocol import ClusterHandle
+from ftengine.testbed.control.snapshot import ClusterView, StatusShapeError
 
 logger = logging.getLogger(__name__)
 

@@ -1,13 +1,13 @@
 """What the control plane needs from a cluster, a serving loop and a tokenizer
-(``ftengine.cluster.Cluster``, ``ftengine.cluster.serving.ServingLoop`` and a Hugging Face
-``tokenizers`` tokenizer satisfy them)."""
+(``ftengine.testbed.cluster.Cluster``, ``ftengine.testbed.cluster.serving.ServingLoop`` and a
+Hugging Face ``tokenizers`` tokenizer satisfy them)."""
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from typing import Any, Protocol
 
-from ftengine.serving_api import GenerationRequest, Listener
+from ftengine.testbed.serving_api import GenerationRequest, Listener
 
 
 class CommandOutcome(Protocol):
@@ -55,7 +55,7 @@ class GenerationService(Protocol):
 
 
 class Tokenizer(Protocol):
-    """Text to token ids and back (``ftengine.control.served_model.HfTokenizer``)."""
+    """Text to token ids and back (``ftengine.testbed.control.served_model.HfTokenizer``)."""
 
     def encode(self, text: str) -> list[int]:
         """The token ids of ``text`` (with the special tokens the tokenizer adds)."""

@@ -8,7 +8,7 @@ from collections.abc import Callable
 import msgspec
 from fastapi import Response
 
-from ftengine.control.errors import ErrorResponse
+from ftengine.testbed.control.errors import ErrorResponse
 
 RequireKey = Callable[..., None]
 """The FastAPI dependency that refuses a request without the server's bearer key."""

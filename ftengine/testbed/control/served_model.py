@@ -16,10 +16,10 @@ from typing import Any
 
 import attrs
 
-from ftengine.cluster import prompts
-from ftengine.control.protocol import Tokenizer
 from ftengine.errors import ConfigError
-from ftengine.model_limits import ModelLimits
+from ftengine.testbed.cluster import prompts
+from ftengine.testbed.control.protocol import Tokenizer
+from ftengine.testbed.model_limits import ModelLimits
 from ftengine.weights.tokenizer_gen import TOKENIZER_NAME
 
 logger = logging.getLogger(__name__)

@@ -16,12 +16,12 @@ import torch
 from torch._C._distributed_c10d import Store
 
 from ftengine.backends.base import RepairReport
-from ftengine.backends.cpu_comm import GlooGroup
-from ftengine.backends.cpu_experts import CpuExperts
-from ftengine.backends.cpu_moe import DistributedMoe
 from ftengine.errors import BackendError, ConfigError
 from ftengine.faults import Fault
 from ftengine.placement.ranks import neutralize_dead_columns
+from ftengine.testbed.cpu.comm import GlooGroup
+from ftengine.testbed.cpu.experts import CpuExperts
+from ftengine.testbed.cpu.moe import DistributedMoe
 
 logger = logging.getLogger(__name__)
 

@@ -21,7 +21,7 @@ Tensor = torch.Tensor
 
 
 class EpComm(Protocol):
-    """The collectives the MoE layer needs (``ftengine.backends.cpu_comm.GlooGroup``)."""
+    """The collectives the MoE layer needs (``ftengine.testbed.cpu.comm.GlooGroup``)."""
 
     size: int
     rank: int

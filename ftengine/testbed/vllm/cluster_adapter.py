@@ -1,6 +1,6 @@
 """The vLLM adapter as the CPU reference cluster's command adapter.
 
-Name ``ftengine.integrations.vllm.cluster_adapter:vllm_command_adapter`` in
+Name ``ftengine.testbed.vllm.cluster_adapter:vllm_command_adapter`` in
 ``ClusterConfig.command_adapter`` and each worker answers the orchestrator's commands as a
 vLLM worker does: the command becomes vLLM's ``FaultToleranceRequest``, crosses a msgpack
 wire as it does between vLLM's processes, is run by :class:`FtengineWorkerSentinel` (vLLM's

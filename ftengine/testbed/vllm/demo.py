@@ -22,20 +22,20 @@ import attrs
 import httpx
 from rich.console import Console
 
-from ftengine.bench.demo import print_verdict
-from ftengine.bench.live import NullReporter, PlainReporter, Reporter
-from ftengine.bench.plot import Mark, plot_throughput
-from ftengine.bench.traffic import Sample
 from ftengine.errors import FTEngineError
-from ftengine.integrations.vllm.bench import Client
-from ftengine.integrations.vllm.demo_checks import (
+from ftengine.testbed.bench.demo import print_verdict
+from ftengine.testbed.bench.live import NullReporter, PlainReporter, Reporter
+from ftengine.testbed.bench.plot import Mark, plot_throughput
+from ftengine.testbed.bench.traffic import Sample
+from ftengine.testbed.bench.vllm import Client
+from ftengine.testbed.vllm.demo_checks import (
     Outcome,
     StatusWatcher,
     checks,
     first_at,
     tally,
 )
-from ftengine.integrations.vllm.launcher import DeploymentConfig, VllmDeployment
+from ftengine.testbed.vllm.launcher import DeploymentConfig, VllmDeployment
 
 SCENARIO = "vllm-sigkill-scale-down"
 TINY_SHAPE: dict[str, Any] = dict(

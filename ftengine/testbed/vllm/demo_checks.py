@@ -12,9 +12,9 @@ from collections.abc import Callable, Mapping, Sequence
 import attrs
 import httpx
 
-from ftengine.bench.live import Reporter
-from ftengine.bench.scenario import Check
-from ftengine.bench.traffic import Sample
+from ftengine.testbed.bench.live import Reporter
+from ftengine.testbed.bench.scenario import Check
+from ftengine.testbed.bench.traffic import Sample
 
 Statuses = Callable[[], dict[int, str]]
 """Every engine's vLLM status (``healthy`` / ``unhealthy`` / ``dead``) by DP rank."""
