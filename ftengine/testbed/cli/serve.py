@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import importlib
 import logging
 import os
 import signal
@@ -14,6 +15,7 @@ from types import FrameType
 from ftengine.errors import ConfigError
 from ftengine.policies.registry import check_name
 from ftengine.testbed.cli import launch
+from ftengine.testbed.cli.extras import testbed_extra
 from ftengine.testbed.control.auth import API_KEY_ENV, check_bind
 
 COMMAND = "serve"
@@ -63,6 +65,9 @@ def _bind(host: str, port: int) -> socket.socket:
 def run(args: argparse.Namespace) -> int:
     """Bind, launch the cluster, serve until SIGINT/SIGTERM, then shut everything down."""
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(message)s")
+    with testbed_extra(COMMAND):  # the server's packages, before anything binds or starts
+        importlib.import_module("uvicorn")
+        importlib.import_module("ftengine.testbed.control.app")
     api_key = args.api_key if args.api_key is not None else os.environ.get(API_KEY_ENV) or None
     try:
         check_name(args.policy)  # a bad policy or import path fails before anything starts
