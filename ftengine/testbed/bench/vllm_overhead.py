@@ -38,7 +38,7 @@ def engine_pids(deployment: VllmDeployment) -> list[int]:
 
 def measure(deployment: VllmDeployment, complete: Callable[[], int]) -> Sample:
     """Run ``complete`` (one completion; returns the tokens generated) and time it."""
-    from ftengine.testbed.bench.overhead import cpu_seconds  # the bench extra (psutil)
+    from ftengine.testbed.bench.overhead import cpu_seconds
 
     pids = engine_pids(deployment)
     cpu_before, start = cpu_seconds(pids), time.perf_counter()

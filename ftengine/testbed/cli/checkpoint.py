@@ -30,7 +30,7 @@ def phase_progress(enabled: bool) -> Iterator[PhaseProgress | None]:
     """A rich progress bar on stderr, one row per phase, fed (phase, bytes done, bytes total).
 
     Yields None when not ``enabled`` (callers pass ``sys.stderr.isatty()``), and when rich
-    is not installed: it comes with the ``bench`` extra, and ``make-checkpoint`` does its
+    is not installed: it comes with the ``testbed`` extra, and ``make-checkpoint`` does its
     whole job without a bar.
     """
     try:
