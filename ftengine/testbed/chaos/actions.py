@@ -13,34 +13,11 @@ import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-import attrs
-
 from ftengine.errors import ConfigError
-from ftengine.testbed.chaos.catalogue import ChaosKind, PlannedFault
+from ftengine.testbed.chaos.catalogue import ChaosKind, Injected, PlannedFault
 from ftengine.testbed.chaos.deployment import Deployment
 from ftengine.testbed.cluster import FaultSpec, InjectKind
 from ftengine.testbed.cluster.netns import Hosts
-
-
-@attrs.define
-class Injected:
-    """A fault as injected: when (monotonic), on whom, the cluster step it landed at, and
-    what puts the storage back (shard faults) once the reload it aimed at has run."""
-
-    fault: PlannedFault
-    at: float
-    victims: tuple[int, ...]
-    detectors: tuple[int, ...]  # the live ranks that must see it
-    step: int
-    repairs: list[Callable[[], None]] = attrs.field(factory=list)
-    episodes: dict[int, int] = attrs.field(factory=dict)
-    """Each detector's ``fault_episodes`` in the status just before: a step exception has
-    shown in the status once every live detector's count went past it."""
-
-    def repair(self) -> None:
-        """Undo what the fault broke on disk (idempotent)."""
-        while self.repairs:
-            self.repairs.pop()()
 
 
 def _shards(checkpoint: Path) -> list[Path]:

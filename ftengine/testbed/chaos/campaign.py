@@ -15,20 +15,28 @@ from pathlib import Path
 
 import attrs
 
-from ftengine.testbed.chaos.actions import Injected, inject
-from ftengine.testbed.chaos.catalogue import ChaosKind, PlannedFault, When, plan, sub_plan
-from ftengine.testbed.chaos.deployment import Census, Deployment
+from ftengine.testbed.chaos.actions import inject
+from ftengine.testbed.chaos.catalogue import (
+    ChaosKind,
+    Injected,
+    PlannedFault,
+    When,
+    plan,
+    sub_plan,
+)
+from ftengine.testbed.chaos.census import Census, listening_here
+from ftengine.testbed.chaos.deployment import Deployment
+from ftengine.testbed.chaos.findings import fault_violations, rss_ratio
 from ftengine.testbed.chaos.history import History
 from ftengine.testbed.chaos.invariants import FaultResult, Violation, check_fault, detection_bound
 from ftengine.testbed.chaos.orchestrate import Orchestrator, Outcome
-from ftengine.testbed.chaos.traffic import Traffic
+from ftengine.testbed.chaos.traffic import PROMPTS, Traffic
 from ftengine.testbed.cluster import ClusterConfig
 from ftengine.testbed.cluster.netns import Hosts
 from ftengine.weights.index import CheckpointIndex
 
 # Every kind this cluster mode can inject (the network cut needs hosts in namespaces).
 PROCESS_KINDS = tuple(k for k in ChaosKind if k is not ChaosKind.NET_CUT)
-PROMPTS = ([1, 2, 3, 4], [5, 6, 7], [8, 9, 10, 11, 12], [13, 14], [3, 1, 4, 1, 5, 9], [100, 7])
 
 
 @attrs.frozen
@@ -86,7 +94,7 @@ class Campaign:
         self.checkpoint = checkpoint
         self.progress = progress
         self.history = History()
-        self.census = Census()
+        self.census = Census(listening_here, grace_s=5.0, poll_s=0.1)
         whole = plan(options.seed, options.faults, options.planned_kinds)
         self.plan = sub_plan(whole, options.only)
         self.hosts: Hosts | None = None
@@ -139,7 +147,7 @@ class Campaign:
 
     def _launch(self) -> Generation:
         deployment = Deployment.launch(self._config())
-        self.census.note(deployment)
+        self.census.note(deployment.worker_pids.values(), [deployment.port])
         self.history.add("launch", url=deployment.url, pids=deployment.worker_pids)
         auto = self.options.policy != "orchestrator"
         grace = deployment.cluster.config.heartbeat_timeout_s + 1.0
@@ -147,10 +155,9 @@ class Campaign:
         return Generation(deployment, orchestrator)
 
     def _end(self, generation: Generation) -> None:
-        end = generation.deployment.rss()
-        ratios = [end[r] / start for r, start in generation.rss_start.items() if r in end]
-        if ratios and generation.recoveries:
-            self.rss_ratios.append(max(ratios))
+        ratio = rss_ratio(generation.rss_start, generation.deployment.rss())
+        if ratio is not None and generation.recoveries:
+            self.rss_ratios.append(ratio)
             self.recoveries_per_deployment.append(generation.recoveries)
         generation.orchestrator.close()
         generation.deployment.close()
@@ -331,12 +338,9 @@ class Campaign:
         )  # fmt: skip
         self.results.append(result)
         problems = check_fault(result, self.options.op_timeout_s)
-        excerpt = tuple(self.history.excerpt(injected.at - 1.0, outcome.at + 1.0))
-        for problem in problems:
-            name, _, detail = problem.partition(": ")
-            self.violations.append(
-                Violation(name, fault.index, fault.kind.value, injected.step, detail, excerpt)
-            )
+        self.violations += fault_violations(
+            injected, injected.step, problems, outcome.at, self.history
+        )
         detect = "-" if result.detect_s is None else f"{result.detect_s:.3f} s"
         self.progress(
             f"[{fault.index + 1}/{len(self.plan)}] {fault.kind.value} ({fault.when.value}) "

@@ -1,11 +1,12 @@
 """The fault catalogue and the seeded plan: which faults a campaign injects, in which phase,
-on which ranks. The same seed always gives the same plan (``plan``), so a campaign replays."""
+on which ranks. The same seed always gives the same plan (``plan``), so a campaign replays.
+``Injected`` is a planned fault as either campaign injected it."""
 
 from __future__ import annotations
 
 import enum
 import random
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import attrs
 
@@ -146,3 +147,24 @@ def sub_plan(faults: Sequence[PlannedFault], only: Sequence[int] | None) -> list
         raise ValueError(f"faults {missing} are not in a plan of {len(faults)} faults")
     wanted = set(only)
     return [f for f in faults if f.index in wanted]
+
+
+@attrs.define
+class Injected:
+    """A fault as injected: when (monotonic), on whom, the cluster step it landed at, and
+    what puts the storage back (shard faults) once the reload it aimed at has run."""
+
+    fault: PlannedFault
+    at: float
+    victims: tuple[int, ...]
+    detectors: tuple[int, ...]  # the live ranks that must see it
+    step: int
+    repairs: list[Callable[[], None]] = attrs.field(factory=list)
+    episodes: dict[int, int] = attrs.field(factory=dict)
+    """Each detector's ``fault_episodes`` in the status just before: a step exception has
+    shown in the status once every live detector's count went past it."""
+
+    def repair(self) -> None:
+        """Undo what the fault broke on disk (idempotent)."""
+        while self.repairs:
+            self.repairs.pop()()

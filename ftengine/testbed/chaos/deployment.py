@@ -1,17 +1,13 @@
 """One generation of the campaign's deployment: a CPU cluster, its serving loop and the
 control + OpenAI HTTP API (the same app ``ftengine serve`` runs) on an ephemeral loopback
-port, all in this process, so the campaign can signal exactly the cluster's own workers.
-``Census`` finds what a run left behind (processes, listening ports)."""
+port, all in this process, so the campaign can signal exactly the cluster's own workers."""
 
 from __future__ import annotations
 
 import socket
 import threading
 import time
-from collections.abc import Callable, Iterable
-from typing import Any
 
-import attrs
 import psutil
 import uvicorn
 
@@ -83,65 +79,3 @@ class Deployment:
         self.serving.close()
         self.cluster.shutdown()
         self._sock.close()
-
-
-@attrs.frozen
-class Leftovers:
-    """What a run left behind: processes still alive and ports still listening."""
-
-    processes: tuple[int, ...]
-    ports: tuple[int, ...]
-
-    @property
-    def count(self) -> int:
-        return len(self.processes) + len(self.ports)
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"processes": list(self.processes), "ports": list(self.ports)}
-
-
-class Census:
-    """Records every worker pid and port a run used; :meth:`leftovers` lists those still
-    alive (zombies count as gone) and those still listening."""
-
-    def __init__(self) -> None:
-        self.pids: set[int] = set()
-        self.ports: set[int] = set()
-
-    def note(self, deployment: Deployment) -> None:
-        self.pids.update(deployment.worker_pids.values())
-        self.ports.add(deployment.port)
-
-    def leftovers(self, grace_s: float = 5.0) -> Leftovers:
-        return wait_for_leftovers(self.pids, self.ports, _listening, grace_s, poll_s=0.1)
-
-
-def wait_for_leftovers(
-    pids: Iterable[int],
-    ports: Iterable[int],
-    listening: Callable[[], set[int]],
-    grace_s: float,
-    poll_s: float,
-) -> Leftovers:
-    """Of ``pids`` those still alive (zombies count as gone) and of ``ports`` those still
-    in ``listening()``, once none is left or after ``grace_s`` (exits take a moment)."""
-    pids, ports = set(pids), set(ports)
-    deadline = time.monotonic() + grace_s
-    while True:
-        alive = tuple(sorted(p for p in pids if _alive(p)))
-        bound = tuple(sorted(ports & listening()))
-        if not (alive or bound) or time.monotonic() > deadline:
-            return Leftovers(alive, bound)
-        time.sleep(poll_s)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
-    except psutil.Error:
-        return False
-
-
-def _listening() -> set[int]:
-    me = psutil.Process()
-    return {c.laddr.port for c in me.net_connections(kind="tcp") if c.status == psutil.CONN_LISTEN}

@@ -9,7 +9,7 @@ from collections.abc import Callable
 from types import FrameType
 from typing import Protocol
 
-from ftengine.testbed.chaos.deployment import Leftovers
+from ftengine.testbed.chaos.census import Leftovers
 
 
 class Census(Protocol):

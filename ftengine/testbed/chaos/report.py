@@ -4,14 +4,20 @@ statistics, every violation with its history excerpt) and the optional plot."""
 from __future__ import annotations
 
 import collections
-import statistics
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from ftengine.testbed.chaos.campaign import PROMPTS, Campaign
-from ftengine.testbed.chaos.deployment import Leftovers
-from ftengine.testbed.chaos.invariants import Violation, check_request, fault_at, tally
+from ftengine.testbed.chaos.campaign import Campaign
+from ftengine.testbed.chaos.census import Leftovers
+from ftengine.testbed.chaos.findings import (
+    by_kind,
+    fault_counts,
+    request_violations,
+    run_violations,
+)
+from ftengine.testbed.chaos.invariants import check_request, tally
+from ftengine.testbed.chaos.traffic import PROMPTS
 
 NOT_COVERED = {
     "net_cut": "not injected: this cluster mode runs every worker in the root network "
@@ -19,83 +25,17 @@ NOT_COVERED = {
 }
 
 
-def spread(values: Sequence[float]) -> dict[str, float] | None:
-    """``{median, p90, max}`` of ``values`` (seconds, 3 decimals), None when empty."""
-    if not values:
-        return None
-    ordered = sorted(values)
-    p90 = ordered[min(len(ordered) - 1, int(0.9 * len(ordered)))]
-    return {
-        "median": round(statistics.median(ordered), 3),
-        "p90": round(p90, 3),
-        "max": round(ordered[-1], 3),
-    }
-
-
-def by_kind(results: Sequence[Any], field: str) -> dict[str, dict[str, float] | None]:
-    """``spread`` of one timing ``field`` of the fault results, per fault kind."""
-    values: dict[str, list[float]] = collections.defaultdict(list)
-    for result in results:
-        value = getattr(result, field)
-        if value is not None:
-            values[result.kind.value].append(value)
-    return {kind: spread(v) for kind, v in sorted(values.items())}
-
-
-def fault_counts(results: Sequence[Any]) -> dict[str, Any]:
-    """How many faults of each kind ran, and how many during a recovery."""
-    return {
-        "by_kind": dict(sorted(collections.Counter(r.kind.value for r in results).items())),
-        "during_recovery": sum(1 for r in results if r.when.value == "recovery"),
-    }
-
-
-def request_violations(campaign: Campaign, reference: Sequence[Sequence[int]]) -> tuple[Any, ...]:
-    """Check every stream; returns the tally and the violations (blamed on the fault
-    injected last before the stream ended)."""
-    records = list(campaign.traffic.records)
-    verdicts = [check_request(r, reference[r.prompt], campaign.options.max_tokens) for r in records]
-    starts = [i.at for i in campaign.injections]
-    order = sorted(range(len(starts)), key=starts.__getitem__)
-    starts_sorted = [starts[i] for i in order]
-    indices = [campaign.injections[i].fault.index for i in order]
-    kinds = {f.index: f.kind.value for f in campaign.plan}
-    violations = []
-    for record, problems in zip(records, verdicts, strict=True):
-        for problem in problems:
-            name, _, detail = problem.partition(": ")
-            ended = record.ended if record.ended is not None else record.started
-            blamed = fault_at(starts_sorted, indices, ended)
-            kind = None if blamed is None else kinds[blamed]
-            excerpt = tuple(campaign.history.excerpt(record.started - 1.0, ended + 1.0))
-            violations.append(Violation(name, blamed, kind, None, detail, excerpt))
-    return tally(records, verdicts), violations, records
-
-
-def run_violations(
-    found: Sequence[Violation],
-    error: str | None,
-    leftovers: Leftovers,
-    rss_ratios: Sequence[float],
-) -> list[Violation]:
-    """``found`` (per fault, per request) plus those of the run as a whole: an error that
-    ended it, leftovers, and survivors' memory growing past 10 %."""
-    violations = list(found)
-    if error is not None:
-        violations.append(Violation("campaign_error", None, None, None, error))
-    if leftovers.count:
-        violations.append(Violation("orphans", None, None, None, str(leftovers.to_dict())))
-    ratio = max(rss_ratios, default=None)
-    if ratio is not None and ratio > 1.10:
-        violations.append(Violation("rss_growth", None, None, None, f"ratio {ratio:.3f} > 1.10"))
-    return violations
-
-
 def summary(
     campaign: Campaign, reference: Sequence[Sequence[int]], leftovers: Leftovers, duration_s: float
 ) -> dict[str, Any]:
     """The campaign's JSON object."""
-    counts, request_problems, records = request_violations(campaign, reference)
+    records = list(campaign.traffic.records)
+    limit = campaign.options.max_tokens
+    verdicts = [check_request(r, reference[r.prompt], limit) for r in records]
+    counts = tally(records, verdicts)
+    request_problems = request_violations(
+        records, verdicts, campaign.injections, campaign.plan, campaign.history
+    )
     violations = run_violations(
         [*campaign.violations, *request_problems], campaign.error, leftovers, campaign.rss_ratios
     )

@@ -8,10 +8,11 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from ftengine.testbed.chaos.campaign import PROMPTS, Campaign, CampaignOptions
+from ftengine.testbed.chaos.campaign import Campaign, CampaignOptions
 from ftengine.testbed.chaos.interrupt import run_until_interrupted
 from ftengine.testbed.chaos.report import plot as draw
 from ftengine.testbed.chaos.report import summary
+from ftengine.testbed.chaos.traffic import PROMPTS
 from ftengine.testbed.cluster import reference_generate
 
 

@@ -17,6 +17,8 @@ import httpx
 from ftengine.testbed.chaos.history import History
 
 BACKOFF_S = 0.2
+PROMPTS = ([1, 2, 3, 4], [5, 6, 7], [8, 9, 10, 11, 12], [13, 14], [3, 1, 4, 1, 5, 9], [100, 7])
+"""Every campaign's prompts (token ids of the tests' tiny checkpoint), on either target."""
 
 
 @attrs.define

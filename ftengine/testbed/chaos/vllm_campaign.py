@@ -19,13 +19,13 @@ import attrs
 import httpx
 import psutil
 
-from ftengine.testbed.chaos.actions import Injected
-from ftengine.testbed.chaos.campaign import PROMPTS
-from ftengine.testbed.chaos.catalogue import ChaosKind, PlannedFault, When, plan
+from ftengine.testbed.chaos.catalogue import ChaosKind, Injected, PlannedFault, When, plan
+from ftengine.testbed.chaos.census import Census, listening_anywhere
+from ftengine.testbed.chaos.findings import fault_violations, rss_ratio
 from ftengine.testbed.chaos.history import History
 from ftengine.testbed.chaos.invariants import FaultResult, Violation
 from ftengine.testbed.chaos.orchestrate import Outcome
-from ftengine.testbed.chaos.traffic import StreamRecord, Traffic
+from ftengine.testbed.chaos.traffic import PROMPTS, StreamRecord, Traffic
 from ftengine.testbed.chaos.vllm_options import MODEL_NAME, VllmCampaignOptions
 from ftengine.testbed.chaos.vllm_plan import (
     VLLM_KINDS,
@@ -40,7 +40,7 @@ from ftengine.testbed.chaos.vllm_plan import (
     victims,
 )
 from ftengine.testbed.chaos.vllm_recover import VllmOrchestrator
-from ftengine.testbed.chaos.vllm_watch import Census, StatusWatch
+from ftengine.testbed.chaos.vllm_watch import StatusWatch
 from ftengine.testbed.vllm.launcher import VllmDeployment
 
 STEP_S = 0.25  # a planned "step" of delay: vLLM exposes no step counter over HTTP
@@ -75,7 +75,7 @@ class VllmCampaign:
         self.options = options
         self.progress = progress
         self.history = History()
-        self.census = Census()
+        self.census = Census(listening_anywhere, grace_s=10.0, poll_s=0.2)
         self.plan = plan(options.seed, options.faults, VLLM_KINDS)
         self.results: list[FaultResult] = []
         self.violations: list[Violation] = []
@@ -133,10 +133,9 @@ class VllmCampaign:
 
     def _end(self, generation: Generation) -> None:
         live = self._live(generation)
-        end = _rss(generation.workers, live)
-        ratios = [end[r] / start for r, start in generation.rss_start.items() if r in end]
-        if ratios and generation.recoveries:
-            self.rss_ratios.append(max(ratios))
+        ratio = rss_ratio(generation.rss_start, _rss(generation.workers, live))
+        if ratio is not None and generation.recoveries:
+            self.rss_ratios.append(ratio)
             self.recoveries_per_deployment.append(generation.recoveries)
         self.fences += len(generation.orchestrator.fenced)
         generation.orchestrator.close()
@@ -346,11 +345,7 @@ class VllmCampaign:
         )  # fmt: skip
         self.results.append(result)
         problems = judge(result, self.options.op_timeout_s)
-        excerpt = tuple(self.history.excerpt(shot.at - 1.0, outcome.at + 1.0))
-        for problem in problems:
-            name, _, detail = problem.partition(": ")
-            self.violations.append(Violation(name, fault.index, fault.kind.value, None, detail,
-                                             excerpt))  # fmt: skip
+        self.violations += fault_violations(shot, None, problems, outcome.at, self.history)
         detect = "-" if result.detect_s is None else f"{result.detect_s:.3f} s"
         self.progress(
             f"[{fault.index + 1}/{len(self.plan)}] {fault.kind.value} ({fault.when.value}) "

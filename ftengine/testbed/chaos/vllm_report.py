@@ -9,10 +9,16 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from ftengine.testbed.chaos.deployment import Leftovers
+from ftengine.testbed.chaos.census import Leftovers
+from ftengine.testbed.chaos.findings import (
+    by_kind,
+    fault_counts,
+    request_violations,
+    run_violations,
+    spread,
+)
 from ftengine.testbed.chaos.interrupt import run_until_interrupted
-from ftengine.testbed.chaos.invariants import Violation, check_request, fault_at, tally
-from ftengine.testbed.chaos.report import by_kind, fault_counts, run_violations, spread
+from ftengine.testbed.chaos.invariants import Violation, check_request, tally
 from ftengine.testbed.chaos.traffic import StreamRecord
 from ftengine.testbed.chaos.vllm_campaign import VllmCampaign
 from ftengine.testbed.chaos.vllm_options import VllmCampaignOptions
@@ -44,17 +50,9 @@ def _request_violations(
         return tally([], []), [], records
     want, limit = campaign.reference, campaign.options.max_tokens
     verdicts = [_vllm_verdict(r, check_request(r, want[r.prompt], limit)) for r in records]
-    shots = sorted(campaign.injections, key=lambda s: s.at)
-    starts, indices = [s.at for s in shots], [s.fault.index for s in shots]
-    violations = []
-    for record, problems in zip(records, verdicts, strict=True):
-        for problem in problems:
-            name, _, detail = problem.partition(": ")
-            ended = record.ended if record.ended is not None else record.started
-            blamed = fault_at(starts, indices, ended)
-            kind = None if blamed is None else campaign.plan[blamed].kind.value
-            excerpt = tuple(campaign.history.excerpt(record.started - 1.0, ended + 1.0))
-            violations.append(Violation(name, blamed, kind, None, detail, excerpt))
+    violations = request_violations(
+        records, verdicts, campaign.injections, campaign.plan, campaign.history
+    )
     return tally(records, verdicts), violations, records
 
 

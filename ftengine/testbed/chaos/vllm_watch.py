@@ -1,7 +1,6 @@
 """What the real-vLLM campaign sees of a deployment: every rank's
 ``/fault_tolerance/status`` polled by one thread, each change of an engine's status kept
-with its monotonic time (detection is read off these), and the census of what the run
-started (processes, ports) so leftovers can be found after it."""
+with its monotonic time (detection is read off these)."""
 
 from __future__ import annotations
 
@@ -13,9 +12,6 @@ from typing import Any
 
 import attrs
 import httpx
-import psutil
-
-from ftengine.testbed.chaos.deployment import Leftovers, wait_for_leftovers
 
 POLL_S = 0.05
 
@@ -91,28 +87,3 @@ class StatusWatch:
         while not self._stop.wait(POLL_S):
             with contextlib.suppress(Exception):  # a poll error is recorded as unreachable
                 self.poll()
-
-
-class Census:
-    """Every pid and port the run's deployments used; :meth:`leftovers` after the run."""
-
-    def __init__(self) -> None:
-        self.pids: set[int] = set()
-        self.ports: set[int] = set()
-
-    def note(self, pids: Sequence[int], ports: Sequence[int]) -> None:
-        self.pids.update(pids)
-        self.ports.update(ports)
-
-    def leftovers(self, grace_s: float = 10.0) -> Leftovers:
-        """Processes still alive (zombies count as gone) and ports still listening."""
-        return wait_for_leftovers(self.pids, self.ports, _listening, grace_s, poll_s=0.2)
-
-
-def _listening() -> set[int]:
-    """Every TCP port any process on this machine listens on."""
-    ports = set()
-    for conn in psutil.net_connections(kind="tcp"):
-        if conn.status == psutil.CONN_LISTEN and conn.laddr:
-            ports.add(int(conn.laddr[1]))
-    return ports
