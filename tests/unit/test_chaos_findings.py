@@ -8,10 +8,20 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import threading
+
+import attrs
 
 from ftengine.testbed.chaos.catalogue import ChaosKind, Injected, PlannedFault, When
-from ftengine.testbed.chaos.findings import fault_violations, request_violations, rss_ratio
+from ftengine.testbed.chaos.census import Leftovers
+from ftengine.testbed.chaos.findings import (
+    fault_violations,
+    request_violations,
+    rss_ratio,
+    summary_fields,
+)
 from ftengine.testbed.chaos.history import History
+from ftengine.testbed.chaos.invariants import FaultResult, Violation
 from ftengine.testbed.chaos.traffic import StreamRecord
 
 
@@ -62,6 +72,75 @@ def test_a_faults_problems_become_violations_with_the_history_around_it() -> Non
 def test_the_rss_ratio_is_the_largest_over_the_ranks_measured_at_both_ends() -> None:
     assert rss_ratio({0: 100, 1: 200, 2: 100}, {0: 110, 1: 300}) == 1.5
     assert rss_ratio({0: 100}, {1: 100}) is None
+
+
+@attrs.define
+class Ran:
+    """A campaign's state as either campaign keeps it (``findings.Judged``)."""
+
+    plan: list[PlannedFault]
+    results: list[FaultResult]
+    injections: list[Injected]
+    violations: list[Violation] = attrs.field(factory=list)
+    rss_ratios: list[float] = attrs.field(factory=list)
+    recoveries_per_deployment: list[int] = attrs.field(factory=list)
+    history: History = attrs.field(factory=History)
+    interrupted: threading.Event = attrs.field(factory=threading.Event)
+    error: str | None = None
+    rebuilds: int = 0
+
+
+def ran() -> Ran:
+    fault = planned(0, ChaosKind.SIGKILL)
+    result = FaultResult(
+        index=0, kind=ChaosKind.SIGKILL, when=When.STEADY, step=-1, victims=(1,),
+        detect_s=0.5, recover_s=2.0, outcome="settled", engines=(),
+    )  # fmt: skip
+    return Ran([fault], [result], [shot(fault, 1.0)], recoveries_per_deployment=[1])
+
+
+def test_the_shared_summary_counts_streams_faults_and_the_runs_violations() -> None:
+    campaign = ran()
+    campaign.rss_ratios.append(1.2)
+    campaign.error = "RuntimeError: boom"
+    campaign.history.add("hang", why="streams did not end before a rebuild")
+    records = [
+        StreamRecord(0, 0, 0.0, [[5], [6]], finish_reason="length", ended=2.0),
+        StreamRecord(1, 0, 0.0, [[5], [7]], finish_reason="length", ended=3.0),
+        StreamRecord(2, 0, 0.0, [[5]]),  # never ended
+    ]
+    verdicts = [[], ["wrong_tokens: got [5, 7], reference [5, 6]"], ["lost: ended None"]]
+    found = summary_fields(campaign, records, verdicts, Leftovers((4321,), ()))
+    assert found["faults_injected"] == found["faults_planned"] == 1
+    assert found["by_kind"] == {"sigkill": 1} and found["during_recovery"] == 0
+    assert (found["requests_completed"], found["wrong_tokens"], found["requests_lost"]) == (
+        2,
+        1,
+        1,
+    )
+    assert found["hangs"] == 2  # the history's hang and the stream that never ended
+    assert (found["orphans"], found["rss_growth_ratio"]) == (1, 1.2)
+    assert found["detect_s"] == {"sigkill": {"median": 0.5, "p90": 0.5, "max": 0.5}}
+    assert found["outcomes"] == {"settled": 1}
+    assert sorted((v["invariant"], v["fault"]) for v in found["violations"]) == [
+        ("campaign_error", None),
+        ("lost", None),  # it started, and so ended as far as blame goes, before the fault
+        ("orphans", None),
+        ("rss_growth", None),
+        ("wrong_tokens", 0),
+    ]
+
+
+def test_without_a_reference_no_stream_is_checked_but_an_unended_one_still_hangs() -> None:
+    records = [StreamRecord(0, 0, 0.0, [[9]])]
+    found = summary_fields(ran(), records, None, Leftovers((), ()))
+    assert (found["requests_completed"], found["requests_lost"], found["wrong_tokens"]) == (
+        0,
+        0,
+        0,
+    )
+    assert found["hangs"] == 1
+    assert found["violations"] == []
 
 
 def test_the_vllm_campaign_loads_nothing_of_the_cpu_clusters_world() -> None:

@@ -6,14 +6,32 @@ from __future__ import annotations
 
 import collections
 import statistics
+import threading
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, Protocol
 
 from ftengine.testbed.chaos.catalogue import Injected, PlannedFault
 from ftengine.testbed.chaos.census import Leftovers
 from ftengine.testbed.chaos.history import History
-from ftengine.testbed.chaos.invariants import Violation, fault_at
+from ftengine.testbed.chaos.invariants import FaultResult, Violation, fault_at, tally
 from ftengine.testbed.chaos.traffic import StreamRecord
+
+
+class Judged(Protocol):
+    """What either campaign keeps as it runs, for :func:`summary_fields`."""
+
+    plan: list[PlannedFault]
+    results: list[FaultResult]
+    violations: list[Violation]
+    injections: list[Injected]
+    rss_ratios: list[float]
+    recoveries_per_deployment: list[int]
+    history: History
+    interrupted: threading.Event
+    error: str | None
+
+    @property
+    def rebuilds(self) -> int: ...
 
 
 def spread(values: Sequence[float]) -> dict[str, float] | None:
@@ -107,3 +125,46 @@ def run_violations(
     if ratio is not None and ratio > 1.10:
         violations.append(Violation("rss_growth", None, None, None, f"ratio {ratio:.3f} > 1.10"))
     return violations
+
+
+def summary_fields(
+    campaign: Judged,
+    records: Sequence[StreamRecord],
+    verdicts: Sequence[list[str]] | None,
+    leftovers: Leftovers,
+) -> dict[str, Any]:
+    """The keys both campaigns' JSON objects share: the faults, the streams (``verdicts``:
+    each record's problems; None where there was no reference to check them against), the
+    hangs, leftovers, memory, timings, and every violation, per fault, per stream and of the
+    run as a whole."""
+    checked = records if verdicts is not None else ()
+    verdicts = verdicts if verdicts is not None else ()
+    request_problems = request_violations(
+        checked, verdicts, campaign.injections, campaign.plan, campaign.history
+    )
+    violations = run_violations(
+        [*campaign.violations, *request_problems], campaign.error, leftovers, campaign.rss_ratios
+    )
+    ratio = max(campaign.rss_ratios, default=None)
+    names = collections.Counter(v.invariant for v in violations)
+    hang_entries = [e for e in campaign.history.entries() if e.what in ("hang", "command_stuck")]
+    unfinished = sum(1 for r in records if r.ended is None)
+    return {
+        "faults_injected": len(campaign.results),
+        "faults_planned": len(campaign.plan),
+        "interrupted": campaign.interrupted.is_set(),
+        **fault_counts(campaign.results),
+        "hangs": names["stuck_unhealthy"] + len(hang_entries) + unfinished,
+        "stuck_unhealthy": names["stuck_unhealthy"],
+        "split_brain": names["split_brain"],
+        **tally(checked, verdicts).fields(),
+        "orphans": leftovers.count,
+        "orphan_detail": leftovers.to_dict(),
+        "rss_growth_ratio": None if ratio is None else round(ratio, 4),
+        "max_recoveries_per_deployment": max(campaign.recoveries_per_deployment, default=0),
+        "detect_s": by_kind(campaign.results, "detect_s"),
+        "recover_s": by_kind(campaign.results, "recover_s"),
+        "outcomes": dict(collections.Counter(r.outcome for r in campaign.results)),
+        "rebuilds": campaign.rebuilds,
+        "violations": [v.to_dict() for v in violations],
+    }

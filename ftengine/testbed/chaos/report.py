@@ -3,20 +3,14 @@ statistics, every violation with its history excerpt) and the optional plot."""
 
 from __future__ import annotations
 
-import collections
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from ftengine.testbed.chaos.campaign import Campaign
 from ftengine.testbed.chaos.census import Leftovers
-from ftengine.testbed.chaos.findings import (
-    by_kind,
-    fault_counts,
-    request_violations,
-    run_violations,
-)
-from ftengine.testbed.chaos.invariants import check_request, tally
+from ftengine.testbed.chaos.findings import summary_fields
+from ftengine.testbed.chaos.invariants import check_request
 from ftengine.testbed.chaos.traffic import PROMPTS
 
 NOT_COVERED = {
@@ -32,37 +26,10 @@ def summary(
     records = list(campaign.traffic.records)
     limit = campaign.options.max_tokens
     verdicts = [check_request(r, reference[r.prompt], limit) for r in records]
-    counts = tally(records, verdicts)
-    request_problems = request_violations(
-        records, verdicts, campaign.injections, campaign.plan, campaign.history
-    )
-    violations = run_violations(
-        [*campaign.violations, *request_problems], campaign.error, leftovers, campaign.rss_ratios
-    )
-    ratio = max(campaign.rss_ratios, default=None)
-    names = collections.Counter(v.invariant for v in violations)
-    hang_entries = [e for e in campaign.history.entries() if e.what in ("hang", "command_stuck")]
-    unfinished = sum(1 for r in records if r.ended is None)
     return {
-        "faults_injected": len(campaign.results),
-        "faults_planned": len(campaign.plan),
+        **summary_fields(campaign, records, verdicts, leftovers),
         "only": None if campaign.options.only is None else list(campaign.options.only),
-        "interrupted": campaign.interrupted.is_set(),
-        **fault_counts(campaign.results),
-        "hangs": names["stuck_unhealthy"] + len(hang_entries) + unfinished,
-        "stuck_unhealthy": names["stuck_unhealthy"],
-        "split_brain": names["split_brain"],
-        **counts.fields(),
-        "orphans": leftovers.count,
-        "orphan_detail": leftovers.to_dict(),
-        "rss_growth_ratio": None if ratio is None else round(ratio, 4),
-        "max_recoveries_per_deployment": max(campaign.recoveries_per_deployment, default=0),
-        "detect_s": by_kind(campaign.results, "detect_s"),
-        "recover_s": by_kind(campaign.results, "recover_s"),
-        "outcomes": dict(collections.Counter(r.outcome for r in campaign.results)),
-        "rebuilds": campaign.rebuilds,
         "unplanned_faults": campaign.unplanned,
-        "violations": [v.to_dict() for v in violations],
         **_about(campaign, duration_s),
     }
 

@@ -4,21 +4,14 @@ the campaign, then the census of leftovers once every deployment stopped."""
 
 from __future__ import annotations
 
-import collections
 import time
 from collections.abc import Callable
 from typing import Any
 
 from ftengine.testbed.chaos.census import Leftovers
-from ftengine.testbed.chaos.findings import (
-    by_kind,
-    fault_counts,
-    request_violations,
-    run_violations,
-    spread,
-)
+from ftengine.testbed.chaos.findings import spread, summary_fields
 from ftengine.testbed.chaos.interrupt import run_until_interrupted
-from ftengine.testbed.chaos.invariants import Violation, check_request, tally
+from ftengine.testbed.chaos.invariants import check_request
 from ftengine.testbed.chaos.traffic import StreamRecord
 from ftengine.testbed.chaos.vllm_campaign import VllmCampaign
 from ftengine.testbed.chaos.vllm_options import VllmCampaignOptions
@@ -40,20 +33,13 @@ def _vllm_verdict(record: StreamRecord, problems: list[str]) -> list[str]:
     return [] if coalesced(record, problems) else problems
 
 
-def _request_violations(
-    campaign: VllmCampaign,
-) -> tuple[Any, list[Violation], list[StreamRecord]]:
-    """Every stream checked against the reference; each problem blamed on the fault injected
-    last before that stream ended."""
-    records = campaign.records()
-    if not campaign.reference:  # no reference: the first deployment never served
-        return tally([], []), [], records
+def _verdicts(campaign: VllmCampaign, records: list[StreamRecord]) -> list[list[str]] | None:
+    """Every stream checked against the reference, vLLM's coalesced chunks taken out (None:
+    no reference, the first deployment never served)."""
+    if not campaign.reference:
+        return None
     want, limit = campaign.reference, campaign.options.max_tokens
-    verdicts = [_vllm_verdict(r, check_request(r, want[r.prompt], limit)) for r in records]
-    violations = request_violations(
-        records, verdicts, campaign.injections, campaign.plan, campaign.history
-    )
-    return tally(records, verdicts), violations, records
+    return [_vllm_verdict(r, check_request(r, want[r.prompt], limit)) for r in records]
 
 
 def _coalesced(campaign: VllmCampaign, records: list[StreamRecord]) -> int:
@@ -64,40 +50,12 @@ def _coalesced(campaign: VllmCampaign, records: list[StreamRecord]) -> int:
     return sum(coalesced(r, check_request(r, campaign.reference[r.prompt], limit)) for r in records)
 
 
-def _violations(
-    campaign: VllmCampaign, request_problems: list[Violation], leftovers: Leftovers
-) -> list[Violation]:
-    """Every violation: per fault, per request, and of the run as a whole."""
-    found = [*campaign.violations, *request_problems]
-    return run_violations(found, campaign.error, leftovers, campaign.rss_ratios)
-
-
 def summary(campaign: VllmCampaign, leftovers: Leftovers, duration_s: float) -> dict[str, Any]:
     """The campaign's JSON object."""
-    counts, request_problems, records = _request_violations(campaign)
-    violations = _violations(campaign, request_problems, leftovers)
-    ratio = max(campaign.rss_ratios, default=None)
-    names = collections.Counter(v.invariant for v in violations)
-    hangs = [e for e in campaign.history.entries() if e.what in ("hang", "command_stuck")]
+    records = campaign.records()
     return {
-        "faults_injected": len(campaign.results),
-        "faults_planned": len(campaign.plan),
-        "interrupted": campaign.interrupted.is_set(),
-        **fault_counts(campaign.results),
-        "hangs": names["stuck_unhealthy"] + len(hangs) + sum(r.ended is None for r in records),
-        "stuck_unhealthy": names["stuck_unhealthy"],
-        "split_brain": 0,
-        **counts.fields(),
+        **summary_fields(campaign, records, _verdicts(campaign, records), leftovers),
         "streams_coalesced": _coalesced(campaign, records),
-        "orphans": leftovers.count,
-        "orphan_detail": leftovers.to_dict(),
-        "rss_growth_ratio": None if ratio is None else round(ratio, 4),
-        "max_recoveries_per_deployment": max(campaign.recoveries_per_deployment, default=0),
-        "detect_s": by_kind(campaign.results, "detect_s"),
-        "recover_s": by_kind(campaign.results, "recover_s"),
-        "outcomes": dict(collections.Counter(r.outcome for r in campaign.results)),
-        "rebuilds": campaign.rebuilds,
-        "violations": [v.to_dict() for v in violations],
         **_about(campaign, duration_s),
     }
 
