@@ -9,19 +9,21 @@ import json
 import subprocess
 import sys
 import threading
+import time
 
 import attrs
 
 from ftengine.testbed.chaos.catalogue import ChaosKind, Injected, PlannedFault, When
 from ftengine.testbed.chaos.census import Leftovers
 from ftengine.testbed.chaos.findings import (
+    Findings,
     fault_violations,
     request_violations,
     rss_ratio,
     summary_fields,
 )
 from ftengine.testbed.chaos.history import History
-from ftengine.testbed.chaos.invariants import FaultResult, Violation
+from ftengine.testbed.chaos.invariants import FaultResult
 from ftengine.testbed.chaos.traffic import StreamRecord
 
 
@@ -79,11 +81,7 @@ class Ran:
     """A campaign's state as either campaign keeps it (``findings.Judged``)."""
 
     plan: list[PlannedFault]
-    results: list[FaultResult]
-    injections: list[Injected]
-    violations: list[Violation] = attrs.field(factory=list)
-    rss_ratios: list[float] = attrs.field(factory=list)
-    recoveries_per_deployment: list[int] = attrs.field(factory=list)
+    found: Findings
     history: History = attrs.field(factory=History)
     interrupted: threading.Event = attrs.field(factory=threading.Event)
     error: str | None = None
@@ -96,12 +94,25 @@ def ran() -> Ran:
         index=0, kind=ChaosKind.SIGKILL, when=When.STEADY, step=-1, victims=(1,),
         detect_s=0.5, recover_s=2.0, outcome="settled", engines=(),
     )  # fmt: skip
-    return Ran([fault], [result], [shot(fault, 1.0)], recoveries_per_deployment=[1])
+    found = Findings([result], injections=[shot(fault, 1.0)], recoveries_per_deployment=[1])
+    return Ran([fault], found)
+
+
+def test_findings_keep_a_judged_fault_and_a_recovered_deployments_growth() -> None:
+    found, history = Findings(), History()
+    injected = shot(planned(2, ChaosKind.SIGSTOP), at=time.monotonic())
+    result = attrs.evolve(ran().found.results[0], index=2, kind=ChaosKind.SIGSTOP)
+    found.judged(result, injected, None, ["no_reason: rank 1"], injected.at + 1.0, history)
+    assert found.results == [result]
+    assert [(v.invariant, v.fault, v.step) for v in found.violations] == [("no_reason", 2, None)]
+    found.deployment_ended({0: 100, 1: 100}, {0: 150}, recoveries=0)  # never recovered
+    found.deployment_ended({0: 100, 1: 100}, {0: 150}, recoveries=3)
+    assert (found.rss_ratios, found.recoveries_per_deployment) == ([1.5], [3])
 
 
 def test_the_shared_summary_counts_streams_faults_and_the_runs_violations() -> None:
     campaign = ran()
-    campaign.rss_ratios.append(1.2)
+    campaign.found.rss_ratios.append(1.2)
     campaign.error = "RuntimeError: boom"
     campaign.history.add("hang", why="streams did not end before a rebuild")
     records = [

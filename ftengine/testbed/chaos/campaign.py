@@ -26,9 +26,9 @@ from ftengine.testbed.chaos.catalogue import (
 )
 from ftengine.testbed.chaos.census import Census, listening_here
 from ftengine.testbed.chaos.deployment import Deployment
-from ftengine.testbed.chaos.findings import fault_violations, rss_ratio
+from ftengine.testbed.chaos.findings import Findings
 from ftengine.testbed.chaos.history import History
-from ftengine.testbed.chaos.invariants import FaultResult, Violation, check_fault, detection_bound
+from ftengine.testbed.chaos.invariants import FaultResult, check_fault, detection_bound
 from ftengine.testbed.chaos.orchestrate import Orchestrator, Outcome
 from ftengine.testbed.chaos.traffic import PROMPTS, Traffic
 from ftengine.testbed.cluster import ClusterConfig
@@ -98,11 +98,7 @@ class Campaign:
         whole = plan(options.seed, options.faults, options.planned_kinds)
         self.plan = sub_plan(whole, options.only)
         self.hosts: Hosts | None = None
-        self.results: list[FaultResult] = []
-        self.violations: list[Violation] = []
-        self.injections: list[Injected] = []
-        self.rss_ratios: list[float] = []
-        self.recoveries_per_deployment: list[int] = []
+        self.found = Findings()
         self.rebuilds = 0
         self.unplanned = 0  # faults nobody injected, recovered before the next planned one
         self.error: str | None = None  # what ended the campaign early, if anything did
@@ -155,10 +151,8 @@ class Campaign:
         return Generation(deployment, orchestrator)
 
     def _end(self, generation: Generation) -> None:
-        ratio = rss_ratio(generation.rss_start, generation.deployment.rss())
-        if ratio is not None and generation.recoveries:
-            self.rss_ratios.append(ratio)
-            self.recoveries_per_deployment.append(generation.recoveries)
+        rss_end = generation.deployment.rss()
+        self.found.deployment_ended(generation.rss_start, rss_end, generation.recoveries)
         generation.orchestrator.close()
         generation.deployment.close()
 
@@ -321,7 +315,7 @@ class Campaign:
     ) -> Injected:
         live = [r for r in self._live(generation) if r not in exclude]
         injected = inject(generation.deployment, fault, live, self._stash, self.hosts)
-        self.injections.append(injected)
+        self.found.injections.append(injected)
         self.history.add(
             "inject", fault.index, kind=fault.kind.value, when=fault.when.value,
             victims=list(injected.victims), step=injected.step,
@@ -336,11 +330,8 @@ class Campaign:
             recover_s=outcome.at - injected.at, outcome=outcome.state, engines=outcome.engines,
             both_sides_served=self._cut_side_served(generation, injected),
         )  # fmt: skip
-        self.results.append(result)
         problems = check_fault(result, self.options.op_timeout_s)
-        self.violations += fault_violations(
-            injected, injected.step, problems, outcome.at, self.history
-        )
+        self.found.judged(result, injected, injected.step, problems, outcome.at, self.history)
         detect = "-" if result.detect_s is None else f"{result.detect_s:.3f} s"
         self.progress(
             f"[{fault.index + 1}/{len(self.plan)}] {fault.kind.value} ({fault.when.value}) "

@@ -10,6 +10,8 @@ import threading
 from collections.abc import Mapping, Sequence
 from typing import Any, Protocol
 
+import attrs
+
 from ftengine.testbed.chaos.catalogue import Injected, PlannedFault
 from ftengine.testbed.chaos.census import Leftovers
 from ftengine.testbed.chaos.history import History
@@ -17,15 +19,48 @@ from ftengine.testbed.chaos.invariants import FaultResult, Violation, fault_at, 
 from ftengine.testbed.chaos.traffic import StreamRecord
 
 
+@attrs.define
+class Findings:
+    """What a campaign found as it ran, on either target: every fault's result and
+    violations, every injection, and for each deployment that recovered at least once, its
+    workers' largest memory growth and its recoveries."""
+
+    results: list[FaultResult] = attrs.field(factory=list)
+    violations: list[Violation] = attrs.field(factory=list)
+    injections: list[Injected] = attrs.field(factory=list)
+    rss_ratios: list[float] = attrs.field(factory=list)
+    recoveries_per_deployment: list[int] = attrs.field(factory=list)
+
+    def judged(
+        self,
+        result: FaultResult,
+        injected: Injected,
+        step: int | None,
+        problems: Sequence[str],
+        until: float,
+        history: History,
+    ) -> None:
+        """Fault ``result`` was judged: keep it, and its ``problems`` as violations with the
+        history from its injection to the end of its recovery (``until``)."""
+        self.results.append(result)
+        self.violations += fault_violations(injected, step, problems, until, history)
+
+    def deployment_ended(
+        self, rss_start: Mapping[int, int], rss_end: Mapping[int, int], recoveries: int
+    ) -> None:
+        """A deployment stopped after ``recoveries`` recoveries, its workers' resident sizes
+        measured at its first fault (``rss_start``) and now."""
+        ratio = rss_ratio(rss_start, rss_end)
+        if ratio is not None and recoveries:
+            self.rss_ratios.append(ratio)
+            self.recoveries_per_deployment.append(recoveries)
+
+
 class Judged(Protocol):
     """What either campaign keeps as it runs, for :func:`summary_fields`."""
 
     plan: list[PlannedFault]
-    results: list[FaultResult]
-    violations: list[Violation]
-    injections: list[Injected]
-    rss_ratios: list[float]
-    recoveries_per_deployment: list[int]
+    found: Findings
     history: History
     interrupted: threading.Event
     error: str | None
@@ -137,23 +172,27 @@ def summary_fields(
     each record's problems; None where there was no reference to check them against), the
     hangs, leftovers, memory, timings, and every violation, per fault, per stream and of the
     run as a whole."""
+    found = campaign.found
     checked = records if verdicts is not None else ()
     verdicts = verdicts if verdicts is not None else ()
     request_problems = request_violations(
-        checked, verdicts, campaign.injections, campaign.plan, campaign.history
+        checked, verdicts, found.injections, campaign.plan, campaign.history
     )
     violations = run_violations(
-        [*campaign.violations, *request_problems], campaign.error, leftovers, campaign.rss_ratios
+        [*found.violations, *request_problems],
+        campaign.error,
+        leftovers,
+        found.rss_ratios,
     )
-    ratio = max(campaign.rss_ratios, default=None)
+    ratio = max(found.rss_ratios, default=None)
     names = collections.Counter(v.invariant for v in violations)
     hang_entries = [e for e in campaign.history.entries() if e.what in ("hang", "command_stuck")]
     unfinished = sum(1 for r in records if r.ended is None)
     return {
-        "faults_injected": len(campaign.results),
+        "faults_injected": len(found.results),
         "faults_planned": len(campaign.plan),
         "interrupted": campaign.interrupted.is_set(),
-        **fault_counts(campaign.results),
+        **fault_counts(found.results),
         "hangs": names["stuck_unhealthy"] + len(hang_entries) + unfinished,
         "stuck_unhealthy": names["stuck_unhealthy"],
         "split_brain": names["split_brain"],
@@ -161,10 +200,10 @@ def summary_fields(
         "orphans": leftovers.count,
         "orphan_detail": leftovers.to_dict(),
         "rss_growth_ratio": None if ratio is None else round(ratio, 4),
-        "max_recoveries_per_deployment": max(campaign.recoveries_per_deployment, default=0),
-        "detect_s": by_kind(campaign.results, "detect_s"),
-        "recover_s": by_kind(campaign.results, "recover_s"),
-        "outcomes": dict(collections.Counter(r.outcome for r in campaign.results)),
+        "max_recoveries_per_deployment": max(found.recoveries_per_deployment, default=0),
+        "detect_s": by_kind(found.results, "detect_s"),
+        "recover_s": by_kind(found.results, "recover_s"),
+        "outcomes": dict(collections.Counter(r.outcome for r in found.results)),
         "rebuilds": campaign.rebuilds,
         "violations": [v.to_dict() for v in violations],
     }

@@ -56,10 +56,11 @@ def plot(campaign: Campaign, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    results = campaign.found.results
     fig, axes = plt.subplots(2, 1, figsize=(10, 6), sharex=True)
-    kinds = sorted({r.kind.value for r in campaign.results})
+    kinds = sorted({r.kind.value for r in results})
     for kind in kinds:
-        rows = [r for r in campaign.results if r.kind.value == kind]
+        rows = [r for r in results if r.kind.value == kind]
         for axis, field in zip(axes, ("detect_s", "recover_s"), strict=True):
             points = [(r.index, getattr(r, field)) for r in rows if getattr(r, field) is not None]
             axis.scatter([p[0] for p in points], [p[1] for p in points], s=14, label=kind)
@@ -68,7 +69,7 @@ def plot(campaign: Campaign, path: Path) -> None:
     axes[1].set_ylabel("recovery (s)")
     axes[1].set_xlabel("fault number")
     axes[0].legend(fontsize=7, ncol=4)
-    fig.suptitle(f"ftengine chaos: {len(campaign.results)} faults, seed {campaign.options.seed}")
+    fig.suptitle(f"ftengine chaos: {len(results)} faults, seed {campaign.options.seed}")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

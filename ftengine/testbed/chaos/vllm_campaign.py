@@ -21,7 +21,7 @@ import psutil
 
 from ftengine.testbed.chaos.catalogue import ChaosKind, Injected, PlannedFault, When, plan
 from ftengine.testbed.chaos.census import Census, listening_anywhere
-from ftengine.testbed.chaos.findings import fault_violations, rss_ratio
+from ftengine.testbed.chaos.findings import Findings
 from ftengine.testbed.chaos.history import History
 from ftengine.testbed.chaos.invariants import FaultResult, Violation
 from ftengine.testbed.chaos.orchestrate import Outcome
@@ -77,11 +77,7 @@ class VllmCampaign:
         self.history = History()
         self.census = Census(listening_anywhere, grace_s=10.0, poll_s=0.2)
         self.plan = plan(options.seed, options.faults, VLLM_KINDS)
-        self.results: list[FaultResult] = []
-        self.violations: list[Violation] = []
-        self.injections: list[Injected] = []
-        self.rss_ratios: list[float] = []
-        self.recoveries_per_deployment: list[int] = []
+        self.found = Findings()
         self.rebuild_s: list[float] = []
         self.start_s: list[float] = []
         self.fences = 0
@@ -133,10 +129,8 @@ class VllmCampaign:
 
     def _end(self, generation: Generation) -> None:
         live = self._live(generation)
-        ratio = rss_ratio(generation.rss_start, _rss(generation.workers, live))
-        if ratio is not None and generation.recoveries:
-            self.rss_ratios.append(ratio)
-            self.recoveries_per_deployment.append(generation.recoveries)
+        rss_end = _rss(generation.workers, live)
+        self.found.deployment_ended(generation.rss_start, rss_end, generation.recoveries)
         self.fences += len(generation.orchestrator.fenced)
         generation.orchestrator.close()
         generation.watch.stop()
@@ -206,7 +200,7 @@ class VllmCampaign:
                     raise RuntimeError(f"rank {rank} answered no fault-free reference")
                 seen.append(tokens)
             if any(s != seen[0] for s in seen):
-                self.violations.append(Violation(
+                self.found.violations.append(Violation(
                     "reference_mismatch", None, None, None, f"prompt {index}: {seen}"
                 ))  # fmt: skip
             answers.append(seen[0])
@@ -315,7 +309,7 @@ class VllmCampaign:
                 os.kill(generation.workers[rank], sig)
                 self.traffic[rank].pause(0.0)  # no new streams to a rank that is gone
         injected = Injected(fault, at, hit, detectors(fault.kind, live, hit, fault.when), -1)
-        self.injections.append(injected)
+        self.found.injections.append(injected)
         self.history.add("inject", fault.index, kind=fault.kind.value, when=fault.when.value,
                          victims=list(hit))  # fmt: skip
         return injected
@@ -343,9 +337,8 @@ class VllmCampaign:
             detect_s=self._detect(generation, shot), recover_s=outcome.at - shot.at,
             outcome=outcome.state, engines=engines,
         )  # fmt: skip
-        self.results.append(result)
         problems = judge(result, self.options.op_timeout_s)
-        self.violations += fault_violations(shot, None, problems, outcome.at, self.history)
+        self.found.judged(result, shot, None, problems, outcome.at, self.history)
         detect = "-" if result.detect_s is None else f"{result.detect_s:.3f} s"
         self.progress(
             f"[{fault.index + 1}/{len(self.plan)}] {fault.kind.value} ({fault.when.value}) "
