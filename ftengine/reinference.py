@@ -7,7 +7,7 @@ what an output means (a new token, or the replay of one already emitted);
 :class:`Reinference` holds the bounds (re-runs, the recovery deadline) and the reasons a
 held request ends with; :class:`PoisonProbe` re-runs the requests of a faulted rank one at a
 time, so a request whose own content faults every re-run is found and ends alone. The
-CPU cluster's serving loop uses them (``ftengine.cluster.inflight``); a vLLM engine core
+CPU cluster's serving loop uses them (``ftengine.testbed.cluster.inflight``); a vLLM engine core
 could drive the same objects.
 """
 

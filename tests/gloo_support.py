@@ -10,9 +10,9 @@ from typing import TypeVar
 
 from torch._C._distributed_c10d import TCPStore
 
-from ftengine.backends.cpu import CpuBackend
-from ftengine.backends.cpu_comm import GlooGroup
-from ftengine.backends.cpu_experts import CpuExperts
+from ftengine.testbed.cpu.backend import CpuBackend
+from ftengine.testbed.cpu.comm import GlooGroup
+from ftengine.testbed.cpu.experts import CpuExperts
 from ftengine.weights.checkpoint_gen import make_checkpoint
 from ftengine.weights.index import CheckpointIndex
 

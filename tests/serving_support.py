@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import threading
 
-from ftengine.serving_api import TokenEvent
+from ftengine.testbed.serving_api import TokenEvent
 
 
 class Collected:

@@ -5,7 +5,7 @@ The checkpoint is ``ftengine make-checkpoint``'s (``make_checkpoint``: the one w
 checkpoints in this project, which the cluster, transformers and vLLM all load). It is
 written in bfloat16 (the generator's default, as real checkpoints ship) and served with
 ``--dtype float32`` (``TEST_DTYPE``), the dtype transformers computes in here, so vLLM's
-greedy tokens can be compared with transformers' token for token (docs/vllm-dev-notes.md,
+greedy tokens can be compared with transformers' token for token (docs/notebook.md,
 "One checkpoint": served in bfloat16 they differ).
 """
 
@@ -17,7 +17,7 @@ from typing import Any
 
 import attrs
 
-from ftengine.integrations.vllm.demo import TINY_SHAPE
+from ftengine.testbed.vllm.demo import TINY_SHAPE
 from ftengine.weights.checkpoint_gen import make_checkpoint
 
 VOCAB = TINY_SHAPE["vocab"]

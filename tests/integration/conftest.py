@@ -10,7 +10,7 @@ from typing import Any
 import psutil
 import pytest
 
-from ftengine.cluster import Cluster, ClusterConfig, Generation, reference_generate
+from ftengine.testbed.cluster import Cluster, ClusterConfig, Generation, reference_generate
 from ftengine.weights.checkpoint_gen import make_checkpoint
 
 PROMPTS: tuple[tuple[int, ...], ...] = (

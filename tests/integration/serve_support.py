@@ -16,7 +16,7 @@ import httpx
 import psutil
 from prometheus_client.parser import text_string_to_metric_families
 
-from ftengine.bench.inflight_serve import stop_process_tree
+from ftengine.testbed.bench.inflight_serve import stop_process_tree
 
 SIZES: dict[str, Any] = {"layers": 2, "experts": 8, "hidden": 64, "intermediate": 32}
 SIZE_FLAGS = ["--layers", "2", "--experts", "8", "--hidden", "64", "--intermediate", "32"]

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from ftengine.chaos.catalogue import ChaosKind
+from ftengine.testbed.chaos.catalogue import ChaosKind
 
 pytestmark = pytest.mark.integration
 

@@ -14,8 +14,8 @@ from pathlib import Path
 import psutil
 import pytest
 
-from ftengine.cluster import Cluster, ClusterConfig, reference_generate
-from ftengine.cluster.netns import Hosts
+from ftengine.testbed.cluster import Cluster, ClusterConfig, reference_generate
+from ftengine.testbed.cluster.netns import Hosts
 from ftengine.weights.checkpoint_gen import make_checkpoint
 
 pytestmark = pytest.mark.integration

@@ -11,7 +11,8 @@ from typing import Any
 
 import pytest
 
-from ftengine.cluster import (
+from ftengine.faults import HealthStatus
+from ftengine.testbed.cluster import (
     INJECT_ENV_VAR,
     Cluster,
     FaultSpec,
@@ -20,7 +21,6 @@ from ftengine.cluster import (
     compare_outputs,
     reference_generate,
 )
-from ftengine.faults import HealthStatus
 from tests.integration.conftest import MAX_TOKENS, PROMPTS, TIMINGS, Launcher
 
 pytestmark = pytest.mark.integration

@@ -12,9 +12,9 @@ from typing import Any
 import psutil
 import pytest
 
-from ftengine.cluster import Generation, starts
-from ftengine.cluster.starts import forked_worker_main, worker_context, worker_target
-from ftengine.cluster.worker import worker_main
+from ftengine.testbed.cluster import Generation, starts
+from ftengine.testbed.cluster.starts import forked_worker_main, worker_context, worker_target
+from ftengine.testbed.cluster.worker import worker_main
 from tests.integration.conftest import Launcher
 from tests.integration.test_cluster_e2e import assert_matches, kill_and_scale_down
 

@@ -9,8 +9,8 @@ import time
 
 import pytest
 
-from ftengine.cluster import Cluster, FaultSpec, Generation, RequestAborted
-from ftengine.cluster.supervisor import FT_OFF_REASON
+from ftengine.testbed.cluster import Cluster, FaultSpec, Generation, RequestAborted
+from ftengine.testbed.cluster.supervisor import FT_OFF_REASON
 from tests.integration.conftest import Launcher
 from tests.integration.test_cluster_e2e import (
     DEAD,

@@ -16,8 +16,8 @@ import httpx
 import msgspec
 import pytest
 
-from ftengine.cluster import reference_generate
-from ftengine.control.bodies import MAX_BODY_BYTES
+from ftengine.testbed.cluster import reference_generate
+from ftengine.testbed.control.bodies import MAX_BODY_BYTES
 from ftengine.weights.checkpoint_gen import make_checkpoint
 from tests.integration.serve_support import APPLY, MODEL, SIZES, Server, Starter
 

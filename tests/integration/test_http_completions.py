@@ -15,7 +15,7 @@ import openai
 import pytest
 from tokenizers import Tokenizer, models, pre_tokenizers
 
-from ftengine.cluster import reference_generate
+from ftengine.testbed.cluster import reference_generate
 from ftengine.weights.checkpoint_gen import make_checkpoint
 from tests.integration.serve_support import MODEL, SIZES, Server, Starter, metric
 

@@ -22,7 +22,7 @@ import httpx
 import openai
 import pytest
 
-from ftengine.cluster import reference_generate
+from ftengine.testbed.cluster import reference_generate
 from ftengine.weights.checkpoint_gen import make_checkpoint
 from tests.integration.serve_support import (
     APPLY,

@@ -23,7 +23,7 @@ import openai
 import psutil
 import pytest
 
-from ftengine.cluster import reference_generate
+from ftengine.testbed.cluster import reference_generate
 from ftengine.weights.checkpoint_gen import make_checkpoint
 from tests.integration.serve_support import APPLY, MODEL, SIZES, Server, Starter
 

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from ftengine.cluster import reference_generate
+from ftengine.testbed.cluster import reference_generate
 from ftengine.weights.checkpoint_gen import make_checkpoint
 from tests.integration.serve_support import MODEL, SIZES, Server, Starter
 from tests.integration.test_http_reinference import (

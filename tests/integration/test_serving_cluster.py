@@ -8,10 +8,10 @@ import time
 
 import pytest
 
-from ftengine.cluster import Cluster, Generation, RequestAborted
-from ftengine.cluster.serving import ServingLoop
 from ftengine.faults import HealthStatus
-from ftengine.serving_api import FinishReason, GenerationRequest
+from ftengine.testbed.cluster import Cluster, Generation, RequestAborted
+from ftengine.testbed.cluster.serving import ServingLoop
+from ftengine.testbed.serving_api import FinishReason, GenerationRequest
 from tests.integration.conftest import MAX_TOKENS, PROMPTS, Launcher
 from tests.serving_support import Collected
 

@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from ftengine.cluster import reference_generate
-from ftengine.cluster.serving import ServingLoop
-from ftengine.serving_api import FinishReason, GenerationRequest
+from ftengine.testbed.cluster import reference_generate
+from ftengine.testbed.cluster.serving import ServingLoop
+from ftengine.testbed.serving_api import FinishReason, GenerationRequest
 from tests.integration.conftest import PROMPTS, Launcher
 from tests.integration.test_serving_cluster import WAIT_S, wait_steps
 from tests.serving_support import Collected

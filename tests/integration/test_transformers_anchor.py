@@ -25,9 +25,9 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, Qwen3MoeConfig
 from transformers.models.qwen3_moe import modeling_qwen3_moe as hf
 
-from ftengine.cluster import Generation, compare_outputs, reference_generate
-from ftengine.cluster.model import rope, route
-from ftengine.cluster.prompts import Prompt, PromptTokenizer
+from ftengine.testbed.cluster import Generation, compare_outputs, reference_generate
+from ftengine.testbed.cluster.model import rope, route
+from ftengine.testbed.cluster.prompts import Prompt, PromptTokenizer
 from ftengine.weights.checkpoint_gen import make_checkpoint
 from ftengine.weights.dequantise import write_dequantised
 from tests.integration.conftest import PROMPTS, SIZES, TIMINGS, Launcher

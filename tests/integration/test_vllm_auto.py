@@ -12,8 +12,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from ftengine.integrations.vllm.launcher import DeploymentConfig, VllmDeployment
 from ftengine.integrations.vllm.worker.fault_injection import FAULT_FILE_ENV
+from ftengine.testbed.vllm.launcher import DeploymentConfig, VllmDeployment
 from tests.vllm_support import (
     TEST_DTYPE,
     free_port_run,

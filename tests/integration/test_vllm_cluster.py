@@ -1,7 +1,7 @@
 """The vLLM adapter inside the CPU reference cluster's workers, driven by vLLM's messages.
 
 The cluster is launched with ``command_adapter`` naming
-``ftengine.integrations.vllm.cluster_adapter:vllm_command_adapter``: each worker process
+``ftengine.testbed.vllm.cluster_adapter:vllm_command_adapter``: each worker process
 answers commands through ``VllmCommands.run`` with vLLM's
 ``FaultToleranceRequest`` / ``FaultToleranceResult`` (msgpack-encoded, as they cross
 processes in vLLM); the test drives the cluster with the same types. The SIGKILL + scale-down
@@ -21,9 +21,9 @@ from typing import Any
 import msgspec
 import pytest
 
-from ftengine.cluster import Cluster, Generation, RequestAborted, compare_outputs
 from ftengine.faults import HealthStatus
 from ftengine.integrations.vllm.messages import VllmMessages
+from ftengine.testbed.cluster import Cluster, Generation, RequestAborted, compare_outputs
 from tests.integration.conftest import MAX_TOKENS, PROMPTS, TIMINGS, Launcher
 from tests.integration.test_cluster_e2e import Traffic, engines, wait_statuses
 
@@ -33,7 +33,7 @@ pytestmark = pytest.mark.integration
 HEALTHY, DEAD, UNHEALTHY = (
     int(s) for s in (HealthStatus.HEALTHY, HealthStatus.DEAD, HealthStatus.UNHEALTHY)
 )
-VLLM_ADAPTER = "ftengine.integrations.vllm.cluster_adapter:vllm_command_adapter"
+VLLM_ADAPTER = "ftengine.testbed.vllm.cluster_adapter:vllm_command_adapter"
 
 
 def apply(cluster: Cluster, instruction: str, params: dict[str, Any], request_id: str) -> Any:

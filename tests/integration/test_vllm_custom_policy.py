@@ -14,12 +14,12 @@ import httpx
 import pytest
 
 from ftengine.errors import ConfigError
-from ftengine.integrations.vllm.launcher import (
+from ftengine.integrations.vllm.worker.fault_injection import FAULT_FILE_ENV
+from ftengine.testbed.vllm.launcher import (
     DeploymentConfig,
     DeploymentFailed,
     VllmDeployment,
 )
-from ftengine.integrations.vllm.worker.fault_injection import FAULT_FILE_ENV
 from tests.integration.test_vllm_auto import complete, engines
 from tests.vllm_support import TEST_DTYPE, free_port_run, write_tiny_qwen3_moe
 

@@ -27,12 +27,12 @@ import psutil
 import pytest
 
 from ftengine.errors import ConfigError
-from ftengine.integrations.vllm.launcher import (
+from ftengine.integrations.vllm.worker.fault_injection import FAULT_FILE_ENV
+from ftengine.testbed.vllm.launcher import (
     DeploymentConfig,
     DeploymentFailed,
     VllmDeployment,
 )
-from ftengine.integrations.vllm.worker.fault_injection import FAULT_FILE_ENV
 from tests.cpu_isa_support import simulated_cpu_env
 from tests.stream_support import OpenAIStream
 from tests.vllm_support import (

@@ -27,8 +27,8 @@ import attrs
 import httpx
 import pytest
 
-from ftengine.integrations.vllm.launcher import DeploymentConfig, VllmDeployment
 from ftengine.integrations.vllm.worker.fault_injection import FAULT_FILE_ENV
+from ftengine.testbed.vllm.launcher import DeploymentConfig, VllmDeployment
 from tests.stream_support import OpenAIStream
 from tests.vllm_support import free_port_run, write_tiny_qwen3_moe
 

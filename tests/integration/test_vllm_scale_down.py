@@ -29,9 +29,9 @@ from pathlib import Path
 import httpx
 import pytest
 
-from ftengine.integrations.vllm.bench_scale_down import adopted, standby
-from ftengine.integrations.vllm.launcher import DeploymentConfig, VllmDeployment
 from ftengine.integrations.vllm.worker.fault_injection import FAULT_FILE_ENV
+from ftengine.testbed.bench.vllm_scale_down import adopted, standby
+from ftengine.testbed.vllm.launcher import DeploymentConfig, VllmDeployment
 from tests.integration.test_vllm_deployment import (
     MAX_TOKENS,
     PROMPTS,
@@ -287,7 +287,7 @@ def test_sigkill_mid_traffic_then_scale_down_answers_as_before(
         # An API server that lags its engine merges a request's deltas (vLLM's
         # RequestOutputCollector): the survivor's, serving six streams on these loaded cores,
         # sent chunks of up to 8 tokens after the kill, still a stream; the victim's, fed the
-        # survivor's tokens for three requests at once, up to 93 (docs/vllm-dev-notes.md).
+        # survivor's tokens for three requests at once, up to 93 (docs/notebook.md).
         # The tokens are exact either way (above).
         if i < len(STREAMED):
             assert sum(1 for chunk in stream.chunks[seen:] if chunk) >= 2, stream.chunks

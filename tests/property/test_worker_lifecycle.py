@@ -11,9 +11,9 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
-from ftengine.cluster.handles import WorkerHandle
-from ftengine.cluster.lifecycle import TABLE, Row, WorkerEvent, WorkerState
 from ftengine.errors import TransitionError
+from ftengine.testbed.cluster.handles import WorkerHandle
+from ftengine.testbed.cluster.lifecycle import TABLE, Row, WorkerEvent, WorkerState
 
 E = WorkerEvent
 PAIRS = frozenset((row.source, row.event) for row in TABLE)

@@ -10,11 +10,11 @@ import attrs
 import httpx
 from fastapi.testclient import TestClient
 
-from ftengine.control.app import create_app
-from ftengine.control.ledger import Submission
-from ftengine.control.openai_routes import Completions
-from ftengine.control.plane import ControlPlane
-from ftengine.control.served_model import ServedModel
+from ftengine.testbed.control.app import create_app
+from ftengine.testbed.control.ledger import Submission
+from ftengine.testbed.control.openai_routes import Completions
+from ftengine.testbed.control.plane import ControlPlane
+from ftengine.testbed.control.served_model import ServedModel
 from tests.unit.control_standin import Jobs, StandInCluster, StandInService, standin_model
 
 APPLY = "/fault_tolerance/apply"

@@ -1,4 +1,4 @@
-"""In-memory stand-ins for ``ftengine.cluster.Cluster`` and its serving loop, for the
+"""In-memory stand-ins for ``ftengine.testbed.cluster.Cluster`` and its serving loop, for the
 control-plane unit tests.
 
 The cluster keeps vLLM's rules that the HTTP layer relies on (a DEAD engine rejects retry
@@ -15,17 +15,17 @@ from typing import Any
 import attrs
 
 from ftengine.clock import ManualClock
-from ftengine.control.served_model import ServedModel
 from ftengine.errors import BackendError
 from ftengine.faults import Phase
-from ftengine.model_limits import ModelLimits
 from ftengine.recovery import sequence
-from ftengine.serving_api import FinishReason, GenerationRequest, Listener, TokenEvent
+from ftengine.testbed.control.served_model import ServedModel
+from ftengine.testbed.model_limits import ModelLimits
+from ftengine.testbed.serving_api import FinishReason, GenerationRequest, Listener, TokenEvent
 
 
 @attrs.frozen
 class Change:
-    """Same fields as ``ftengine.cluster.protocol.PhaseEvent``."""
+    """Same fields as ``ftengine.testbed.cluster.protocol.PhaseEvent``."""
 
     source: str
     dest: str
@@ -35,7 +35,7 @@ class Change:
 
 @attrs.frozen
 class Event:
-    """Same fields as ``ftengine.cluster.ClusterEvent``."""
+    """Same fields as ``ftengine.testbed.cluster.ClusterEvent``."""
 
     at: float
     kind: str
@@ -45,7 +45,7 @@ class Event:
 
 @attrs.frozen
 class Generated:
-    """Same fields as ``ftengine.cluster.Generation``."""
+    """Same fields as ``ftengine.testbed.cluster.Generation``."""
 
     token_ids: tuple[int, ...]
     final_logits: tuple[float, ...] = ()
@@ -70,7 +70,8 @@ class Outcome:
 
 
 class Jobs:
-    """A ``Spawn`` (see ``ftengine.control.ledger``) that queues jobs until the test runs them."""
+    """A ``Spawn`` (see ``ftengine.testbed.control.ledger``) that queues jobs until the test
+    runs them."""
 
     def __init__(self) -> None:
         self.queue: list[tuple[str, Callable[[], None]]] = []

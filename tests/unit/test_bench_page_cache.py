@@ -8,11 +8,11 @@ from pathlib import Path
 
 import pytest
 
-from ftengine.bench import reload_measure
-from ftengine.bench.page_cache import cached_fraction, disk_read_bytes, evict
-from ftengine.bench.reload import cache_label
-from ftengine.bench.reload_measure import CachePrep
 from ftengine.cli import main
+from ftengine.testbed.bench import reload_measure
+from ftengine.testbed.bench.page_cache import cached_fraction, disk_read_bytes, evict
+from ftengine.testbed.bench.reload import cache_label
+from ftengine.testbed.bench.reload_measure import CachePrep
 
 
 def _written(path: Path, mb: int) -> Path:

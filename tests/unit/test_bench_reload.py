@@ -12,12 +12,12 @@ import attrs
 import pytest
 import torch
 
-from ftengine.bench import reload_measure
-from ftengine.bench.peak_rss import PeakRss
-from ftengine.bench.reload import BenchSetup, plan_worker_reload, prepare_checkpoint
-from ftengine.bench.reload_measure import BenchError, ChildJob, run_child
 from ftengine.cli import main
 from ftengine.errors import ConfigError, PlacementError, PreconditionFailed
+from ftengine.testbed.bench import reload_measure
+from ftengine.testbed.bench.peak_rss import PeakRss
+from ftengine.testbed.bench.reload import BenchSetup, plan_worker_reload, prepare_checkpoint
+from ftengine.testbed.bench.reload_measure import BenchError, ChildJob, run_child
 from ftengine.weights.checkpoint_gen import remove_checkpoint
 from ftengine.weights.index import CheckpointIndex, Quant
 

@@ -11,9 +11,9 @@ from typing import Any
 import attrs
 import pytest
 
-from ftengine.bench.live import NullReporter, PlainReporter, Watcher
-from ftengine.bench.prompts import fixed_prompts
-from ftengine.bench.scenario import SCENARIO, ScenarioSettings, run_scenario
+from ftengine.testbed.bench.live import NullReporter, PlainReporter, Watcher
+from ftengine.testbed.bench.prompts import fixed_prompts
+from ftengine.testbed.bench.scenario import SCENARIO, ScenarioSettings, run_scenario
 from tests.unit.control_standin import Generated, Outcome, StandInCluster, continuation
 
 PROMPTS = [[1, 2, 3], [4, 5], [6]]

@@ -6,8 +6,8 @@ import threading
 
 import pytest
 
-from ftengine.bench.traffic import TrafficStream
 from ftengine.errors import BackendError
+from ftengine.testbed.bench.traffic import TrafficStream
 
 PROMPTS = [[1, 2], [3]]
 EXPECTED = [[7, 7], [8, 8]]

@@ -10,9 +10,9 @@ from typing import Any
 
 import pytest
 
-from ftengine.bench import trials
-from ftengine.bench.overhead import interleaved_rounds
-from ftengine.bench.trials import quantile, spread, timed_restart
+from ftengine.testbed.bench import trials
+from ftengine.testbed.bench.overhead import interleaved_rounds
+from ftengine.testbed.bench.trials import quantile, spread, timed_restart
 
 PROMPTS = [[1, 2], [3]]
 

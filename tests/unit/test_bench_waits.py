@@ -7,10 +7,10 @@ import threading
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from ftengine.bench.traffic import READY_CHECK_S, TrafficStream
-from ftengine.bench.waits import serving, serving_waiter, wait_until
-from ftengine.control.snapshot import ClusterView
 from ftengine.errors import BackendError
+from ftengine.testbed.bench.traffic import READY_CHECK_S, TrafficStream
+from ftengine.testbed.bench.waits import serving, serving_waiter, wait_until
+from ftengine.testbed.control.snapshot import ClusterView
 
 
 def _status(*engines: tuple[int, int, list[int]]) -> dict[str, Any]:

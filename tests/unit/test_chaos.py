@@ -9,9 +9,16 @@ from typing import Any
 
 import pytest
 
-from ftengine.chaos.catalogue import ChaosKind, PlannedFault, When, parse_only, plan, sub_plan
-from ftengine.chaos.history import History
-from ftengine.chaos.invariants import (
+from ftengine.testbed.chaos.catalogue import (
+    ChaosKind,
+    PlannedFault,
+    When,
+    parse_only,
+    plan,
+    sub_plan,
+)
+from ftengine.testbed.chaos.history import History
+from ftengine.testbed.chaos.invariants import (
     FaultResult,
     check_fault,
     check_request,
@@ -19,8 +26,8 @@ from ftengine.chaos.invariants import (
     fault_at,
     tally,
 )
-from ftengine.chaos.orchestrate import _command, settled_state
-from ftengine.chaos.traffic import StreamRecord
+from ftengine.testbed.chaos.orchestrate import _command, settled_state
+from ftengine.testbed.chaos.traffic import StreamRecord
 
 KINDS = tuple(ChaosKind)
 REFERENCE = [11, 12, 13, 14]
@@ -234,7 +241,7 @@ def test_history_excerpts_name_the_fault() -> None:
 
 
 def test_an_armed_injector_fires_once_at_its_next_step_on_its_rank_only() -> None:
-    from ftengine.cluster.faults_inject import FaultInjector, FaultSpec, InjectKind
+    from ftengine.testbed.cluster.faults_inject import FaultInjector, FaultSpec, InjectKind
 
     mine, other = FaultInjector(None, rank=2), FaultInjector(None, rank=1)
     spec = FaultSpec(rank=2, kind=InjectKind.RAISE, step=0)
@@ -246,7 +253,7 @@ def test_an_armed_injector_fires_once_at_its_next_step_on_its_rank_only() -> Non
 
 
 def test_nested_shard_faults_put_the_originals_back(tmp_path: Path) -> None:
-    from ftengine.chaos.actions import break_shards
+    from ftengine.testbed.chaos.actions import break_shards
 
     checkpoint = tmp_path / "ckpt"
     checkpoint.mkdir()
@@ -274,7 +281,7 @@ class Lines:
 def test_a_stream_the_server_ends_with_an_error_event_ended_with_its_reason() -> None:
     """vLLM's (and the cluster's) in-stream error event, e.g. a request judged poison: an
     end with a reason; the same event without a message is a lost stream."""
-    from ftengine.chaos.traffic import _read_stream
+    from ftengine.testbed.chaos.traffic import _read_stream
 
     first = '{"choices": [{"index": 0, "token_ids": [11], "finish_reason": null}]}'
     error = '{"error": {"message": "prompt 0 could not be computed: poison request", "code": 500}}'

@@ -16,11 +16,11 @@ from typing import Any
 
 import pytest
 
-from ftengine.chaos.campaign import Campaign, CampaignOptions, Generation
-from ftengine.chaos.catalogue import ChaosKind, PlannedFault, When
-from ftengine.chaos.orchestrate import Outcome, settled_state
-from ftengine.cluster import FaultSpec
-from ftengine.cluster.protocol import PhaseEvent
+from ftengine.testbed.chaos.campaign import Campaign, CampaignOptions, Generation
+from ftengine.testbed.chaos.catalogue import ChaosKind, PlannedFault, When
+from ftengine.testbed.chaos.orchestrate import Outcome, settled_state
+from ftengine.testbed.cluster import FaultSpec
+from ftengine.testbed.cluster.protocol import PhaseEvent
 from ftengine.weights.checkpoint_gen import make_checkpoint
 
 EXIT_FILED_AFTER_S = 0.3  # how long after its SIGKILL the fake supervisor files an exit
@@ -165,10 +165,10 @@ def test_a_kill_during_recovery_that_shows_after_the_settle_is_recovered_before_
     generation, cluster, orchestrator = _generation(campaign.checkpoint)
     _, after = campaign._one(generation, 0)
     assert after == 2
-    follow = campaign.results[1]
+    follow = campaign.found.results[1]
     assert follow.index == 29 and follow.victims == (2,)
     # Judged on the settle alone, victim 2 still read alive: "victims [2] are not dead".
-    assert campaign.violations == [], [v.detail for v in campaign.violations]
+    assert campaign.found.violations == [], [v.detail for v in campaign.found.violations]
     assert orchestrator.calls[-1] == {0, 1, 2}, "recovered again once its exit was filed"
     assert cluster.live_ranks() == {3}
 
@@ -178,7 +178,7 @@ def test_recovery_waits_until_the_victims_exit_is_filed(campaign: Campaign) -> N
     generation, _cluster, orchestrator = _generation(campaign.checkpoint)
     campaign._one(generation, 0)
     # Driven at the survivors' quarantine, the recovery read victims 2 and 3 alive.
-    assert campaign.violations == [], [v.detail for v in campaign.violations]
+    assert campaign.found.violations == [], [v.detail for v in campaign.found.violations]
     assert orchestrator.calls == [{2, 3}]
 
 
@@ -202,4 +202,4 @@ def test_a_fault_nobody_planned_is_recovered_before_the_next_planned_one(
     campaign._one(generation, 0)
     assert campaign.unplanned == 1
     assert orchestrator.calls[0] == frozenset(), "the unplanned fault was recovered first"
-    assert campaign.results[0].detect_s is not None and campaign.violations == []
+    assert campaign.found.results[0].detect_s is not None and campaign.found.violations == []

@@ -8,8 +8,8 @@ import atexit
 
 import pytest
 
-from ftengine.cluster import netns
 from ftengine.errors import ConfigError
+from ftengine.testbed.cluster import netns
 
 
 class FakeIp:

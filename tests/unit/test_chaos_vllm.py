@@ -13,11 +13,11 @@ from typing import Any
 import httpx
 import pytest
 
-from ftengine.chaos.catalogue import ChaosKind, PlannedFault, When, plan
-from ftengine.chaos.history import History
-from ftengine.chaos.invariants import FaultResult, check_request
-from ftengine.chaos.traffic import StreamRecord
-from ftengine.chaos.vllm_plan import (
+from ftengine.testbed.chaos.catalogue import ChaosKind, PlannedFault, When, plan
+from ftengine.testbed.chaos.history import History
+from ftengine.testbed.chaos.invariants import FaultResult, check_request
+from ftengine.testbed.chaos.traffic import StreamRecord
+from ftengine.testbed.chaos.vllm_plan import (
     VLLM_KINDS,
     decide,
     detection_bound,
@@ -29,9 +29,9 @@ from ftengine.chaos.vllm_plan import (
     removed_ranks,
     victims,
 )
-from ftengine.chaos.vllm_recover import VllmOrchestrator
-from ftengine.chaos.vllm_report import coalesced
-from ftengine.chaos.vllm_watch import StatusWatch
+from ftengine.testbed.chaos.vllm_recover import VllmOrchestrator
+from ftengine.testbed.chaos.vllm_report import coalesced
+from ftengine.testbed.chaos.vllm_watch import StatusWatch
 
 
 def fault(kind: ChaosKind, pick: int = 0, when: When = When.STEADY, index: int = 0) -> PlannedFault:

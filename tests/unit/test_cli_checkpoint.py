@@ -12,7 +12,7 @@ import torch
 from rich.console import Console
 
 from ftengine.cli import build_parser, main
-from ftengine.cli.checkpoint import phase_progress
+from ftengine.testbed.cli.checkpoint import phase_progress
 from ftengine.weights.checkpoint_gen import make_checkpoint
 from ftengine.weights.index import CheckpointIndex
 from ftengine.weights.integrity import Manifest
@@ -117,7 +117,7 @@ def test_progress_bar_renders_when_enabled(monkeypatch: pytest.MonkeyPatch) -> N
 def test_without_rich_there_is_no_bar_and_the_checkpoint_is_still_written(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    # rich comes with the 'bench' extra; a None entry makes importing it fail as if absent.
+    # rich comes with the 'testbed' extra; a None entry makes importing it fail as if absent.
     for name in ("rich", "rich.console", "rich.progress"):
         monkeypatch.setitem(sys.modules, name, None)
     with phase_progress(True) as update:

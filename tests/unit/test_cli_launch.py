@@ -5,8 +5,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from ftengine.bench.prompts import prompts_for
-from ftengine.cli.launch import (
+from ftengine.testbed.bench.prompts import prompts_for
+from ftengine.testbed.cli.launch import (
     CheckpointSize,
     add_checkpoint_args,
     add_cluster_args,

@@ -10,7 +10,7 @@ import psutil
 import pytest
 
 from ftengine.cli import main
-from ftengine.control.auth import API_KEY_ENV
+from ftengine.testbed.control.auth import API_KEY_ENV
 
 
 def test_a_policy_that_does_not_import_is_refused_naming_the_path(

@@ -9,15 +9,15 @@ import pytest
 
 from ftengine.backends.fake import FakeBackend
 from ftengine.clock import ManualClock
-from ftengine.cluster import ClusterConfig
-from ftengine.cluster.adapters import build_command_adapter, resolve_adapter_factory
-from ftengine.cluster.config import TORCH_DEFAULT_TIMEOUT_S
-from ftengine.cluster.worker import WorkerSpec
 from ftengine.commands import CommandResult
 from ftengine.errors import ConfigError
 from ftengine.faults import FaultKind, HealthStatus
 from ftengine.policies import OrchestratorDriven
 from ftengine.sentinel import HostedBackend, WorkerSentinel
+from ftengine.testbed.cluster import ClusterConfig
+from ftengine.testbed.cluster.adapters import build_command_adapter, resolve_adapter_factory
+from ftengine.testbed.cluster.config import TORCH_DEFAULT_TIMEOUT_S
+from ftengine.testbed.cluster.worker import WorkerSpec
 
 HERE = __name__
 NOT_CALLABLE = 42
@@ -128,7 +128,7 @@ def test_worker_specs_carry_the_adapter_and_the_fault_tolerance_mode() -> None:
 
 def test_the_vllm_factory_runs_commands_through_vllms_message_types() -> None:
     pytest.importorskip("vllm.v1.fault_tolerance.utils", reason="vllm is not installed")
-    spec = "ftengine.integrations.vllm.cluster_adapter:vllm_command_adapter"
+    spec = "ftengine.testbed.vllm.cluster_adapter:vllm_command_adapter"
     inner = sentinel(rank=1)
     adapter = build_command_adapter(spec, inner, 1)
 
@@ -151,7 +151,7 @@ def test_the_vllm_factory_runs_commands_through_vllms_message_types() -> None:
 
 
 def test_launch_refuses_a_bad_adapter_before_spawning_anything() -> None:
-    from ftengine.cluster import Cluster
+    from ftengine.testbed.cluster import Cluster
 
     config = ClusterConfig("/nonexistent/ckpt", command_adapter=f"{HERE}:NOT_CALLABLE")
     # The checkpoint is never opened: the adapter is resolved first, in this process.

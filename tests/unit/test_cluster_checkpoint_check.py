@@ -13,9 +13,9 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from ftengine.cluster import Cluster, ClusterConfig
-from ftengine.cluster.checkpoint_check import validate_checkpoint
 from ftengine.errors import ConfigError, WeightLoadError
+from ftengine.testbed.cluster import Cluster, ClusterConfig
+from ftengine.testbed.cluster.checkpoint_check import validate_checkpoint
 from ftengine.weights.checkpoint_gen import make_checkpoint
 
 SIZES: dict[str, Any] = {

@@ -8,9 +8,9 @@ from pathlib import Path
 import attrs
 import pytest
 
-from ftengine.cluster import ClusterConfig, FaultSpec, InjectKind
-from ftengine.cluster.worker import WorkerSpec
 from ftengine.errors import ConfigError
+from ftengine.testbed.cluster import ClusterConfig, FaultSpec, InjectKind
+from ftengine.testbed.cluster.worker import WorkerSpec
 
 
 def test_defaults_and_derived_timeouts() -> None:

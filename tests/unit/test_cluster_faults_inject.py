@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from ftengine.cluster.faults_inject import ENV_VAR, FaultInjector, FaultSpec, InjectKind
 from ftengine.errors import ConfigError
+from ftengine.testbed.cluster.faults_inject import ENV_VAR, FaultInjector, FaultSpec, InjectKind
 
 
 def test_parse_full_spec_and_round_trip() -> None:

@@ -9,11 +9,11 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry
 
-from ftengine.cluster.handles import EPISODE_HISTORY, WorkerHandle
-from ftengine.control.metrics import ControlMetrics
-from ftengine.control.snapshot import ClusterView
 from ftengine.faults import FaultKind, HealthStatus
 from ftengine.sentinel import WorkerSentinel
+from ftengine.testbed.cluster.handles import EPISODE_HISTORY, WorkerHandle
+from ftengine.testbed.control.metrics import ControlMetrics
+from ftengine.testbed.control.snapshot import ClusterView
 from tests.unit.test_cluster_adapters import sentinel
 
 

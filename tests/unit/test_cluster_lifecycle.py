@@ -8,8 +8,9 @@ from typing import Any
 
 import pytest
 
-from ftengine.cluster.handles import WorkerHandle
-from ftengine.cluster.lifecycle import (
+from ftengine.errors import TransitionError
+from ftengine.testbed.cluster.handles import WorkerHandle
+from ftengine.testbed.cluster.lifecycle import (
     GONE,
     INITIAL,
     TABLE,
@@ -19,7 +20,6 @@ from ftengine.cluster.lifecycle import (
     events_from,
     next_state,
 )
-from ftengine.errors import TransitionError
 
 S = WorkerState
 E = WorkerEvent

@@ -9,7 +9,8 @@ from typing import Any
 import pytest
 import torch
 
-from ftengine.cluster.model import (
+from ftengine.errors import ConfigError
+from ftengine.testbed.cluster.model import (
     DenseWeights,
     ModelConfig,
     RequestState,
@@ -19,7 +20,6 @@ from ftengine.cluster.model import (
     rotate_half,
     route,
 )
-from ftengine.errors import ConfigError
 from ftengine.weights import hf_names
 
 HF = {

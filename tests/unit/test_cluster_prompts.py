@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from ftengine.cluster.prompts import PromptError, PromptTokenizer, load_tokenizer
 from ftengine.errors import ConfigError
+from ftengine.testbed.cluster.prompts import PromptError, PromptTokenizer, load_tokenizer
 from ftengine.weights.checkpoint_gen import make_checkpoint
 
 

@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from ftengine.cluster import LOGITS_ATOL, Generation, compare_outputs, reference_generate
-from ftengine.cluster.handles import describe_exit
+from ftengine.testbed.cluster import LOGITS_ATOL, Generation, compare_outputs, reference_generate
+from ftengine.testbed.cluster.handles import describe_exit
 from tests.gloo_support import tiny_checkpoint
 
 

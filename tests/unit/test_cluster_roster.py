@@ -12,9 +12,9 @@ from typing import Any
 
 import pytest
 
-from ftengine.cluster.handles import WorkerHandle
-from ftengine.cluster.lifecycle import WorkerState
-from ftengine.cluster.roster import ClusterError, Exit, Roster
+from ftengine.testbed.cluster.handles import WorkerHandle
+from ftengine.testbed.cluster.lifecycle import WorkerState
+from ftengine.testbed.cluster.roster import ClusterError, Exit, Roster
 
 SLEEPER = [sys.executable, "-c", "import time; time.sleep(60)"]
 

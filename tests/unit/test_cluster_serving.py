@@ -11,10 +11,10 @@ from typing import Any
 
 import pytest
 
-from ftengine.cluster.generation import RequestAborted, StepResult
-from ftengine.cluster.protocol import StepItem, StepOutput
-from ftengine.cluster.serving import SHUTDOWN_REASON, ServingLoop, ServingUnavailable
-from ftengine.serving_api import FinishReason, GenerationRequest, TokenEvent
+from ftengine.testbed.cluster.generation import RequestAborted, StepResult
+from ftengine.testbed.cluster.protocol import StepItem, StepOutput
+from ftengine.testbed.cluster.serving import SHUTDOWN_REASON, ServingLoop, ServingUnavailable
+from ftengine.testbed.serving_api import FinishReason, GenerationRequest, TokenEvent
 from tests.serving_support import Collected
 
 VOCAB = 50

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import pytest
 
-from ftengine.backends.cpu_comm import translate_gloo_error
 from ftengine.collective_errors import (
     MESSAGE_FAMILIES,
     classify_exception,
@@ -20,6 +19,7 @@ from ftengine.errors import (
     WeightLoadError,
 )
 from ftengine.faults import FaultKind
+from ftengine.testbed.cpu.comm import translate_gloo_error
 
 _PAIR = "[../third_party/gloo/gloo/transport/tcp/pair.cc:534]"
 _BUFFER = "[../third_party/gloo/gloo/transport/tcp/unbound_buffer.cc:81]"

@@ -11,9 +11,9 @@ from typing import Any
 import pytest
 from fastapi.testclient import TestClient
 
-from ftengine.control.app import create_app
-from ftengine.control.messages import ACCEPTED_MESSAGE
-from ftengine.control.openai_routes import Completions
+from ftengine.testbed.control.app import create_app
+from ftengine.testbed.control.messages import ACCEPTED_MESSAGE
+from ftengine.testbed.control.openai_routes import Completions
 from tests.unit.control_standin import Jobs, StandInCluster, StandInService, standin_model
 
 APPLY = "/fault_tolerance/apply"

@@ -6,9 +6,9 @@ import hmac
 
 import pytest
 
-from ftengine.control import auth
-from ftengine.control.auth import ApiKeyGuard, Unauthorized, check_bind, is_loopback
 from ftengine.errors import ConfigError
+from ftengine.testbed.control import auth
+from ftengine.testbed.control.auth import ApiKeyGuard, Unauthorized, check_bind, is_loopback
 
 
 @pytest.mark.parametrize(

@@ -11,7 +11,7 @@ from collections.abc import Iterator
 import pytest
 from fastapi.routing import APIRoute
 
-from ftengine.control.bodies import MAX_BODY_BYTES
+from ftengine.testbed.control.bodies import MAX_BODY_BYTES
 from tests.unit.control_harness import APPLY, COMPLETIONS, MODELS, Api, error_object
 
 KEY = "k3y-for-tests"

@@ -12,11 +12,11 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from ftengine.control.bodies import MAX_BODY_BYTES
-from ftengine.control.completions import MAX_CHARS_PER_TOKEN
-from ftengine.control.errors import MAX_ECHO_CHARS
-from ftengine.control.served_model import ServedModel, load_tokenizer
-from ftengine.model_limits import ModelLimits
+from ftengine.testbed.control.bodies import MAX_BODY_BYTES
+from ftengine.testbed.control.completions import MAX_CHARS_PER_TOKEN
+from ftengine.testbed.control.errors import MAX_ECHO_CHARS
+from ftengine.testbed.control.served_model import ServedModel, load_tokenizer
+from ftengine.testbed.model_limits import ModelLimits
 from tests.unit.control_harness import COMPLETIONS, JSON, Api, error_object
 from tests.unit.control_standin import VOCAB
 from tests.unit.test_control_completions import word_tokenizer

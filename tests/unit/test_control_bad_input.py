@@ -14,8 +14,13 @@ import msgspec
 import pytest
 from starlette.requests import Request
 
-from ftengine.control.bodies import MAX_BODY_BYTES, BodyTimeout, BodyTooLarge, read_json_body
-from ftengine.control.errors import MAX_ECHO_CHARS
+from ftengine.testbed.control.bodies import (
+    MAX_BODY_BYTES,
+    BodyTimeout,
+    BodyTooLarge,
+    read_json_body,
+)
+from ftengine.testbed.control.errors import MAX_ECHO_CHARS
 from tests.unit.control_harness import APPLY, JSON, REQUESTS, Api, error_object
 
 SD = "scale_down"

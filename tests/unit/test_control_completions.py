@@ -13,10 +13,10 @@ import pytest
 from fastapi.testclient import TestClient
 from tokenizers import Tokenizer, models, pre_tokenizers
 
-from ftengine.control.app import create_app
-from ftengine.control.openai_routes import Completions
-from ftengine.control.served_model import ServedModel, load_tokenizer
-from ftengine.model_limits import ModelLimits
+from ftengine.testbed.control.app import create_app
+from ftengine.testbed.control.openai_routes import Completions
+from ftengine.testbed.control.served_model import ServedModel, load_tokenizer
+from ftengine.testbed.model_limits import ModelLimits
 from tests.unit.control_standin import (
     POISON,
     VOCAB,

@@ -13,8 +13,8 @@ import msgspec
 from hypothesis import given
 from hypothesis import strategies as st
 
-from ftengine.control.errors import InvalidCommand
-from ftengine.control.messages import decode_request, validate_request
+from ftengine.testbed.control.errors import InvalidCommand
+from ftengine.testbed.control.messages import decode_request, validate_request
 from tests.strategies import commands
 from tests.unit.control_harness import APPLY, REQUESTS, Api, error_object
 

@@ -15,8 +15,8 @@ import pytest
 from hypothesis import event, given
 from hypothesis import strategies as st
 
-from ftengine.control.served_model import ServedModel, load_tokenizer
-from ftengine.model_limits import ModelLimits
+from ftengine.testbed.control.served_model import ServedModel, load_tokenizer
+from ftengine.testbed.model_limits import ModelLimits
 from tests.strategies import (
     APPLY_FIELDS,
     COMPLETION_FIELDS,

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from ftengine.control.ledger import CommandConflict, CommandLedger
-from ftengine.control.messages import Command, FaultToleranceResult
 from ftengine.errors import BackendError
+from ftengine.testbed.control.ledger import CommandConflict, CommandLedger
+from ftengine.testbed.control.messages import Command, FaultToleranceResult
 from tests.unit.control_standin import Jobs
 
 

@@ -7,8 +7,8 @@ import json
 
 import pytest
 
-from ftengine.control.errors import InvalidCommand, InvalidRequest
-from ftengine.control.messages import (
+from ftengine.testbed.control.errors import InvalidCommand, InvalidRequest
+from ftengine.testbed.control.messages import (
     Command,
     FaultToleranceRequest,
     FaultToleranceResult,

@@ -8,11 +8,11 @@ import pytest
 from fastapi.testclient import TestClient
 from prometheus_client.parser import text_string_to_metric_families
 
-from ftengine.control.app import create_app
-from ftengine.control.metrics import ControlMetrics
-from ftengine.control.openai_routes import Completions
-from ftengine.control.snapshot import ClusterView, EngineView, Episode, PhaseMark, StepMark
 from ftengine.faults import HealthStatus
+from ftengine.testbed.control.app import create_app
+from ftengine.testbed.control.metrics import ControlMetrics
+from ftengine.testbed.control.openai_routes import Completions
+from ftengine.testbed.control.snapshot import ClusterView, EngineView, Episode, PhaseMark, StepMark
 from tests.unit.control_standin import POISON, Jobs, StandInCluster, StandInService, standin_model
 
 

@@ -12,11 +12,11 @@ import pytest
 from fastapi.routing import APIRoute
 from fastapi.testclient import TestClient
 
-from ftengine.control.app import create_app
-from ftengine.control.messages import FaultToleranceRequest
-from ftengine.control.openai_messages import CompletionRequest, CompletionStreamResponse
-from ftengine.control.openai_routes import Completions
 from ftengine.errors import BackendError
+from ftengine.testbed.control.app import create_app
+from ftengine.testbed.control.messages import FaultToleranceRequest
+from ftengine.testbed.control.openai_messages import CompletionRequest, CompletionStreamResponse
+from ftengine.testbed.control.openai_routes import Completions
 from tests.unit.control_standin import POISON, Jobs, StandInCluster, StandInService, standin_model
 
 APPLY, STATUS = "/fault_tolerance/apply", "/fault_tolerance/status"

@@ -6,11 +6,11 @@ from __future__ import annotations
 import pytest
 
 from ftengine.backends.base import RepairReport
-from ftengine.bench.breakdown import breakdown, interruption_s
-from ftengine.bench.traffic import Sample, tokens_per_second
-from ftengine.bench.trials import summary
-from ftengine.control.snapshot import ClusterView, EngineView, Episode, StatusShapeError
 from ftengine.faults import Fault, FaultKind, HealthStatus, Phase
+from ftengine.testbed.bench.breakdown import breakdown, interruption_s
+from ftengine.testbed.bench.traffic import Sample, tokens_per_second
+from ftengine.testbed.bench.trials import summary
+from ftengine.testbed.control.snapshot import ClusterView, EngineView, Episode, StatusShapeError
 from ftengine.timeline import TimelineBuilder
 
 

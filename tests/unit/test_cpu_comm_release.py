@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ftengine.backends.cpu_comm import GlooGroup
 from ftengine.errors import BackendError
+from ftengine.testbed.cpu.comm import GlooGroup
 from tests.gloo_support import one_rank_store
 
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ftengine.backends.cpu_experts import CpuExperts
 from ftengine.errors import PlacementError, WeightLoadError
 from ftengine.placement.elastic import densify_routing_ids
+from ftengine.testbed.cpu.experts import CpuExperts
 from ftengine.weights.index import CheckpointIndex
 from ftengine.weights.reload import load_experts_into_slots
 from ftengine.weights.slots import ExpertSlots
@@ -84,6 +84,6 @@ def test_repair_refuses_to_finish_with_maps_that_still_route_to_dead_slots(
 ) -> None:
     experts = CpuExperts.load(index, rank=0, world=4, num_redundant=4)
     # A placement update that forgot the logical maps: slots emptied, routing untouched.
-    monkeypatch.setattr("ftengine.backends.cpu_experts.apply_plan", lambda placement, plan: None)
+    monkeypatch.setattr("ftengine.testbed.cpu.experts.apply_plan", lambda placement, plan: None)
     with pytest.raises(PlacementError, match="still name dead or empty slots"):
         experts.repair(frozenset({3}))

@@ -1,7 +1,8 @@
 """Every process group ftengine's CPU backend made is re-created by a rebuild (the second
-seed's review point): the backend holds one gloo group per epoch (``backends/cpu.py``;
-nothing in ``ftengine/cluster`` makes a group of its own) and the MoE layers reach it
-through ``comm()`` each call, so after a rebuild nothing may still use the old one."""
+seed's review point): the backend holds one gloo group per epoch
+(``ftengine/testbed/cpu/backend.py``; nothing in ``ftengine/testbed/cluster`` makes a group of
+its own) and the MoE layers reach it through ``comm()`` each call, so after a rebuild nothing
+may still use the old one."""
 
 from __future__ import annotations
 

@@ -7,17 +7,17 @@ from collections.abc import Callable
 import pytest
 import torch
 
-from ftengine.backends.cpu_comm import GlooGroup
-from ftengine.backends.cpu_moe import (
+from ftengine.errors import PlacementError
+from ftengine.placement.elastic import ElasticInfo, densify_routing_ids
+from ftengine.placement.maps import ExpertPlacement
+from ftengine.testbed.cpu.comm import GlooGroup
+from ftengine.testbed.cpu.moe import (
     DistributedMoe,
     LocalMoe,
     choose_replicas,
     combine_topk,
     expert_ffn,
 )
-from ftengine.errors import PlacementError
-from ftengine.placement.elastic import ElasticInfo, densify_routing_ids
-from ftengine.placement.maps import ExpertPlacement
 from tests.gloo_support import on_ranks
 
 H, INTER, E = 8, 6, 4

@@ -3,7 +3,9 @@
 the design, only one that happens not to crash at import time).
 
 The modules are the files of the packages pyproject.toml lists (with its ``package-dir``
-mapping), read as source: nothing is imported, so optional dependencies do not matter.
+mapping), the test bed's included, read as source: nothing is imported, so optional
+dependencies do not matter. The same graph shows the product apart from the test bed: no
+product module imports ``ftengine.testbed`` or names one of its modules in a string.
 """
 
 from __future__ import annotations
@@ -15,37 +17,19 @@ from collections.abc import Iterator, Mapping
 from pathlib import Path
 
 import pytest
-import tomllib
 
-ROOT = Path(__file__).resolve().parents[2]
-ROOT_PACKAGE = "ftengine"
+from tests.package_support import (
+    ROOT,
+    ROOT_PACKAGE,
+    TESTBED,
+    in_testbed,
+    module_files,
+    package_dirs,
+)
 
-
-def package_dirs(root: Path = ROOT) -> dict[str, Path]:
-    """``{package: folder}`` for every package pyproject.toml lists."""
-    setuptools = tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]
-    mapped: dict[str, str] = setuptools.get("package-dir", {})
-    found = {}
-    for package in setuptools["packages"]:
-        parts = package.split(".")
-        for cut in range(len(parts), 0, -1):
-            base = ".".join(parts[:cut])
-            if base in mapped:
-                found[package] = root / mapped[base] / Path(*parts[cut:])
-                break
-        else:
-            found[package] = root / Path(*parts)
-    return found
-
-
-def module_files(root: Path = ROOT) -> dict[str, Path]:
-    """``{module: file}`` for every module of the listed packages (packages as ``__init__``)."""
-    modules = {}
-    for package, folder in package_dirs(root).items():
-        for file in sorted(folder.glob("*.py")):
-            name = package if file.stem == "__init__" else f"{package}.{file.stem}"
-            modules[name] = file
-    return modules
+COMMAND_DISCOVERY = f"{ROOT_PACKAGE}.cli"
+"""The one product module that names the test bed: its command-line discovery's fallback for
+a source checkout without entry points (``ftengine/cli/__init__.py``)."""
 
 
 def _imported_names(module: str, file: Path, modules: Mapping[str, Path]) -> Iterator[str]:
@@ -137,6 +121,8 @@ def test_every_listed_package_has_modules() -> None:
     assert f"{ROOT_PACKAGE}.engine" in modules
     assert f"{ROOT_PACKAGE}.policies.builtin" in modules
     assert f"{ROOT_PACKAGE}.backends.base" in modules
+    assert f"{TESTBED}.cluster.supervisor" in modules
+    assert f"{TESTBED}.chaos.campaign" in modules
     for package, folder in package_dirs().items():
         assert (folder / "__init__.py").is_file(), f"{package}: no {folder}/__init__.py"
 
@@ -146,6 +132,52 @@ def test_no_import_cycle() -> None:
     assert found == [], "import cycles (every import counted, TYPE_CHECKING too): " + "; ".join(
         " <-> ".join(component) for component in found
     )
+
+
+def test_no_product_module_imports_the_test_bed() -> None:
+    graph = import_graph(module_files())
+    found = sorted(
+        f"{module} -> {target}"
+        for module, targets in graph.items()
+        if not in_testbed(module)
+        for target in targets
+        if in_testbed(target)
+    )
+    assert found == [], "product modules importing the test bed: " + "; ".join(found)
+
+
+def named_modules(file: Path, modules: Mapping[str, Path]) -> set[str]:
+    """The modules of ``modules`` that a string constant of ``file`` names, as ``pkg.mod``
+    or ``pkg.mod:attribute`` (an ``importlib`` import, an entry point, a command line)."""
+    return {
+        node.value.partition(":")[0]
+        for node in ast.walk(ast.parse(file.read_text(), str(file)))
+        if isinstance(node, ast.Constant) and isinstance(node.value, str)
+        if node.value.partition(":")[0] in modules
+    }
+
+
+def test_no_product_module_names_the_test_bed_but_the_command_discovery() -> None:
+    modules = module_files()
+    found = sorted(
+        f"{module} names {target}"
+        for module, file in modules.items()
+        if not in_testbed(module) and module != COMMAND_DISCOVERY
+        for target in named_modules(file, modules)
+        if in_testbed(target)
+    )
+    assert found == [], "product modules naming a test-bed module: " + "; ".join(found)
+    discovery = named_modules(modules[COMMAND_DISCOVERY], modules)
+    assert {target for target in discovery if in_testbed(target)} == {f"{TESTBED}.cli"}
+
+
+def test_the_checks_see_an_import_and_a_named_module(tmp_path: Path) -> None:
+    (tmp_path / "m.py").write_text('import x.y\nPATH = "x.y:f"\nDOC = "x.y does it"\n')
+    modules = {"m": tmp_path / "m.py", "x": tmp_path / "x.py", "x.y": tmp_path / "y.py"}
+    (tmp_path / "x.py").write_text("")
+    (tmp_path / "y.py").write_text("")
+    assert import_graph(modules)["m"] == {"x", "x.y"}
+    assert named_modules(modules["m"], modules) == {"x.y"}
 
 
 def test_the_checker_sees_cycles_hidden_under_type_checking(tmp_path: Path) -> None:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import attrs
 import pytest
 
-from ftengine.bench.inflight_tally import in_flight_at, tally, targets_met
+from ftengine.testbed.bench.inflight_tally import in_flight_at, tally, targets_met
 
 WANT = [7, 8, 9, 10]
 

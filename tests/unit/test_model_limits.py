@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from ftengine.errors import ConfigError
-from ftengine.model_limits import DEFAULT_MAX_POSITIONS, ModelLimits
+from ftengine.testbed.model_limits import DEFAULT_MAX_POSITIONS, ModelLimits
 
 
 def test_reads_vocab_context_and_both_eos_sources(tmp_path: Path) -> None:

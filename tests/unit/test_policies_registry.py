@@ -9,8 +9,6 @@ import attrs
 import pytest
 
 from ftengine.backends.npu_config import NpuFtConfig
-from ftengine.cluster import ClusterConfig
-from ftengine.cluster.policies import build_policy
 from ftengine.errors import ConfigError
 from ftengine.faults import FaultKind
 from ftengine.policies import AutoRecovery, Deployment, OrchestratorDriven, by_name
@@ -22,6 +20,8 @@ from ftengine.policies.registry import (
     check_name,
     factory_of,
 )
+from ftengine.testbed.cluster import ClusterConfig
+from ftengine.testbed.cluster.policies import build_policy
 
 # What "auto" meant in the cluster and in vLLM before there was one registry.
 DEPLOYED_AUTO = AutoRecovery(

@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import pytest
 
-from ftengine.cluster.generation import StepFailed
-from ftengine.cluster.inflight import Held, Resumption
 from ftengine.reinference import PoisonProbe, Reinference, ReplayMismatch, TokenLedger
+from ftengine.testbed.cluster.generation import StepFailed
+from ftengine.testbed.cluster.inflight import Held, Resumption
 
 
 def test_a_ledger_decodes_then_resumes_after_a_fault_from_its_last_token() -> None:

@@ -8,7 +8,6 @@ import pytest
 from ftengine.backends.base import Backend
 from ftengine.backends.fake import FakeBackend
 from ftengine.clock import ManualClock
-from ftengine.cluster.policies import build_policy
 from ftengine.context import RedundancyFacts
 from ftengine.errors import (
     CollectiveTimeout,
@@ -19,6 +18,7 @@ from ftengine.faults import FaultKind, HealthStatus, Phase
 from ftengine.policies import OrchestratorDriven, Policy
 from ftengine.sentinel import HostedBackend, WorkerSentinel
 from ftengine.status import PhaseChange
+from ftengine.testbed.cluster.policies import build_policy
 
 
 class RecordingHost:

@@ -200,7 +200,7 @@ def test_the_beat_interval_knob_takes_positive_seconds_only(
 
 
 def test_the_overhead_only_bench_refuses_an_unknown_baseline(tmp_path: Any) -> None:
-    from ftengine.integrations.vllm.bench import BenchConfig, run_overhead
+    from ftengine.testbed.bench.vllm import BenchConfig, run_overhead
 
     config = BenchConfig(tmp_path, overhead_only=True, baseline="vllm")
     with pytest.raises(ValueError, match=r"baseline: expected one of \('off', 'inert'\)"):

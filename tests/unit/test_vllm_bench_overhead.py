@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from ftengine.integrations.vllm.bench_overhead import (
+from ftengine.testbed.bench.vllm_overhead import (
     Sample,
     compare,
     interleaved,

@@ -10,9 +10,9 @@ import attrs
 import httpx
 import pytest
 
-from ftengine.bench.live import PlainReporter
-from ftengine.bench.traffic import Sample
-from ftengine.integrations.vllm.demo_checks import Change, Outcome, StatusWatcher, checks, tally
+from ftengine.testbed.bench.live import PlainReporter
+from ftengine.testbed.bench.traffic import Sample
+from ftengine.testbed.vllm.demo_checks import Change, Outcome, StatusWatcher, checks, tally
 
 
 def _good() -> Outcome:

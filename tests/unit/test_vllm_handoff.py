@@ -24,8 +24,8 @@ from ftengine.errors import ConfigError
 from ftengine.integrations.vllm.engine_core import handoff
 from ftengine.integrations.vllm.engine_core.handoff import HANDOFF_ATTR, Handoff, refusal
 from ftengine.integrations.vllm.engine_core.reinference import abort, hold_or_abort, install
-from ftengine.integrations.vllm.launcher import DeploymentConfig
 from ftengine.integrations.vllm.patches.engine_core import check_reinference_seams
+from ftengine.testbed.vllm.launcher import DeploymentConfig
 from tests.unit.test_vllm_reinference import (
     Engine,
     Executor,

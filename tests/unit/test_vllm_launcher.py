@@ -10,7 +10,7 @@ import pytest
 
 from ftengine.cli import main
 from ftengine.errors import ConfigError
-from ftengine.integrations.vllm.launcher import (
+from ftengine.testbed.vllm.launcher import (
     API_SERVER_MODULE,
     OMP_BIND_ENV,
     DeploymentConfig,

@@ -10,13 +10,13 @@ import pytest
 
 from ftengine.backends.npu_config import NpuFtConfig
 from ftengine.clock import ManualClock
-from ftengine.cluster.config import ClusterConfig
-from ftengine.cluster.policies import build_policy
 from ftengine.context import RecoveryContext
 from ftengine.errors import ConfigError
 from ftengine.faults import Fault, FaultKind, Phase
 from ftengine.policies import Retry, WaitForOrchestrator, decide
 from ftengine.policies.import_path import is_import_path, policy_from_import_path
+from ftengine.testbed.cluster.config import ClusterConfig
+from ftengine.testbed.cluster.policies import build_policy
 
 GOOD = "tests.vllm_support:retry_transient_then_wait"
 

@@ -246,7 +246,7 @@ def test_the_cpu_backend_scales_down_through_its_rehoster() -> None:
 
 
 def test_the_bench_reads_the_reloads_from_the_survivors_log(tmp_path: Path) -> None:
-    from ftengine.integrations.vllm.bench_scale_down import adopted
+    from ftengine.testbed.bench.vllm_scale_down import adopted
 
     log = tmp_path / "rank0.log"
     log.write_text(

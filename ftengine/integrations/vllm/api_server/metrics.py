@@ -2,7 +2,7 @@
 server that reads the FSM state its engines' workers leave in their status files
 (``engine_agent.StatusFile``), at scrape time, so nothing is pushed between processes.
 
-Names match the control plane's (``ftengine/control/metrics.py``): ``ftengine_engine_phase``
+Names match the control plane's (``ftengine/testbed/control/metrics.py``): ``ftengine_engine_phase``
 (1 for the phase an engine is in), ``ftengine_engine_epoch``, plus
 ``ftengine_engine_removed_ranks`` and ``ftengine_engine_recovery_attempts``.
 """

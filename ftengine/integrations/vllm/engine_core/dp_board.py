@@ -16,7 +16,7 @@ from typing import Any
 
 BEAT_S = 0.05  # the agent's tick: its worker's exit and its own status checked
 PEER_READ_S = 0.25  # the peers are read this often (a ring: at once); a read every 20 ms
-# tick was most of the agent's CPU (docs/vllm-dev-notes.md, "Where the FT overhead goes")
+# tick was most of the agent's CPU (docs/notebook.md, "Where the FT overhead goes")
 BEAT_ENV = "FTENGINE_VLLM_BEAT_S"
 """Debug knob: the beat interval in seconds (the overhead benchmark's "agent inert" side
 sets it to hours, leaving vLLM's FT, the worker sentinel and the per-op timeouts)."""

