@@ -60,6 +60,11 @@ class Reinference:
         return f"recovery ended DEAD, the held request cannot resume: {reason}"
 
     @staticmethod
+    def off(fault: str) -> str:
+        """The abort message of a request in flight at a fault while re-inference is off."""
+        return f"{fault}; re-inference is off (ftengine.reinference), the request is aborted"
+
+    @staticmethod
     def poison(rank: int) -> str:
         """The error message of a request found to fault every re-run by itself."""
         return (

@@ -243,6 +243,27 @@ def test_injected_fault_then_retry_on_every_rank_answers_as_before(
 
 
 @pytest.mark.timeout(600)
+def test_a_stream_aborted_before_its_first_token_ends_saying_why(
+    deployment: VllmDeployment, checkpoint: Path, fault_file: Path
+) -> None:
+    """The chaos campaign's "lost" streams: a request whose first step faults is aborted
+    with no token; vLLM alone ended its stream with ``[DONE]`` and neither a finish reason
+    nor a stop reason. Now it ends ``abort``, the fault named in ``stop_reason``."""
+    fault_file.write_text("1")  # rank 1's next step, this request's first, raises
+    stream = OpenAIStream(deployment.urls[1], str(checkpoint), STREAM_PROMPTS[0], 8, 120.0)
+    stream.start()
+    stream.finish()
+    assert (stream.tokens, stream.finish_reason) == ([], "abort"), stream.chunks
+    assert "faulted (" in str(stream.stop_reason), stream.stop_reason
+    assert "re-inference is off" in str(stream.stop_reason), stream.stop_reason
+    wait_for(deployment, {0: "unhealthy", 1: "unhealthy"}, OP_TIMEOUT_S + 20)
+    for url in deployment.urls:
+        reply = httpx.post(f"{url}/fault_tolerance/apply", json={"instruction": "retry"})
+        assert reply.status_code == 202, reply.text
+    wait_for(deployment, {0: "healthy", 1: "healthy"}, 60)
+
+
+@pytest.mark.timeout(600)
 def test_idle_sigkill_makes_survivors_unhealthy_within_a_second_and_victim_dead(
     deployment: VllmDeployment,
 ) -> None:

@@ -11,7 +11,7 @@ from types import ModuleType, SimpleNamespace
 import pytest
 
 from ftengine.integrations.vllm.api_server import ft_routes as ft_routes_auth
-from ftengine.integrations.vllm.patches.api_server import FT_ROUTES_PATCHES, ROUTER_MODULE
+from ftengine.integrations.vllm.patches.api_server import API_SERVER_PATCHES, ROUTER_MODULE
 from ftengine.integrations.vllm.patches.mechanism import VllmSeamMoved
 
 authenticate = pytest.importorskip("vllm.entrypoints.serve.middleware.authenticate")
@@ -100,7 +100,7 @@ def test_a_vllm_that_stops_guarding_by_prefix_fails_loudly(
 
 def test_the_start_up_check_patches_vllms_router_registration() -> None:
     """The patched name exists with the parameters ftengine expects (vLLM moved it: fails)."""
-    (check,) = FT_ROUTES_PATCHES
+    check = API_SERVER_PATCHES[0]
     owner, original = check.target()
     assert owner.__name__ == ROUTER_MODULE
     assert original.__name__ == "register_fault_tolerance_api_router"

@@ -246,6 +246,24 @@ def test_without_the_option_vllms_own_on_fault_runs() -> None:
     assert getattr(sentinel, "vllm_ran", False) is True
 
 
+@pytest.mark.parametrize(("failed", "what"), [(False, "faulted"), (True, "lost its worker")])
+def test_without_the_option_the_aborted_requests_say_why(failed: bool, what: str) -> None:
+    """vLLM's own on_fault aborts with no stop reason (the chaos campaign's 'lost' streams):
+    ftengine aborts them first, naming the fault, and vLLM's then finds nothing left."""
+    engine = Engine(FakeScheduler([FakeRequest("r0")], [FakeRequest("w0")]))
+    engine.model_executor.is_failed = failed
+    sentinel = Sentinel(engine)
+    install(sentinel, settings(), check_reinference_seams)
+    hold_or_abort(sentinel, RuntimeError("boom"), vllm_abort_all)
+    reasons = aborts(engine)
+    assert set(reasons) == {"r0", "w0"}
+    assert all(
+        str(r).startswith(f"engine 0 {what} (RuntimeError); re-inference is off")
+        for r in reasons.values()
+    ), reasons
+    assert getattr(sentinel, "vllm_ran", False) is True and not engine.scheduler.requests
+
+
 def test_the_options_are_checked_at_start_up() -> None:
     from ftengine.errors import ConfigError
 

@@ -207,21 +207,26 @@ def hold_or_abort(
     peers: Mapping[int, str] | None = None,
 ) -> None:
     """What the patched ``EngineCoreSentinel.on_fault`` runs: vLLM's own ``on_fault``
-    (``vllm_on_fault``) without a :class:`Hold`; with one, the same steps (vLLM 0.32's)
+    (``vllm_on_fault``) without a :class:`Hold`, the requests it would abort aborted first
+    with the reason (vLLM gives none); with one, the same steps (vLLM 0.32's)
     except that requests are held, or aborted with the reason when the engine is DEAD (its
     worker process died: nothing can resume them here). ``peers``: the engine-core agent's
     view of its peers' statuses (``poison.own_fault``)."""
     hold: Hold | None = getattr(sentinel, HOLD_ATTR, None)
+    engine = sentinel.engine
+    dead = bool(getattr(engine.model_executor, "is_failed", False))
     if hold is None:
+        # vLLM's on_fault aborts every request without a word: abort them first, saying why.
+        what = "lost its worker" if dead else "faulted"
+        fault = f"engine {sentinel.engine_index} {what} ({type(exc).__name__})"
+        abort(engine, held_requests(engine), Reinference.off(fault))
         vllm_on_fault(sentinel, exc)
         return
     statuses = import_vllm(ENGINE_MODULE).EngineStatusType
     sentinel.resumed.clear()
     logger.warning("[FT] Busy loop raised %s. Holding requests for recovery.", type(exc).__name__)
-    engine = sentinel.engine
     if engine.batch_queue is not None:
         engine.batch_queue.clear()
-    dead = bool(getattr(engine.model_executor, "is_failed", False))
     sentinel.status_type = statuses.DEAD if dead else statuses.UNHEALTHY
     sentinel.fault_info = type(exc).__name__
     if dead:

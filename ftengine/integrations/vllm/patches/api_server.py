@@ -2,7 +2,9 @@
 that ``scale_down`` (vLLM 0.32 has only ``retry``) passes it, and a malformed one is a 400
 with vLLM's error object, as vLLM answers a malformed ``retry``; the FT router's
 registration, to warn when the routes answer anyone (``api_server.ft_routes``, which also
-puts them behind the API key)."""
+puts them behind the API key); the completion stream generator, so that a stream whose
+request ended before its first token still gets its finishing chunk
+(``api_server.stream_ends``)."""
 
 from __future__ import annotations
 
@@ -13,10 +15,12 @@ from typing import Any
 from ftengine.errors import CommandRejected
 from ftengine.integrations.vllm.api_server.ft_routes import warn_if_open
 from ftengine.integrations.vllm.api_server.scale_down_payload import INSTRUCTION, check_payload
+from ftengine.integrations.vllm.api_server.stream_ends import with_finishing_chunks
 from ftengine.integrations.vllm.messages import import_vllm
 from ftengine.integrations.vllm.patches.mechanism import PATCHED_MARK, Patch, marked
 
 ROUTER_MODULE = "vllm.entrypoints.serve.fault_tolerance.api_router"
+COMPLETION_MODULE = "vllm.entrypoints.openai.completion.serving"
 
 
 def _checking_scale_down(validate: Callable[..., Any]) -> Callable[..., Any]:
@@ -51,9 +55,17 @@ def _warning_when_open(original: Callable[..., Any]) -> Callable[..., Any]:
     return register_fault_tolerance_api_router
 
 
-FT_ROUTES_PATCHES = (
+API_SERVER_PATCHES = (
     Patch(
         ROUTER_MODULE, "", "register_fault_tolerance_api_router", ("app",),
         marked(_warning_when_open),
+    ),
+    Patch(
+        COMPLETION_MODULE, "OpenAIServingCompletion", "completion_stream_generator",
+        (
+            "request", "engine_inputs", "result_generator", "request_id", "created_time",
+            "model_name", "num_prompts", "tokenizer", "request_metadata",
+        ),
+        marked(with_finishing_chunks),
     ),
 )  # fmt: skip

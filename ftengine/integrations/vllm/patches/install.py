@@ -11,12 +11,12 @@ from __future__ import annotations
 import multiprocessing
 
 from ftengine.integrations.vllm.api_server.ft_routes import guard_ft_routes
-from ftengine.integrations.vllm.patches.api_server import FT_ROUTES_PATCHES, SCALE_DOWN_PATCHES
+from ftengine.integrations.vllm.patches.api_server import API_SERVER_PATCHES, SCALE_DOWN_PATCHES
 from ftengine.integrations.vllm.patches.engine_core import ENGINE_CORE_PATCHES, SCALE_DOWN_METHOD
 from ftengine.integrations.vllm.patches.mechanism import apply_patches
 from ftengine.integrations.vllm.patches.worker import CPU_PATCHES
 
-PATCHES = ENGINE_CORE_PATCHES + CPU_PATCHES + SCALE_DOWN_PATCHES + FT_ROUTES_PATCHES
+PATCHES = ENGINE_CORE_PATCHES + CPU_PATCHES + SCALE_DOWN_PATCHES + API_SERVER_PATCHES
 
 
 def apply_scale_down_patches() -> None:
@@ -41,7 +41,8 @@ def apply_engine_core_patches() -> None:
 
 def apply_api_server_patches() -> None:
     """In a main process (an API server; vLLM's engine cores and workers are its children):
-    the FT routes behind the API key, and the start-up warning when they answer anyone."""
+    the FT routes behind the API key, the start-up warning when they answer anyone, and
+    finished streams that always say how they ended (:data:`API_SERVER_PATCHES`)."""
     if multiprocessing.parent_process() is None:
         guard_ft_routes()
-        apply_patches(FT_ROUTES_PATCHES)
+        apply_patches(API_SERVER_PATCHES)
