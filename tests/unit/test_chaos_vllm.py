@@ -13,24 +13,24 @@ from typing import Any
 import httpx
 import pytest
 
+from ftengine.testbed.chaos.campaign import rebuild_after
 from ftengine.testbed.chaos.catalogue import ChaosKind, PlannedFault, When, plan
 from ftengine.testbed.chaos.history import History
 from ftengine.testbed.chaos.invariants import FaultResult, check_request
 from ftengine.testbed.chaos.traffic import StreamRecord
 from ftengine.testbed.chaos.vllm_plan import (
     VLLM_KINDS,
+    coalesced,
     decide,
     detection_bound,
     detectors,
     follows,
     judge,
-    rebuild_after,
     rebuild_first,
     removed_ranks,
     victims,
 )
 from ftengine.testbed.chaos.vllm_recover import VllmOrchestrator
-from ftengine.testbed.chaos.vllm_report import coalesced
 from ftengine.testbed.chaos.vllm_watch import StatusWatch
 
 

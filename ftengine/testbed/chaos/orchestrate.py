@@ -98,7 +98,7 @@ class Orchestrator:
         return settled_state(_engines(self.http))
 
     def recover(
-        self, fault: int, deadline_s: float, on_command: Callable[[], None] | None = None
+        self, fault: int | None, deadline_s: float, on_command: Callable[[], None] | None = None
     ) -> Outcome:
         """Drive recovery until it settles, ends dead, or ``deadline_s`` passes;
         ``on_command`` runs once, right after the first command was accepted (or, with
@@ -125,7 +125,7 @@ class Orchestrator:
                 commands.append(self._result(fault, request_id, deadline))
             time.sleep(POLL_S)
 
-    def _send(self, fault: int, instruction: str, params: dict[str, Any]) -> str:
+    def _send(self, fault: int | None, instruction: str, params: dict[str, Any]) -> str:
         request_id = f"chaos-{uuid.uuid4().hex[:12]}"
         body = {"instruction": instruction, "params": params, "request_id": request_id}
         answer = self.http.post("/fault_tolerance/apply", json=body)
@@ -139,7 +139,7 @@ class Orchestrator:
         )
         return request_id
 
-    def _result(self, fault: int, request_id: str, deadline: float) -> str:
+    def _result(self, fault: int | None, request_id: str, deadline: float) -> str:
         """Wait for the command's result (a 404: it was refused before it ran)."""
         while time.monotonic() < deadline:
             record = self.http.get(f"/fault_tolerance/requests/{request_id}")

@@ -1,6 +1,6 @@
 """The real-vLLM campaign's rules, as pure functions of what it saw (unit-tested without
 vLLM): which kinds vLLM supports here, the victims of a fault, when the deployment must be
-rebuilt first or afterwards, each kind's detection bound, and what an orchestrator does
+rebuilt first, each kind's detection bound, and what an orchestrator does
 next given every engine's ``/fault_tolerance/status`` (retry, scale_down, fence, wait, done).
 
 vLLM-specific limit planned around: an engine stopped by SIGSTOP never reports anything
@@ -18,6 +18,7 @@ import attrs
 
 from ftengine.testbed.chaos.catalogue import ChaosKind, PlannedFault, When
 from ftengine.testbed.chaos.invariants import FaultResult, check_fault
+from ftengine.testbed.chaos.traffic import StreamRecord
 
 VLLM_KINDS = (
     ChaosKind.STEP_RAISE,
@@ -75,15 +76,6 @@ def rebuild_first(fault: PlannedFault, live: Sequence[int], extra_lost: int = 0)
         return f"no victim for {fault.kind.value} among live ranks {list(live)}"
     if len(live) - fault.ranks_lost - extra_lost < 1:
         return f"{len(live)} ranks left, {fault.kind.value} takes {fault.ranks_lost + extra_lost}"
-    return None
-
-
-def rebuild_after(outcome: str) -> str | None:
-    """Why the deployment must be rebuilt right after a fault's recovery (None: it goes on)."""
-    # Rank 0 lost with two or more survivors goes on too: its DEAD engine core stays parked,
-    # so the DP coordinator its API server runs stays up (``coordinator_host.py``).
-    if outcome != "settled":
-        return f"recovery ended {outcome}"
     return None
 
 
@@ -174,3 +166,13 @@ def judge(result: FaultResult, op_timeout_s: float) -> list[str]:
     elif result.detect_s is not None and result.detect_s > bound:
         problems.insert(0, f"detection: {result.detect_s:.3f} s > bound {bound:.1f} s")
     return problems
+
+
+def coalesced(record: StreamRecord, problems: list[str]) -> bool:
+    """A completed stream whose only problem is a chunk of several tokens, the tokens all
+    there in order: vLLM's ``RequestOutputCollector`` merges a request's deltas when the
+    engine gets ahead of the API server's consumer (a loaded machine), which is no gap and
+    no repeat (``wrong_tokens`` checks the whole sequence)."""
+    names = {p.split(":", 1)[0] for p in problems}
+    done = record.finish_reason == "length" and record.error is None
+    return done and names == {"stream_gaps_or_repeats"}
