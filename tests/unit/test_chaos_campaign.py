@@ -10,7 +10,7 @@ from __future__ import annotations
 import signal
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -20,7 +20,7 @@ from ftengine.testbed.chaos.campaign import Campaign
 from ftengine.testbed.chaos.catalogue import ChaosKind, PlannedFault, When
 from ftengine.testbed.chaos.cluster_options import ClusterCampaignOptions
 from ftengine.testbed.chaos.cluster_target import ClusterTarget
-from ftengine.testbed.chaos.orchestrate import Outcome, settled_state
+from ftengine.testbed.chaos.recovery import During, Engines, Outcome
 from ftengine.testbed.cluster import FaultSpec
 from ftengine.testbed.cluster.protocol import PhaseEvent
 from ftengine.weights.checkpoint_gen import make_checkpoint
@@ -116,7 +116,7 @@ class FakeDeployment:
 
 
 class FakeOrchestrator:
-    """``Orchestrator.recover``'s signature; scales down past whatever reads dead now."""
+    """``recovery.Orchestrator``'s signatures; scales down past whatever reads dead now."""
 
     def __init__(self, cluster: FakeCluster) -> None:
         self.cluster = cluster
@@ -124,7 +124,12 @@ class FakeOrchestrator:
         self.episodes_seen: list[int] = []  # the episodes the status counted at each call
 
     def recover(
-        self, fault: int | None, deadline_s: float, on_command: Callable[[], None] | None = None
+        self,
+        fault: int | None,
+        deadline_s: float,
+        *,
+        may_die: Sequence[int] = (),
+        during: During | None = None,
     ) -> Outcome:
         cluster = self.cluster
         with cluster.lock:
@@ -132,12 +137,12 @@ class FakeOrchestrator:
             self.episodes_seen.append(cluster.episodes)
             cluster.removed |= cluster.gone
             cluster.broken.clear()
-        if on_command is not None:
-            on_command()  # the recovery-phase fault, right after the command was accepted
+        if during is not None:
+            during()  # the recovery-phase fault, right after the command was accepted
         return Outcome("settled", time.monotonic(), cluster.engines(), ("scale_down",))
 
-    def state(self) -> str | None:
-        return settled_state(list(self.cluster.engines()))
+    def read(self) -> Engines:
+        return {e["id"]: e for e in self.cluster.engines()}
 
     def close(self) -> None:
         return None

@@ -18,7 +18,7 @@ from ftengine.testbed.chaos.census import Census
 from ftengine.testbed.chaos.findings import Findings
 from ftengine.testbed.chaos.history import History
 from ftengine.testbed.chaos.invariants import FaultResult, Violation
-from ftengine.testbed.chaos.orchestrate import Outcome
+from ftengine.testbed.chaos.recovery import Outcome
 from ftengine.testbed.chaos.target import Target
 from ftengine.testbed.chaos.traffic import StreamRecord
 
@@ -254,6 +254,6 @@ def _line(result: FaultResult, planned: int, outcome: Outcome, problems: list[st
     return (
         f"[{result.index + 1}/{planned}] {result.kind.value} ({result.when.value}) "
         f"ranks {list(result.victims)}{step}: detect {detect}, {outcome.state} after "
-        f"{recover}, commands {list(outcome.commands)}"
+        f"{recover}, commands {[c[:120] for c in outcome.commands]}"
         + (f"; VIOLATED {problems}" if problems else "")
     )

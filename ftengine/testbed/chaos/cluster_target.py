@@ -27,8 +27,9 @@ from ftengine.testbed.chaos.census import Census, listening_here
 from ftengine.testbed.chaos.cluster_options import ClusterCampaignOptions
 from ftengine.testbed.chaos.deployment import Deployment
 from ftengine.testbed.chaos.invariants import FaultResult, check_fault, detection_bound
-from ftengine.testbed.chaos.orchestrate import Orchestrator, Outcome
-from ftengine.testbed.chaos.target import Bench, During, Ran
+from ftengine.testbed.chaos.orchestrate import ClusterChannel, ClusterRules, settled_state
+from ftengine.testbed.chaos.recovery import During, Orchestrator, Outcome
+from ftengine.testbed.chaos.target import Bench, Ran
 from ftengine.testbed.chaos.traffic import PROMPTS, StreamRecord
 from ftengine.testbed.cluster import ClusterConfig, reference_generate
 from ftengine.testbed.cluster.netns import Hosts
@@ -57,7 +58,7 @@ class ClusterTarget:
         )  # fmt: skip
         self.hosts: Hosts | None = None
         self.deployment: Deployment | None = None
-        self.orchestrator: Orchestrator | None = None
+        self.orchestrator: Orchestrator[str] | None = None
         self._experts = CheckpointIndex.open(checkpoint).num_experts
         self._stash = Path(tempfile.mkdtemp(prefix="ftengine-chaos-stash-"))
 
@@ -106,9 +107,8 @@ class ClusterTarget:
         auto = self.options.policy != "orchestrator"
         grace = deployment.cluster.config.heartbeat_timeout_s + 1.0
         self.deployment = deployment
-        self.orchestrator = Orchestrator(
-            deployment.url, auto=auto, history=self.bench.history, grace_s=grace
-        )
+        channel = ClusterChannel(deployment.url, self.bench.history)
+        self.orchestrator = Orchestrator(channel, lambda: ClusterRules(auto, grace))
 
     def stop(self) -> None:
         if self.orchestrator is not None:
@@ -135,7 +135,7 @@ class ClusterTarget:
             raise RuntimeError("the chaos campaign has no cluster deployment running")
         return self.deployment
 
-    def _orchestrator(self) -> Orchestrator:
+    def _orchestrator(self) -> Orchestrator[str]:
         if self.orchestrator is None:
             raise RuntimeError("the chaos campaign has no cluster deployment running")
         return self.orchestrator
@@ -175,7 +175,8 @@ class ClusterTarget:
             time.sleep(0.005)
 
     def steady(self) -> bool:
-        return self._orchestrator().state() == "settled"
+        engines = self._orchestrator().read()
+        return settled_state([dict(e) for e in engines.values()]) == "settled"
 
     def engines(self) -> Any:
         return [(e["id"], e["phase"]) for e in self._deployment().cluster.status()["engines"]]
@@ -221,12 +222,8 @@ class ClusterTarget:
         """Past the engines' own recovery deadline, so an engine left waiting ends DEAD
         first."""
 
-        def hook() -> None:
-            if during is not None:
-                during()
-
         deadline = self.options.recover_deadline_s + 15.0
-        return self._orchestrator().recover(fault, deadline, hook if during else None)
+        return self._orchestrator().recover(fault, deadline, during=during)
 
     def repair(self, shots: Sequence[Injected]) -> None:
         for shot in reversed(shots):

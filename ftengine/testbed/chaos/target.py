@@ -15,7 +15,7 @@ from ftengine.testbed.chaos.catalogue import ChaosKind, Injected, PlannedFault
 from ftengine.testbed.chaos.census import Census
 from ftengine.testbed.chaos.history import History
 from ftengine.testbed.chaos.invariants import FaultResult
-from ftengine.testbed.chaos.orchestrate import Outcome
+from ftengine.testbed.chaos.recovery import During, Outcome
 from ftengine.testbed.chaos.traffic import PROMPTS, StreamRecord, Traffic
 
 
@@ -84,10 +84,6 @@ class Ran(Protocol):
     reference: list[list[int]]
 
     def records(self) -> list[StreamRecord]: ...
-
-
-During = Callable[[], Sequence[int]]
-"""Injects the fault planned to land during a recovery; returns the ranks it hit."""
 
 
 class Target(Protocol):

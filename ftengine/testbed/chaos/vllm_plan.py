@@ -14,10 +14,9 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-import attrs
-
 from ftengine.testbed.chaos.catalogue import ChaosKind, PlannedFault, When
 from ftengine.testbed.chaos.invariants import FaultResult, check_fault
+from ftengine.testbed.chaos.recovery import Decision
 from ftengine.testbed.chaos.traffic import StreamRecord
 
 VLLM_KINDS = (
@@ -100,19 +99,6 @@ def detectors(
     if kind is ChaosKind.SIGSTOP:
         return tuple(r for r in live if r not in hit)
     return tuple(live)
-
-
-@attrs.frozen
-class Decision:
-    """What the orchestrator does now: ``wait``, ``command`` (``instruction``, ``params``
-    to ``targets``), ``fence`` (SIGKILL the ``targets``' workers) or ``done`` (``state``:
-    settled | dead)."""
-
-    action: str
-    targets: tuple[int, ...] = ()
-    instruction: str = ""
-    params: dict[str, Any] = attrs.field(factory=dict)
-    state: str = ""
 
 
 def removed_ranks(engines: Mapping[int, Mapping[str, Any]]) -> set[int]:

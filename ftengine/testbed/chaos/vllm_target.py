@@ -22,8 +22,8 @@ from ftengine.testbed.chaos.catalogue import ChaosKind, Injected, PlannedFault, 
 from ftengine.testbed.chaos.census import Census, listening_anywhere
 from ftengine.testbed.chaos.findings import spread
 from ftengine.testbed.chaos.invariants import FaultResult, check_request
-from ftengine.testbed.chaos.orchestrate import Outcome
-from ftengine.testbed.chaos.target import Bench, During, Ran
+from ftengine.testbed.chaos.recovery import During, Orchestrator, Outcome
+from ftengine.testbed.chaos.target import Bench, Ran
 from ftengine.testbed.chaos.traffic import PROMPTS, StreamRecord
 from ftengine.testbed.chaos.vllm_options import MODEL_NAME, VllmCampaignOptions
 from ftengine.testbed.chaos.vllm_plan import (
@@ -39,7 +39,7 @@ from ftengine.testbed.chaos.vllm_plan import (
     removed_ranks,
     victims,
 )
-from ftengine.testbed.chaos.vllm_recover import VllmOrchestrator
+from ftengine.testbed.chaos.vllm_recover import VllmChannel, VllmRules
 from ftengine.testbed.chaos.vllm_watch import StatusWatch
 from ftengine.testbed.vllm.launcher import VllmDeployment
 
@@ -49,11 +49,12 @@ STEP_S = 0.25  # a planned "step" of delay: vLLM exposes no step counter over HT
 class _Running:
     """One started deployment, what watches it and drives its recovery, and its workers."""
 
-    def __init__(self, deployment: VllmDeployment, orchestrator: VllmOrchestrator) -> None:
+    def __init__(self, deployment: VllmDeployment, channel: VllmChannel, grace_s: float) -> None:
         self.deployment = deployment
-        self.watch = orchestrator.watch
-        self.orchestrator = orchestrator
-        self.workers = dict(orchestrator.workers)
+        self.channel = channel
+        self.watch = channel.watch
+        self.workers = channel.workers
+        self.orchestrator = Orchestrator(channel, lambda: VllmRules(grace_s))
 
 
 def _rss(workers: dict[int, int], ranks: Sequence[int]) -> dict[int, int]:
@@ -97,13 +98,12 @@ class VllmTarget:
         tree = [p.pid for r in deployment.ranks for p in _tree(r.process.pid)]
         self.bench.census.note(tree, [config.port + r for r in range(config.dp_size)])
         workers = {r: entry["worker"] for r, entry in pids.items() if "worker" in entry}
-        orchestrator = VllmOrchestrator(
+        channel = VllmChannel(
             deployment.urls, workers, StatusWatch(deployment.urls), self.bench.history,
-            grace_s=self.options.op_timeout_s + 2.0,
             command_timeout_s=self.options.op_timeout_s * 2 + 30.0,
             on_fence=lambda rank: self.bench.fleet.traffic[rank].pause(0.0),
         )  # fmt: skip
-        self.running = _Running(deployment, orchestrator)
+        self.running = _Running(deployment, channel, grace_s=self.options.op_timeout_s + 2.0)
         self.start_s.append(time.monotonic() - began)
         self.bench.history.add("launch", pids=pids, start_s=round(self.start_s[-1], 1))
         self.progress(f"deployment {len(self.start_s)} up in {self.start_s[-1]:.1f} s: {pids}")
@@ -111,7 +111,7 @@ class VllmTarget:
     def stop(self) -> None:
         running, self.running = self.running, None
         if running is not None:
-            self.fences += len(running.orchestrator.fenced)
+            self.fences += len(running.channel.fenced)
             running.orchestrator.close()
             running.watch.stop()
             running.deployment.stop()
@@ -233,9 +233,8 @@ class VllmTarget:
         """Only the victims of a shot that kills (every kind but the step exception) may
         end dead, and those ``during`` hits."""
         may_die = () if shot is None or shot.fault.kind is ChaosKind.STEP_RAISE else shot.victims
-        return self._running().orchestrator.recover(
-            fault, may_die, self.options.recover_deadline_s, during
-        )
+        deadline = self.options.recover_deadline_s
+        return self._running().orchestrator.recover(fault, deadline, may_die=may_die, during=during)
 
     def repair(self, shots: Sequence[Injected]) -> None:
         self._fault_file.unlink(missing_ok=True)  # never consumed: no step ran on the victim
