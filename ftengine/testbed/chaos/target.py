@@ -7,7 +7,7 @@ judges and rebuilds on any of them. :class:`Fleet` is the streaming traffic of e
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
-from typing import Any, Protocol
+from typing import Any, Protocol, runtime_checkable
 
 import attrs
 
@@ -86,9 +86,12 @@ class Ran(Protocol):
     def records(self) -> list[StreamRecord]: ...
 
 
+@runtime_checkable
 class Target(Protocol):
     """One world a campaign runs in. The target holds the deployment of the moment (a
-    *generation*); :meth:`start` makes a fresh one, :meth:`stop` ends it."""
+    *generation*); :meth:`start` makes a fresh one, :meth:`stop` ends it. A new world (many
+    hosts, say) is one more class with these members; ``tests/unit/test_chaos_target.py``
+    checks each world has them all."""
 
     bench: Bench
     follows_show_late: bool
