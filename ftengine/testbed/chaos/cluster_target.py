@@ -178,7 +178,7 @@ class ClusterTarget:
         engines = self._orchestrator().read()
         return settled_state([dict(e) for e in engines.values()]) == "settled"
 
-    def engines(self) -> Any:
+    def engines(self) -> object:
         return [(e["id"], e["phase"]) for e in self._deployment().cluster.status()["engines"]]
 
     def detection_bound(self, kind: ChaosKind) -> float:

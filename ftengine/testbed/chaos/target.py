@@ -105,11 +105,11 @@ class Target(Protocol):
     def start(self) -> None:
         """Start a deployment (noted in the census)."""
 
-    def close(self) -> None:
-        """Release what the target holds across deployments, once the last one stopped."""
-
     def stop(self) -> None:
         """Stop the current deployment and everything it started."""
+
+    def close(self) -> None:
+        """Release what the target holds across deployments, once the last one stopped."""
 
     def urls(self) -> list[str]:
         """Where each of the fleet's clients streams to on the current deployment."""
@@ -139,7 +139,7 @@ class Target(Protocol):
     def steady(self) -> bool:
         """Whether every engine serves (no fault is being, or waits to be, recovered)."""
 
-    def engines(self) -> Any:
+    def engines(self) -> object:
         """The engines as the status reads them now (for the history)."""
 
     def inject(self, fault: PlannedFault, live: Sequence[int]) -> Injected:

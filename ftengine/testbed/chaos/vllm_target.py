@@ -195,7 +195,7 @@ class VllmTarget:
         removed = removed_ranks(engines)
         return all(e["status"] == "healthy" for r, e in engines.items() if r not in removed)
 
-    def engines(self) -> Any:
+    def engines(self) -> object:
         return self._running().watch.latest()
 
     def detection_bound(self, kind: ChaosKind) -> float:
