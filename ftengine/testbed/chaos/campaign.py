@@ -120,19 +120,19 @@ class Campaign:
             finally:  # the deployment stops whatever happened to the streams
                 self._end()
 
-    def _settle(self) -> None:
+    def _settle(self, before: int | None = None) -> None:
         """Recover a fault nobody injected (a worker fenced as hung on a starved machine,
         an op timeout under load) as an orchestrator would, or rebuild when that does not
-        settle; counted in ``unplanned``, so no planned fault lands on a deployment that
-        was already down."""
+        settle; counted in ``unplanned``, so no planned fault (``before``: the next one)
+        lands on a deployment that was already down."""
         if self.target.steady():
             return
         self.unplanned += 1
         engines = self.target.engines()
-        self.history.add("unplanned", engines=engines)
-        self.progress(f"unplanned fault: recovering it first: {engines}")
-        outcome = self.target.recover(None, None, None)
-        self.history.add("unplanned_done", state=outcome.state)
+        self.history.add("unplanned", before, engines=engines)
+        self.progress(f"unplanned fault before #{before}: recovering it first: {engines}")
+        outcome = self.target.recover(before, None, None)
+        self.history.add("unplanned_done", before, state=outcome.state)
         if outcome.state != "settled":
             self._rebuild(f"an unplanned fault ended {outcome.state}")
 
@@ -149,7 +149,7 @@ class Campaign:
     def _prepare(self, position: int) -> tuple[PlannedFault | None, PlannedFault | None]:
         """Fault ``position`` and its follow-up on a deployment that can take them (rebuilt
         first when it must be); (None, None): skipped, not even a fresh one can."""
-        self._settle()
+        self._settle(self.plan[position].index)
         fault, follow = self._pair(position)
         why = self.target.rebuild_first(fault, follow)
         if why is None:
@@ -168,7 +168,7 @@ class Campaign:
         if fault is None:
             return position + 1
         self.target.wait_steps(fault.delay_steps)
-        self._settle()
+        self._settle(fault.index)
         if not self.generation.rss_start:
             self.generation.rss_start = self.target.rss()
         shots = [self._inject(fault, self.target.live())]
