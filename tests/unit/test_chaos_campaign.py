@@ -10,15 +10,17 @@ from __future__ import annotations
 import signal
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from ftengine.testbed.chaos.campaign import Campaign, CampaignOptions, Generation
+from ftengine.testbed.chaos.campaign import Campaign
 from ftengine.testbed.chaos.catalogue import ChaosKind, PlannedFault, When
-from ftengine.testbed.chaos.orchestrate import Outcome, settled_state
+from ftengine.testbed.chaos.cluster_options import ClusterCampaignOptions
+from ftengine.testbed.chaos.cluster_target import ClusterTarget
+from ftengine.testbed.chaos.recovery import During, Engines, Outcome
 from ftengine.testbed.cluster import FaultSpec
 from ftengine.testbed.cluster.protocol import PhaseEvent
 from ftengine.weights.checkpoint_gen import make_checkpoint
@@ -114,7 +116,7 @@ class FakeDeployment:
 
 
 class FakeOrchestrator:
-    """``Orchestrator.recover``'s signature; scales down past whatever reads dead now."""
+    """``recovery.Orchestrator``'s signatures; scales down past whatever reads dead now."""
 
     def __init__(self, cluster: FakeCluster) -> None:
         self.cluster = cluster
@@ -122,7 +124,12 @@ class FakeOrchestrator:
         self.episodes_seen: list[int] = []  # the episodes the status counted at each call
 
     def recover(
-        self, fault: int, deadline_s: float, on_command: Callable[[], None] | None = None
+        self,
+        fault: int | None,
+        deadline_s: float,
+        *,
+        may_die: Sequence[int] = (),
+        during: During | None = None,
     ) -> Outcome:
         cluster = self.cluster
         with cluster.lock:
@@ -130,12 +137,12 @@ class FakeOrchestrator:
             self.episodes_seen.append(cluster.episodes)
             cluster.removed |= cluster.gone
             cluster.broken.clear()
-        if on_command is not None:
-            on_command()  # the recovery-phase fault, right after the command was accepted
+        if during is not None:
+            during()  # the recovery-phase fault, right after the command was accepted
         return Outcome("settled", time.monotonic(), cluster.engines(), ("scale_down",))
 
-    def state(self) -> str | None:
-        return settled_state(list(self.cluster.engines()))
+    def read(self) -> Engines:
+        return {e["id"]: e for e in self.cluster.engines()}
 
     def close(self) -> None:
         return None
@@ -144,15 +151,19 @@ class FakeOrchestrator:
 @pytest.fixture
 def campaign(tmp_path: Path) -> Campaign:
     checkpoint = make_checkpoint(tmp_path / "ckpt", layers=1, experts=4, hidden=16, intermediate=8)
-    options = CampaignOptions(faults=2, seed=19, dp_size=4, op_timeout_s=2.0)
-    return Campaign(options, checkpoint, progress=lambda line: None)
+    options = ClusterCampaignOptions(faults=2, seed=19, dp_size=4, op_timeout_s=2.0)
+    target = ClusterTarget(options, checkpoint, progress=lambda line: None)
+    return Campaign(target, progress=lambda line: None)
 
 
-def _generation(checkpoint: Path) -> tuple[Generation, FakeCluster, FakeOrchestrator]:
-    cluster = FakeCluster(checkpoint, 4)
+def _deployed(campaign: Campaign) -> tuple[FakeCluster, FakeOrchestrator]:
+    """The campaign's cluster target serving on a fake cluster and orchestrator."""
+    assert isinstance(campaign.target, ClusterTarget)
+    cluster = FakeCluster(campaign.target.checkpoint, 4)
     orchestrator = FakeOrchestrator(cluster)
-    generation = Generation(FakeDeployment(cluster), orchestrator)  # type: ignore[arg-type]
-    return generation, cluster, orchestrator
+    campaign.target.deployment = FakeDeployment(cluster)  # type: ignore[assignment]
+    campaign.target.orchestrator = orchestrator  # type: ignore[assignment]
+    return cluster, orchestrator
 
 
 def test_a_kill_during_recovery_that_shows_after_the_settle_is_recovered_before_judging(
@@ -162,8 +173,8 @@ def test_a_kill_during_recovery_that_shows_after_the_settle_is_recovered_before_
         PlannedFault(28, ChaosKind.TWO_RANKS, When.STEADY, delay_steps=0, pick=0),
         PlannedFault(29, ChaosKind.SIGKILL, When.RECOVERY, delay_steps=0, pick=0),
     ]
-    generation, cluster, orchestrator = _generation(campaign.checkpoint)
-    _, after = campaign._one(generation, 0)
+    cluster, orchestrator = _deployed(campaign)
+    after = campaign._one(0)
     assert after == 2
     follow = campaign.found.results[1]
     assert follow.index == 29 and follow.victims == (2,)
@@ -175,8 +186,8 @@ def test_a_kill_during_recovery_that_shows_after_the_settle_is_recovered_before_
 
 def test_recovery_waits_until_the_victims_exit_is_filed(campaign: Campaign) -> None:
     campaign.plan = [PlannedFault(6, ChaosKind.TWO_RANKS, When.STEADY, delay_steps=0, pick=2)]
-    generation, _cluster, orchestrator = _generation(campaign.checkpoint)
-    campaign._one(generation, 0)
+    _cluster, orchestrator = _deployed(campaign)
+    campaign._one(0)
     # Driven at the survivors' quarantine, the recovery read victims 2 and 3 alive.
     assert campaign.found.violations == [], [v.detail for v in campaign.found.violations]
     assert orchestrator.calls == [{2, 3}]
@@ -186,8 +197,8 @@ def test_recovery_waits_until_the_status_counts_a_step_exceptions_episode(
     campaign: Campaign,
 ) -> None:
     campaign.plan = [PlannedFault(162, ChaosKind.STEP_RAISE, When.STEADY, delay_steps=0, pick=3)]
-    generation, _cluster, orchestrator = _generation(campaign.checkpoint)
-    campaign._one(generation, 0)
+    _cluster, orchestrator = _deployed(campaign)
+    campaign._one(0)
     # Driven at the phase change, the status still read every engine healthy: "settled",
     # and the quarantine it did not see was left for the next fault to land on.
     assert orchestrator.episodes_seen == [1]
@@ -197,9 +208,9 @@ def test_a_fault_nobody_planned_is_recovered_before_the_next_planned_one(
     campaign: Campaign,
 ) -> None:
     campaign.plan = [PlannedFault(30, ChaosKind.SIGKILL, When.STEADY, delay_steps=0, pick=1)]
-    generation, cluster, orchestrator = _generation(campaign.checkpoint)
+    cluster, orchestrator = _deployed(campaign)
     cluster.broken = {0, 1, 2, 3}  # every engine already quarantined: fault 30 would not show
-    campaign._one(generation, 0)
+    campaign._one(0)
     assert campaign.unplanned == 1
     assert orchestrator.calls[0] == frozenset(), "the unplanned fault was recovered first"
     assert campaign.found.results[0].detect_s is not None and campaign.found.violations == []

@@ -158,15 +158,16 @@ def test_the_vllm_campaign_loads_nothing_of_the_cpu_clusters_world() -> None:
     cluster_world = (
         "ftengine.testbed.cluster",
         "ftengine.testbed.control",
-        "ftengine.testbed.chaos.campaign",
+        "ftengine.testbed.chaos.actions",
+        "ftengine.testbed.chaos.cluster_target",
         "ftengine.testbed.chaos.deployment",
-        "ftengine.testbed.chaos.report",
         "fastapi",
         "uvicorn",
     )
     probe = (
         "import json, sys\n"
-        "import ftengine.testbed.chaos.vllm_report\n"
+        "import ftengine.testbed.chaos.run\n"
+        "import ftengine.testbed.chaos.vllm_target\n"
         f"print(json.dumps(sorted(m for m in sys.modules if m.startswith({cluster_world!r}))))\n"
     )
     done = subprocess.run(

@@ -13,24 +13,25 @@ from typing import Any
 import httpx
 import pytest
 
+from ftengine.testbed.chaos.campaign import rebuild_after
 from ftengine.testbed.chaos.catalogue import ChaosKind, PlannedFault, When, plan
 from ftengine.testbed.chaos.history import History
 from ftengine.testbed.chaos.invariants import FaultResult, check_request
+from ftengine.testbed.chaos.recovery import Orchestrator
 from ftengine.testbed.chaos.traffic import StreamRecord
 from ftengine.testbed.chaos.vllm_plan import (
     VLLM_KINDS,
+    coalesced,
     decide,
     detection_bound,
     detectors,
     follows,
     judge,
-    rebuild_after,
     rebuild_first,
     removed_ranks,
     victims,
 )
-from ftengine.testbed.chaos.vllm_recover import VllmOrchestrator
-from ftengine.testbed.chaos.vllm_report import coalesced
+from ftengine.testbed.chaos.vllm_recover import VllmChannel, VllmRules
 from ftengine.testbed.chaos.vllm_watch import StatusWatch
 
 
@@ -182,8 +183,9 @@ class ScriptedWatch(StatusWatch):
 
 def orchestrator(
     watch: ScriptedWatch, on_apply: Any, workers: dict[int, int] | None = None
-) -> tuple[VllmOrchestrator, list[tuple[int, dict[str, Any]]]]:
-    """An orchestrator whose POSTs reach ``on_apply(rank, body)`` (vLLM's 202)."""
+) -> tuple[Orchestrator[Any], VllmChannel, list[tuple[int, dict[str, Any]]]]:
+    """An orchestrator with vLLM's rules, its channel, whose POSTs reach
+    ``on_apply(rank, body)`` (vLLM's 202), and what was POSTed."""
     sent: list[tuple[int, dict[str, Any]]] = []
 
     def handler(request: httpx.Request) -> httpx.Response:
@@ -195,10 +197,8 @@ def orchestrator(
 
     urls = [f"http://rank{r}" for r in watch.engines]
     http = httpx.Client(transport=httpx.MockTransport(handler))
-    made = VllmOrchestrator(
-        urls, workers or {}, watch, History(), grace_s=0.3, command_timeout_s=2.0, http=http
-    )
-    return made, sent
+    channel = VllmChannel(urls, workers or {}, watch, History(), command_timeout_s=2.0, http=http)
+    return Orchestrator(channel, lambda: VllmRules(grace_s=0.3)), channel, sent
 
 
 def test_the_orchestrator_retries_every_faulted_rank_until_all_are_healthy() -> None:
@@ -208,8 +208,8 @@ def test_the_orchestrator_retries_every_faulted_rank_until_all_are_healthy() -> 
         assert body == {"instruction": "retry", "params": {}}
         watch.engines[rank] = engine(rank, "healthy", epoch=1)
 
-    made, sent = orchestrator(watch, apply)
-    outcome = made.recover(0, (), deadline_s=5.0)
+    made, _channel, sent = orchestrator(watch, apply)
+    outcome = made.recover(0, deadline_s=5.0)
     assert outcome.state == "settled"
     assert sorted(rank for rank, _ in sent) == [0, 1, 2] and len(outcome.commands) == 1
 
@@ -226,16 +226,16 @@ def test_the_orchestrator_fences_a_hung_engine_then_scales_down_past_it() -> Non
             assert body == {"instruction": "scale_down", "params": {"removed_dp_ranks": [2]}}
             watch.engines[rank] = engine(rank, "healthy", (2,))
 
-        made, sent = orchestrator(watch, apply, workers={2: hung.pid})
+        made, channel, sent = orchestrator(watch, apply, workers={2: hung.pid})
 
         def fence(rank: int) -> None:  # the campaign stops that rank's streams; vLLM: dead
             fenced.append(rank)
             watch.engines[rank] = engine(rank, "dead", ft_error="worker process died")
 
-        made.on_fence = fence
-        outcome = made.recover(0, (), deadline_s=5.0)
+        channel.on_fence = fence
+        outcome = made.recover(0, deadline_s=5.0)
         assert hung.wait(timeout=5.0) == -signal.SIGKILL  # the hung worker was killed
-        assert fenced == [2] == made.fenced
+        assert fenced == [2] == channel.fenced
         assert outcome.state == "settled" and sorted(r for r, _ in sent) == [0, 1]
     finally:
         hung.kill()
@@ -244,8 +244,8 @@ def test_the_orchestrator_fences_a_hung_engine_then_scales_down_past_it() -> Non
 
 def test_the_orchestrator_reports_stuck_at_its_deadline() -> None:
     watch = ScriptedWatch({0: engine(0, "unhealthy"), 1: engine(1, "unhealthy")})
-    made, sent = orchestrator(watch, lambda rank, body: None)  # commands change nothing
-    outcome = made.recover(0, (), deadline_s=1.0)
+    made, _channel, sent = orchestrator(watch, lambda rank, body: None)  # commands change nothing
+    outcome = made.recover(0, deadline_s=1.0)
     assert outcome.state == "stuck" and len(sent) >= 2
 
 

