@@ -1,5 +1,6 @@
-"""Hand a DEAD vLLM engine core's held requests to a survivor and resume them there
-(``"handoff_urls": [...]`` with ``"reinference": true`` in the ``ftengine`` options).
+"""Hand a DEAD vLLM engine core's held requests to a survivor and resume them there (on by
+default with ``"reinference"``; the survivors are found on vLLM's DP store, ``survivors.py``,
+or named by ``"handoff_urls": [...]`` in the ``ftengine`` options).
 
 When only a rank's worker dies, its engine core and API server live on, but the engine core
 is DEAD: nothing can run its requests there. Instead of aborting them, the engine core
@@ -29,23 +30,26 @@ asked again from the tokens emitted so far, the next URL first.
 Limits: when the whole rank is gone (its API server too), its clients' connections are gone
 with it and nothing can resume them; a client that disconnects from this DEAD rank does not
 stop its handed-off request (the engine core's busy loop, which would read the abort, waits
-for a recovery), which runs to its end on the survivor.
+for a recovery), which runs to its end on the survivor; survivors behind an API key
+(``--api-key``) refuse the handoff (401: aborted with that reason).
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import os
 import threading
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import attrs
 import httpx
 
 from ftengine.integrations.vllm.config import VllmFtSettings
-from ftengine.integrations.vllm.messages import import_vllm
+from ftengine.integrations.vllm.engine_core.survivors import FixedSurvivors, SurvivorDirectory
+from ftengine.integrations.vllm.messages import API_URL_ENV, import_vllm
 
 logger = logging.getLogger(__name__)
 
@@ -200,10 +204,11 @@ def stream_chunks(
 
 @attrs.define
 class Handoff:
-    """One engine core's survivors (base URLs, tried in turn), the model name they serve,
-    and how long a handoff may take from the fault (the recovery deadline)."""
+    """One engine core's survivors (``survivors()``: base URLs, tried in turn), the model
+    name they serve, and how long a handoff may take from the fault (the recovery
+    deadline)."""
 
-    urls: tuple[str, ...]
+    survivors: Callable[[], tuple[str, ...]]
     model: str
     deadline_s: float
     threads: list[threading.Thread] = attrs.field(factory=list)
@@ -226,23 +231,30 @@ class Handoff:
         deadline = time.monotonic() + self.deadline_s - MARGIN_S
         for state in states:
             thread = threading.Thread(
-                target=self.resume, args=(engine, state, deadline), daemon=True,
+                target=self.resume, args=(engine, state, deadline, dead_reason), daemon=True,
                 name=f"ftengine-handoff-{state.request_id}",
             )  # fmt: skip
             self.threads.append(thread)
             thread.start()
         if states:
-            logger.warning("[FT] handing %d held requests to %s", len(states), list(self.urls))
+            logger.warning("[FT] handing %d held requests to a survivor", len(states))
         return refused
 
-    def resume(self, engine: Any, state: Resume, deadline: float) -> None:
+    def resume(self, engine: Any, state: Resume, deadline: float, dead_reason: str) -> None:
         """Ask survivors in turn until the request ends or ``deadline`` (``time.monotonic``)
-        passes; tokens go to the client as they come, an abort says why."""
+        passes; tokens go to the client as they come, an abort says why (with no survivor
+        to ask: ``dead_reason`` and why none)."""
         emitted = list(state.emitted)
         started, problem, attempt = time.monotonic(), "no survivor was asked", 0
+        urls, missing = self._urls()
+        if not urls:
+            reason = f"{dead_reason}; not handed to a survivor: {missing}"
+            emit(engine, state, [], "abort", reason)
+            logger.warning("[FT] request %s: %s", state.request_id, reason)
+            return
         with httpx.Client() as client:
             while (left := deadline - time.monotonic()) > 0:
-                url = self.urls[attempt % len(self.urls)]
+                url = urls[attempt % len(urls)]
                 attempt += 1
                 try:
                     if self._attempt(client, engine, state, emitted, url, left):
@@ -264,6 +276,15 @@ class Handoff:
         )
         emit(engine, state, [], "abort", reason)
         logger.warning("[FT] request %s: %s", state.request_id, reason)
+
+    def _urls(self) -> tuple[tuple[str, ...], str]:
+        """The survivors to ask, and why there are none when there are none."""
+        try:
+            urls = self.survivors()
+        except (RuntimeError, OSError, ValueError) as exc:  # the DP store (torch's
+            # DistStoreError is a RuntimeError), hosted by DP rank 0, did not answer
+            return (), f"the survivors could not be looked up: {type(exc).__name__}: {exc}"
+        return urls, "no other rank's API server is known (none published one on the DP store)"
 
     def _attempt(
         self,
@@ -299,20 +320,49 @@ def served_model(vllm_config: Any) -> str:
 
 
 def install(sentinel: Any, settings: VllmFtSettings) -> None:
-    """Give the ``EngineCoreSentinel`` its :class:`Handoff` when ``handoff_urls`` are set
-    (the config already refused them without ``reinference``)."""
+    """Give the ``EngineCoreSentinel`` its :class:`Handoff` (re-inference is on): to the
+    ``handoff_urls`` when set, else to the survivors found on the DP store, whose own URL
+    this engine core publishes there now (and on each new store: :func:`publish_url`). A
+    deployment of one rank has no survivor: nothing is installed."""
+    engine = sentinel.engine
+    parallel = engine.vllm_config.parallel_config
+    survivors: Callable[[], tuple[str, ...]]
     if settings.handoff_urls:
-        model = served_model(sentinel.engine.vllm_config)
-        handoff = Handoff(settings.handoff_urls, model, settings.recovery_timeout_s)
-        setattr(sentinel, HANDOFF_ATTR, handoff)
+        survivors = FixedSurvivors(settings.handoff_urls)
+    elif int(parallel.data_parallel_size) > 1:
+        own = os.environ.get(API_URL_ENV) or None
+        rank, world = int(parallel.data_parallel_rank), int(parallel.data_parallel_size)
+        survivors = SurvivorDirectory(engine, rank, world, own)
+    else:
+        return
+    model = served_model(engine.vllm_config)
+    setattr(sentinel, HANDOFF_ATTR, Handoff(survivors, model, settings.recovery_timeout_s))
+    publish_url(sentinel)
+
+
+def publish_url(sentinel: Any) -> None:
+    """This engine core's API server URL on its current DP store, for its peers' handoffs
+    (``survivors.py``); no I/O unless the store is new. A store that fails is logged: the
+    status push that calls this must go on."""
+    handoff: Handoff | None = getattr(sentinel, HANDOFF_ATTR, None)
+    directory = None if handoff is None else handoff.survivors
+    if isinstance(directory, SurvivorDirectory):
+        try:
+            directory.publish()
+        except Exception:
+            logger.warning(
+                "[FT] engine %s could not publish its API server's URL on the DP store",
+                directory.rank, exc_info=True,
+            )  # fmt: skip
 
 
 def release_dead(
     sentinel: Any, engine: Any, requests: Sequence[Any], reason: str
 ) -> dict[str, list[Any]] | None:
     """A DEAD engine's held ``requests``: None when this engine core has no
-    :class:`Handoff` (the caller aborts them all); else they are handed to survivors and
-    what could not be is returned, by abort reason (see :meth:`Handoff.take`)."""
+    :class:`Handoff` (re-inference off, or a single rank: the caller aborts them all); else
+    they are handed to survivors and what could not be is returned, by abort reason (see
+    :meth:`Handoff.take`)."""
     handoff: Handoff | None = getattr(sentinel, HANDOFF_ATTR, None)
     if handoff is None:
         return None
