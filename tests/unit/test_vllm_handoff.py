@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import re
 import threading
+import time
 from collections.abc import Iterator
 from datetime import timedelta
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -166,10 +167,18 @@ def hand_off(urls: list[str], engine: Engine, deadline_s: float = 30.0) -> Hando
     ho = Handoff(FixedSurvivors(tuple(urls)), "tiny", deadline_s)
     for reason, refused in ho.take(engine, held, DEAD).items():
         abort(engine, refused, reason)  # as re-inference's hold_or_abort does
+    finish(ho)
+    return ho
+
+
+def finish(ho: Handoff) -> None:
+    """Every handed-off request ended; the watch for late arrivals stopped."""
+    ho.stopped.set()
+    assert ho.late is not None
+    ho.late.join(timeout=30)
     for thread in ho.threads:
         thread.join(timeout=30)
         assert not thread.is_alive()
-    return ho
 
 
 def outputs(engine: Engine) -> dict[str, list[Any]]:
@@ -274,8 +283,7 @@ def test_a_dead_engine_with_survivors_hands_its_held_requests_over(survivor: Sur
     assert sentinel.status_type == v1.EngineStatusType.DEAD
     ho: Handoff = getattr(sentinel, HANDOFF_ATTR)
     assert ho.model == "tiny-served" and ho.deadline_s == options.recovery_timeout_s
-    for thread in ho.threads:
-        thread.join(timeout=30)
+    finish(ho)
     outs = outputs(sentinel.engine)["h"]
     assert streamed(outs) == fault_free([3, 1], 6)[2:]
     assert outs[-1].finish_reason == v1.FinishReason.LENGTH
@@ -386,8 +394,7 @@ def test_without_handoff_urls_a_dead_rank_finds_its_survivor_on_the_dp_store(
     assert isinstance(directory, SurvivorDirectory)
     assert directory() == (survivor.url,)  # rank 2 published nothing, its own URL skipped
     hold_or_abort(dead, RuntimeError("worker died"), None)
-    for thread in getattr(dead, HANDOFF_ATTR).threads:
-        thread.join(timeout=30)
+    finish(getattr(dead, HANDOFF_ATTR))
     outs = outputs(dead.engine)["d"]
     assert streamed(outs) == fault_free([2, 5], 5)[1:]
     assert outs[-1].finish_reason == v1.FinishReason.LENGTH
@@ -441,8 +448,7 @@ def test_with_no_survivor_known_a_dead_rank_aborts_saying_why(dp_store: Any) -> 
     engine = dp_engine(dp_store, 1, 2, request("n", [1], emitted=1, max_tokens=4))
     ho = Handoff(SurvivorDirectory(engine, 1, 2, None), "m", 30.0)
     ho.take(engine, list(engine.scheduler.requests.values()), DEAD)
-    for thread in ho.threads:
-        thread.join(timeout=30)
+    finish(ho)
     [out] = outputs(engine)["n"]
     assert out.finish_reason == v1.FinishReason.ABORT
     assert out.stop_reason == (
@@ -458,3 +464,33 @@ def test_a_single_rank_deployment_installs_no_handoff() -> None:
     sentinel = Sentinel(engine)
     install(sentinel, settings(), check_reinference_seams)
     assert not hasattr(sentinel, HANDOFF_ATTR)
+
+
+def test_a_request_that_reaches_the_dead_engine_core_after_its_fault_is_handed_off(
+    survivor: Survivor,
+) -> None:
+    """Sent before its API server learned the engine is DEAD, a request waits in the input
+    queue nothing reads any more: handed off as the held ones are (or aborted saying why);
+    what else waits there goes back in order."""
+    engine = dead_engine(request("held", [1, 2], emitted=1, max_tokens=4))
+    add, utility = v1.EngineCoreRequestType.ADD, v1.EngineCoreRequestType.UTILITY
+    ho = Handoff(FixedSurvivors((survivor.url,)), "tiny", 30.0)
+    ho.take(engine, list(engine.scheduler.requests.values()), DEAD)
+    late = request("late", [6, 6, 6], emitted=0, max_tokens=5)
+    sampled = request("sampled", [6], emitted=0, max_tokens=5, temperature=0.7)
+    call = (0, 1, "get_supported_tasks", ())
+    for item in ((add, (late, 0)), (utility, call), (add, (sampled, 0))):
+        engine.input_queue.put_nowait(item)
+    deadline = time.monotonic() + 30
+    while not (engine.input_queue.empty() and len(survivor.bodies) >= 2):  # all taken
+        assert time.monotonic() < deadline, survivor.bodies
+        time.sleep(0.05)
+    finish(ho)  # (an item taken is dealt with before the watch looks at ``stopped``)
+    outs = outputs(engine)
+    assert streamed(outs["late"]) == fault_free([6, 6, 6], 5)
+    assert outs["late"][-1].finish_reason == v1.FinishReason.LENGTH
+    [refused] = outs["sampled"]
+    assert refused.finish_reason == v1.FinishReason.ABORT and "temperature 0.7" in str(
+        refused.stop_reason
+    )
+    assert engine.input_queue.get_nowait() == (utility, call) and engine.input_queue.empty()

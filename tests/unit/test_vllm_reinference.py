@@ -109,6 +109,7 @@ class Engine:
     scheduler: FakeScheduler
     model_executor: Executor = attrs.field(factory=Executor)
     output_queue: queue.Queue[Any] = attrs.field(factory=queue.Queue)
+    input_queue: queue.Queue[Any] = attrs.field(factory=queue.Queue)
     batch_queue: Any = None
     engine_index: int = 0
     vllm_config: Any = attrs.field(factory=EngineConfig)

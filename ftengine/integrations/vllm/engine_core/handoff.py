@@ -39,6 +39,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import queue
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -58,6 +59,7 @@ ENGINE_MODULE = "vllm.v1.engine"
 MARGIN_S = 1.0  # finish (or abort) this long before vLLM stops the engine core and server
 RETRY_PAUSE_S = 0.5  # between two asks after a survivor failed
 CONNECT_TIMEOUT_S = 5.0
+LATE_POLL_S = 0.2  # how often the DEAD engine core's input queue is looked at
 NOT_EXACT = {
     "presence_penalty": "a presence penalty",
     "frequency_penalty": "a frequency penalty",
@@ -153,13 +155,14 @@ def resume_state(request: Any) -> Resume:
 
 def emit(
     engine: Any,
-    state: Resume,
+    state: Resume | Any,
     tokens: Sequence[int],
     finish: str | None = None,
     stop_reason: object = None,
 ) -> None:
     """Put ``tokens`` (and, when ``finish`` is vLLM's finish-reason name, the end) of the
-    request into the engine core's output queue, as its own steps would."""
+    request ``state`` (a :class:`Resume`, or vLLM's ``Request``: both have ``request_id``
+    and ``client_index``) into the engine core's output queue, as its own steps would."""
     v1 = import_vllm(ENGINE_MODULE)
     reason = None if finish is None else getattr(v1.FinishReason, finish.upper(), None)
     if finish is not None and reason is None:  # a finish reason this vLLM does not know
@@ -211,7 +214,9 @@ class Handoff:
     survivors: Callable[[], tuple[str, ...]]
     model: str
     deadline_s: float
-    threads: list[threading.Thread] = attrs.field(factory=list)
+    threads: list[threading.Thread] = attrs.field(factory=list)  # one per handed-off request
+    late: threading.Thread | None = None  # :meth:`late_arrivals`, from the fault on
+    stopped: threading.Event = attrs.field(factory=threading.Event)  # ends ``late`` (tests)
 
     def take(self, engine: Any, requests: Sequence[Any], dead_reason: str) -> dict[str, list[Any]]:
         """On the DEAD engine's fault (busy-loop thread): take what can resume exactly out
@@ -230,15 +235,53 @@ class Handoff:
         engine.scheduler.finish_requests([s.request_id for s in states], status.FINISHED_ABORTED)
         deadline = time.monotonic() + self.deadline_s - MARGIN_S
         for state in states:
-            thread = threading.Thread(
-                target=self.resume, args=(engine, state, deadline, dead_reason), daemon=True,
-                name=f"ftengine-handoff-{state.request_id}",
-            )  # fmt: skip
-            self.threads.append(thread)
-            thread.start()
+            self._start(engine, state, deadline, dead_reason)
         if states:
             logger.warning("[FT] handing %d held requests to a survivor", len(states))
+        self.late = threading.Thread(
+            target=self.late_arrivals, args=(engine, deadline, dead_reason), daemon=True,
+            name="ftengine-handoff-late",
+        )  # fmt: skip
+        self.late.start()
         return refused
+
+    def _start(self, engine: Any, state: Resume, deadline: float, dead_reason: str) -> None:
+        thread = threading.Thread(
+            target=self.resume, args=(engine, state, deadline, dead_reason), daemon=True,
+            name=f"ftengine-handoff-{state.request_id}",
+        )  # fmt: skip
+        self.threads.append(thread)
+        thread.start()
+
+    def late_arrivals(self, engine: Any, deadline: float, dead_reason: str) -> None:
+        """Requests that reach this DEAD engine core after its fault (sent before its API
+        server learned it is DEAD, which then refuses new ones: ``api_server/dead_rank.py``)
+        wait in its input queue, which nothing reads any more: until ``deadline`` (or
+        ``stopped``), each is handed off as a held one is, or aborted saying why. Everything
+        else there (aborts, utility calls) goes back, in order, for a busy loop that will
+        not run again."""
+        add = import_vllm(ENGINE_MODULE).EngineCoreRequestType.ADD
+        kept: list[Any] = []
+        while not self.stopped.is_set() and time.monotonic() < deadline:
+            try:
+                item = engine.input_queue.get(timeout=LATE_POLL_S)
+            except queue.Empty:
+                continue
+            request_type, payload = item
+            if request_type != add:
+                kept.append(item)
+                continue
+            request = payload[0]  # (vllm.v1.request.Request, wave): preprocessed already
+            why = refusal(request)
+            if why is None:
+                logger.warning("[FT] request %s reached DEAD engine core: handing it off",
+                               request.request_id)  # fmt: skip
+                self._start(engine, resume_state(request), deadline, dead_reason)
+            else:
+                reason = f"{dead_reason}; not handed to a survivor: {why}"
+                emit(engine, request, [], "abort", reason)
+        for item in kept:
+            engine.input_queue.put_nowait(item)
 
     def resume(self, engine: Any, state: Resume, deadline: float, dead_reason: str) -> None:
         """Ask survivors in turn until the request ends or ``deadline`` (``time.monotonic``)
