@@ -14,7 +14,7 @@ import pytest
 
 from ftengine.integrations.vllm.api_server.advertised_url import advertised_url, export_url
 from ftengine.integrations.vllm.api_server.dead_rank import RETRY_AFTER_S, DeadRankGuard, all_dead
-from ftengine.integrations.vllm.messages import API_URL_ENV
+from ftengine.integrations.vllm.messages import API_KEY_ENV, API_URL_ENV
 from ftengine.integrations.vllm.patches import api_server as patches
 
 health = pytest.importorskip("vllm.entrypoints.serve.instrumentator.health")
@@ -110,7 +110,9 @@ def test_the_patched_ft_router_registration_puts_the_guard_in_front() -> None:
 
 def flags(**given: Any) -> argparse.Namespace:
     """vLLM's API-server flags the URL is made of (its defaults otherwise)."""
-    defaults = dict(host=None, port=8000, uds=None, ssl_keyfile=None, ssl_certfile=None)
+    defaults = dict(
+        host=None, port=8000, uds=None, ssl_keyfile=None, ssl_certfile=None, api_key=None
+    )
     return argparse.Namespace(**(defaults | given))
 
 
@@ -125,7 +127,11 @@ def test_the_advertised_url_is_reachable_from_the_peers() -> None:
 
 @pytest.fixture
 def no_url(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
-    monkeypatch.delenv(API_URL_ENV, raising=False)
+    """Neither variable set; whatever the test's exports set is undone after it (a
+    ``delenv`` of an absent variable alone records nothing to undo)."""
+    for name in (API_URL_ENV, API_KEY_ENV):
+        monkeypatch.setenv(name, "")
+        monkeypatch.delenv(name)
     yield
 
 
@@ -145,6 +151,8 @@ def test_the_engine_client_start_exports_the_url_first(
     assert seen == [None]
     assert start(flags(host="127.0.0.1", port=8005, enable_fault_tolerance=True)) == "client({})"
     assert seen[-1] == "http://127.0.0.1:8005"
+    assert API_KEY_ENV not in os.environ  # no --api-key
     monkeypatch.setenv(API_URL_ENV, "http://public.example:80")
-    export_url(flags(host="127.0.0.1"))
+    export_url(flags(host="127.0.0.1", api_key=["sk-1", "sk-2"]))
     assert os.environ[API_URL_ENV] == "http://public.example:80"
+    assert os.environ[API_KEY_ENV] == "sk-1"  # the survivors ask for it

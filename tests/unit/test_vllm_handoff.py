@@ -33,7 +33,7 @@ from ftengine.integrations.vllm.engine_core.survivors import (
     FixedSurvivors,
     SurvivorDirectory,
 )
-from ftengine.integrations.vllm.messages import API_URL_ENV
+from ftengine.integrations.vllm.messages import API_KEY_ENV, API_URL_ENV
 from ftengine.integrations.vllm.patches.engine_core import check_reinference_seams
 from ftengine.testbed.vllm.launcher import DeploymentConfig
 from tests.unit.test_vllm_reinference import (
@@ -93,6 +93,7 @@ class Survivor:
 
     script: list[str] = attrs.field(factory=list)
     bodies: list[dict[str, Any]] = attrs.field(factory=list)
+    auth: list[str | None] = attrs.field(factory=list)  # each ask's Authorization header
     url: str = ""
 
     def next_move(self) -> str:
@@ -111,6 +112,7 @@ def handler(survivor: Survivor) -> type[BaseHTTPRequestHandler]:
             assert not unknown, f"not vLLM CompletionRequest fields: {unknown}"
             request = protocol.CompletionRequest.model_validate(body)
             survivor.bodies.append(body)
+            survivor.auth.append(self.headers.get("Authorization"))
             move = survivor.next_move()
             if move.isdigit():
                 self.send_response(int(move))
@@ -385,6 +387,7 @@ def test_without_handoff_urls_a_dead_rank_finds_its_survivor_on_the_dp_store(
     """The default: each rank's engine core publishes its API server's URL (exported by
     that server) on the DP store; a DEAD one hands its held requests to the others'."""
     monkeypatch.setenv(API_URL_ENV, survivor.url)
+    monkeypatch.setenv(API_KEY_ENV, "sk-deployment")  # exported by each rank's server
     peer = Sentinel(dp_engine(dp_store, 0, 3))
     install(peer, settings(), check_reinference_seams)  # rank 0 publishes at start-up
     monkeypatch.setenv(API_URL_ENV, "http://127.0.0.1:9")  # rank 1 is the one that dies
@@ -398,6 +401,7 @@ def test_without_handoff_urls_a_dead_rank_finds_its_survivor_on_the_dp_store(
     outs = outputs(dead.engine)["d"]
     assert streamed(outs) == fault_free([2, 5], 5)[1:]
     assert outs[-1].finish_reason == v1.FinishReason.LENGTH
+    assert survivor.auth == ["Bearer sk-deployment"]  # the survivor's --api-key
 
 
 def test_each_rank_publishes_once_per_store_and_reads_the_others_from_the_next_on(

@@ -10,6 +10,8 @@ an address a NAT or proxy publishes). Assumes what vLLM's DP group already does:
 peers reach this host at the address ``--host`` names, or, when it binds every interface,
 at vLLM's ``get_ip()`` (``VLLM_HOST_IP`` when set, else the interface of the default route).
 A server on a Unix socket (``--uds``) has no URL: its engine core hands nothing to peers.
+With ``--api-key`` the first key goes the same way (:data:`API_KEY_ENV`): the survivors'
+servers, the same deployment's, ask for it.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ import os
 from argparse import Namespace
 from collections.abc import Callable
 
-from ftengine.integrations.vllm.messages import API_URL_ENV, import_vllm
+from ftengine.integrations.vllm.messages import API_KEY_ENV, API_URL_ENV, import_vllm
 
 WILDCARDS = ("", "0.0.0.0", "::")
 """``--host`` values that bind every interface (vLLM's default is none: every interface)."""
@@ -37,8 +39,11 @@ def advertised_url(args: Namespace, host_ip: Callable[[], str] | None = None) ->
 
 
 def export_url(args: Namespace) -> None:
-    """Set :data:`API_URL_ENV` for the engine core about to start (an operator's value is
-    kept)."""
+    """Set :data:`API_URL_ENV` (an operator's value is kept) and, with ``--api-key``,
+    :data:`API_KEY_ENV` for the engine core about to start."""
     url = advertised_url(args)
     if url is not None and not os.environ.get(API_URL_ENV):
         os.environ[API_URL_ENV] = url
+    keys = getattr(args, "api_key", None) or []
+    if keys and keys[0]:
+        os.environ[API_KEY_ENV] = str(keys[0])

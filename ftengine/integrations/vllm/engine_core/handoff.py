@@ -30,8 +30,8 @@ asked again from the tokens emitted so far, the next URL first.
 Limits: when the whole rank is gone (its API server too), its clients' connections are gone
 with it and nothing can resume them; a client that disconnects from this DEAD rank does not
 stop its handed-off request (the engine core's busy loop, which would read the abort, waits
-for a recovery), which runs to its end on the survivor; survivors behind an API key
-(``--api-key``) refuse the handoff (401: aborted with that reason).
+for a recovery), which runs to its end on the survivor. Survivors behind an API key get
+this rank's (``API_KEY_ENV``, or ``VLLM_API_KEY``): the deployment's ranks share theirs.
 """
 
 from __future__ import annotations
@@ -50,7 +50,7 @@ import httpx
 
 from ftengine.integrations.vllm.config import VllmFtSettings
 from ftengine.integrations.vllm.engine_core.survivors import FixedSurvivors, SurvivorDirectory
-from ftengine.integrations.vllm.messages import API_URL_ENV, import_vllm
+from ftengine.integrations.vllm.messages import API_KEY_ENV, API_URL_ENV, import_vllm
 
 logger = logging.getLogger(__name__)
 
@@ -180,13 +180,19 @@ def emit(
 
 
 def stream_chunks(
-    client: httpx.Client, url: str, body: Mapping[str, object], read_s: float
+    client: httpx.Client,
+    url: str,
+    body: Mapping[str, object],
+    read_s: float,
+    headers: Mapping[str, str] | None = None,
 ) -> Iterator[tuple[list[int], str | None, object]]:
     """``(token ids, finish reason, stop reason)`` of each choice a survivor's streamed
     completion sends; :class:`SurvivorRefused` on a 4xx, :class:`SurvivorFailed` on a 5xx,
     an error event or a stream that ends before its finish reason."""
     timeout = httpx.Timeout(read_s, connect=min(CONNECT_TIMEOUT_S, read_s))
-    with client.stream("POST", f"{url}/v1/completions", json=body, timeout=timeout) as reply:
+    with client.stream(
+        "POST", f"{url}/v1/completions", json=body, timeout=timeout, headers=dict(headers or {})
+    ) as reply:
         if reply.status_code != 200:
             text = reply.read().decode(errors="replace")[:500]
             error = SurvivorRefused if 400 <= reply.status_code < 500 else SurvivorFailed
@@ -215,6 +221,7 @@ class Handoff:
     model: str
     deadline_s: float
     threads: list[threading.Thread] = attrs.field(factory=list)  # one per handed-off request
+    api_key: str | None = None  # sent to the survivors' servers as a bearer token
     late: threading.Thread | None = None  # :meth:`late_arrivals`, from the fault on
     stopped: threading.Event = attrs.field(factory=threading.Event)  # ends ``late`` (tests)
 
@@ -344,7 +351,8 @@ class Handoff:
             emit(engine, state, [], "length")
             return True
         body = state.body(emitted, self.model)
-        for tokens, finish, stop_reason in stream_chunks(client, url, body, left_s):
+        auth = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+        for tokens, finish, stop_reason in stream_chunks(client, url, body, left_s, auth):
             emitted.extend(tokens)
             if tokens or finish is not None:
                 emit(engine, state, tokens, finish, stop_reason)
@@ -379,7 +387,9 @@ def install(sentinel: Any, settings: VllmFtSettings) -> None:
     else:
         return
     model = served_model(engine.vllm_config)
-    setattr(sentinel, HANDOFF_ATTR, Handoff(survivors, model, settings.recovery_timeout_s))
+    key = os.environ.get(API_KEY_ENV) or os.environ.get("VLLM_API_KEY") or None
+    handoff = Handoff(survivors, model, settings.recovery_timeout_s, api_key=key)
+    setattr(sentinel, HANDOFF_ATTR, handoff)
     publish_url(sentinel)
 
 
