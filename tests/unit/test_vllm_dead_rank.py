@@ -105,7 +105,8 @@ def test_the_patched_ft_router_registration_puts_the_guard_in_front() -> None:
     registered: list[Any] = []
     patches._guarded_and_warning_when_open(registered.append)(app)
     assert registered == [app]
-    assert [m.cls for m in app.user_middleware] == [DeadRankGuard]
+    classes: list[object] = [m.cls for m in app.user_middleware]
+    assert classes == [DeadRankGuard]
 
 
 def flags(**given: Any) -> argparse.Namespace:

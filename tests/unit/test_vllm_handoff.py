@@ -431,8 +431,9 @@ def test_each_rank_publishes_once_per_store_and_reads_the_others_from_the_next_o
 def test_a_status_push_on_a_new_store_publishes_the_url_and_a_failing_store_only_warns(
     dp_store: Any, caplog: pytest.LogCaptureFixture
 ) -> None:
-    sentinel = Sentinel(dp_engine(dp_store, 0, 2))
-    directory = SurvivorDirectory(sentinel.engine, 0, 2, "http://me:1")
+    engine = dp_engine(dp_store, 0, 2)
+    sentinel = Sentinel(engine)
+    directory = SurvivorDirectory(engine, 0, 2, "http://me:1")
     setattr(sentinel, HANDOFF_ATTR, Handoff(directory, "m", 10.0))
     handoff.publish_url(sentinel)
     assert bytes(dp_store.get(KEY.format(rank=0))).decode() == "http://me:1"
@@ -441,7 +442,7 @@ def test_a_status_push_on_a_new_store_publishes_the_url_and_a_failing_store_only
         def set(self, key: str, value: str) -> None:
             raise RuntimeError("connection reset by peer")  # torch's DistStoreError is one
 
-    sentinel.engine.dp_store = Broken()
+    engine.dp_store = Broken()
     handoff.publish_url(sentinel)
     assert "could not publish its API server's URL" in caplog.text
 
