@@ -27,7 +27,7 @@ API_URL_ENV = "FTENGINE_API_URL"
 the API server before it starts its engine core (``api_server/advertised_url.py``; an
 operator's own value wins), read by that engine core, which publishes it for its peers
 (``engine_core/survivors.py``)."""
-API_KEY_ENV = "FTENGINE_API_KEY"
+API_KEY_ENV = "FTENGINE_HANDOFF_API_KEY"
 """The key (``--api-key``'s first) the API server hands its engine core the same way, which
 that engine core's handoffs send to the survivors' servers (the deployment's ranks share
 their keys); ``VLLM_API_KEY``, inherited as it is, serves too."""
