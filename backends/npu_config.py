@@ -102,12 +102,14 @@ class NpuFtConfig:
     ``scale_down``: whether scale-down must be possible (its preconditions are then
     checked at start-up). ``recovery_timeout_s``: how long to wait for a command before
     DEAD. ``cpu_distributed_timeout_s``: timeout of the gloo groups ftengine owns
-    (None = torch's default). ``reinference``: a fault holds the engine core's requests and
-    resumes them after recovery instead of aborting them (vLLM's CPU path; see
-    ``ftengine.integrations.vllm.engine_core.reinference``); ``max_reinference``: re-runs of
-    one request after faults before it is aborted. ``placement``: one of :data:`PLACEMENTS`.
-    ``handoff_urls``: the survivors' OpenAI servers a DEAD engine core hands its held
-    requests to (needs ``reinference``; see ``ftengine.integrations.vllm.engine_core.handoff``).
+    (None = torch's default). ``reinference`` (default on): a fault holds the engine core's
+    requests and resumes them after recovery instead of aborting them, and a DEAD engine
+    core hands them to a survivor (vLLM's CPU path; see
+    ``ftengine.integrations.vllm.engine_core.reinference`` and ``.handoff``);
+    ``max_reinference``: re-runs of one request after faults before it is aborted.
+    ``placement``: one of :data:`PLACEMENTS`. ``handoff_urls``: the survivors' OpenAI
+    servers a DEAD engine core hands its held requests to, instead of those it finds on
+    vLLM's DP store (needs ``reinference``).
     """
 
     communication_abort_timeout_s: int = 0
@@ -115,7 +117,7 @@ class NpuFtConfig:
     scale_down: bool = True
     recovery_timeout_s: float = 120.0
     cpu_distributed_timeout_s: float | None = None
-    reinference: bool = False
+    reinference: bool = True
     max_reinference: int = DEFAULT_MAX_REINFERENCE
     placement: str = "default"
     handoff_urls: tuple[str, ...] = ()
@@ -151,10 +153,10 @@ class NpuFtConfig:
                 )
             field, parse = parsers[key]
             values[field] = parse(value, f"{FTENGINE_KEY}.{key}")
-        if values.get("handoff_urls") and not values.get("reinference"):
+        reinference = values.get("reinference", attrs.fields(cls).reinference.default)
+        if values.get("handoff_urls") and not reinference:
             raise ConfigError(
                 f"{FTENGINE_KEY}.handoff_urls needs {FTENGINE_KEY}.reinference: true (only held "
-                "requests are handed off), found reinference "
-                f"{values.get('reinference', False)}"
+                "requests are handed off), found reinference: false"
             )
         return cls(communication_abort_timeout_s=communication_abort_timeout_s, **values)  # type: ignore[arg-type]

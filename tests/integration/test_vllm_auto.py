@@ -40,7 +40,12 @@ def deployment(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[VllmD
         port=free_port_run(2),
         dtype=TEST_DTYPE,
         additional_config={
-            "ftengine": {"policy": "auto", "cpu_distributed_timeout_sec": OP_TIMEOUT_S}
+            # re-inference off: the request in the faulted step ends "abort" at once
+            "ftengine": {
+                "policy": "auto",
+                "cpu_distributed_timeout_sec": OP_TIMEOUT_S,
+                "reinference": False,
+            }
         },
         env={FAULT_FILE_ENV: str(fault_file)},
         extra_args=("--api-key", API_KEY),

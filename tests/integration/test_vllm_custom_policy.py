@@ -50,7 +50,12 @@ def deployment(
         port=free_port_run(2),
         dtype=TEST_DTYPE,
         additional_config={
-            "ftengine": {"policy": EXAMPLE, "cpu_distributed_timeout_sec": OP_TIMEOUT_S}
+            # re-inference off: the request in the faulted step ends "abort" at once
+            "ftengine": {
+                "policy": EXAMPLE,
+                "cpu_distributed_timeout_sec": OP_TIMEOUT_S,
+                "reinference": False,
+            }
         },
         env={FAULT_FILE_ENV: str(fault_file), **ON_PATH},
         log_dir=logs,

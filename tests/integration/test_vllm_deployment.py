@@ -71,7 +71,12 @@ def deployment(
         dp_size=2,
         port=free_port_run(2),
         dtype=TEST_DTYPE,
-        additional_config={"ftengine": {"cpu_distributed_timeout_sec": OP_TIMEOUT_S}},
+        # vLLM's own behaviour at a fault (abort what is in flight), which the tests below
+        # check; re-inference, on by default, is test_vllm_reinference's and
+        # test_vllm_scale_down's
+        additional_config={
+            "ftengine": {"cpu_distributed_timeout_sec": OP_TIMEOUT_S, "reinference": False}
+        },
         env={FAULT_FILE_ENV: str(fault_file), **simulated_cpu_env("avx2")},
         log_dir=tmp_path_factory.mktemp("logs"),
         startup_timeout_s=400.0,
@@ -230,8 +235,9 @@ def test_injected_fault_then_retry_on_every_rank_answers_as_before(
     checkpoint: Path,
     fault_file: Path,
 ) -> None:
-    """Without re-inference (vLLM's behaviour, the default) the streams in flight on both
-    ranks at the fault end ``abort`` with a prefix of their fault-free tokens."""
+    """Without re-inference (``"reinference": false``: vLLM's behaviour) the streams in
+    flight on both ranks at the fault end ``abort`` with a prefix of their fault-free
+    tokens."""
     epoch = max(int(str(e["epoch"])) for e in engines(deployment))  # one per earlier retry
     reference = start_streams(deployment, checkpoint)
     for stream in reference:
@@ -283,7 +289,23 @@ def test_idle_sigkill_makes_survivors_unhealthy_within_a_second_and_victim_dead(
         assert time.monotonic() < deadline, f"no answer to the retry: {victim}"
         time.sleep(0.1)
     assert "status is DEAD" in str(victim["ft_error"])
+    dead_rank_tells_the_truth(deployment.urls[1], deployment.urls[0])
     print(f"idle SIGKILL: survivor unhealthy after {detect_s:.3f} s")
+
+
+def dead_rank_tells_the_truth(dead_url: str, survivor_url: str) -> None:
+    """A DEAD rank's server: ``/health`` 503 and a new completion refused with 503,
+    ``Retry-After`` and vLLM's error object (never accepted, then aborted); an unhealthy
+    survivor's ``/health`` stays 200 (it queues requests and serves them after recovery)."""
+    assert httpx.get(f"{dead_url}/health", timeout=10).status_code == 503
+    assert httpx.get(f"{survivor_url}/health", timeout=10).status_code == 200
+    body = {"model": "any", "prompt": [1, 2], "max_tokens": 4}
+    refused = httpx.post(f"{dead_url}/v1/completions", json=body, timeout=10)
+    assert refused.status_code == 503, refused.text
+    assert int(refused.headers["retry-after"]) >= 1
+    error = refused.json()["error"]
+    assert (error["code"], error["type"]) == (503, "ServiceUnavailableError"), error
+    assert "DEAD" in error["message"], error
 
 
 def test_the_launcher_refuses_a_bad_ftengine_key_before_starting(checkpoint: Path) -> None:

@@ -3,14 +3,14 @@ test. SIGKILL of one rank's worker mid-traffic -> survivor ``unhealthy``, victim
 ``retry`` / ``scale_down`` to the victim rejected ("status is DEAD") -> malformed and refused
 ``scale_down`` commands answered in vLLM's shape -> ``scale_down`` to the survivor -> healthy,
 the survivor hosting all 8 experts, and its greedy answers (official ``openai`` client) equal
-those before the fault: rank 1 as the victim at DP=2, with re-inference and the handoff on
-(streams in flight on both ranks at the kill end with exactly the fault-free tokens: the
-survivor's held, the victim's handed to the survivor and streamed on by the victim's own
-server); rank 0, then rank 2 at DP=4 with ftengine's failure-aware placement (4 -> 3 -> 2:
-the survivors activate standby expert copies in place and reload nothing for the first loss,
-only the uncovered experts for the second; rank 0's server, which runs vLLM's DP
-coordinator, kept up past its deadline; answers equal transformers'; then a retry among the
-survivors).
+those before the fault: rank 1 as the victim at DP=2, with ftengine's defaults (streams in
+flight on both ranks at a retry, then at the kill, end with exactly the fault-free tokens: the
+survivor's held, the victim's handed to the survivor found on vLLM's DP store and streamed on
+by the victim's own server, which answers 503 to new work); rank 0, then rank 2 at DP=4
+with ftengine's failure-aware placement and re-inference off (4 -> 3 -> 2: the survivors
+activate standby expert copies in place and reload nothing for the first loss, only the
+uncovered experts for the second; rank 0's server, which runs vLLM's DP coordinator, kept
+up past its deadline; answers equal transformers'; then a retry among the survivors).
 
 DP=2 where one survivor shows it: a rank costs ~1.9 GB and 25-50 s to start here.
 """
@@ -36,6 +36,7 @@ from tests.integration.test_vllm_deployment import (
     MAX_TOKENS,
     PROMPTS,
     complete,
+    dead_rank_tells_the_truth,
     engines,
     wait_for,
 )
@@ -60,17 +61,18 @@ def deploy(
     checkpoint: Path,
     logs: Path,
     dp_size: int,
-    reinference: bool = False,
+    reinference: bool | None = False,
     recovery_timeout_s: float = 300.0,
     env: dict[str, str] | None = None,
     placement: str = "default",
     handoff: bool = False,
 ) -> VllmDeployment:
-    options = {
-        "cpu_distributed_timeout_sec": OP_TIMEOUT_S,
-        "reinference": reinference,
-        "placement": placement,
-    }
+    """``reinference`` None: ftengine's default (no key)."""
+    options: dict[str, object] = {"cpu_distributed_timeout_sec": OP_TIMEOUT_S}
+    if reinference is not None:
+        options["reinference"] = reinference
+    if placement != "default":
+        options["placement"] = placement
     config = DeploymentConfig(
         checkpoint,
         dp_size=dp_size,
@@ -87,15 +89,24 @@ def deploy(
 
 
 @pytest.fixture
+def fault_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("fault") / "inject"
+
+
+@pytest.fixture
 def reinferring(
-    checkpoint: Path, tmp_path_factory: pytest.TempPathFactory
+    checkpoint: Path, fault_file: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[VllmDeployment]:
-    """DP=2 with ftengine's ``"reinference": true`` and each rank's ``handoff_urls`` the
-    other's (``HANDOFF=0`` in the environment turns the handoff off: the victim's streams
-    then abort and the test fails, as it must)."""
-    handoff = os.environ.get("HANDOFF", "1") != "0"
+    """DP=2 with ftengine's defaults: re-inference on, a DEAD rank's held requests handed to
+    the survivor it finds on vLLM's DP store (``HANDOFF=0`` in the environment turns
+    re-inference off: the streams then abort and the test fails, as it must;
+    ``HANDOFF=urls`` names each rank's survivor in ``handoff_urls`` instead)."""
+    mode = os.environ.get("HANDOFF", "")
     logs = tmp_path_factory.mktemp("logs")
-    with deploy(checkpoint, logs, 2, reinference=True, handoff=handoff) as started:
+    env = {FAULT_FILE_ENV: str(fault_file)}
+    reinference = False if mode == "0" else None
+    started = deploy(checkpoint, logs, 2, reinference, env=env, handoff=mode == "urls")
+    with started:
         yield started
 
 
@@ -144,10 +155,7 @@ def kill_mid_traffic(
     for stream in streams:
         stream.start()
     time.sleep(1.0)
-    deadline = time.monotonic() + 120
-    while not all(len(s.tokens) >= 2 or not s.is_alive() for s in held):
-        assert time.monotonic() < deadline, [len(s.tokens) for s in held]
-        time.sleep(0.01)
+    mid_generation(held)
     os.kill(deployment.pids()[victim]["worker"], signal.SIGKILL)
     try:
         want = {victim: "dead", **{r: "unhealthy" for r in survivors}}
@@ -244,14 +252,42 @@ STREAM_TOKENS = 96  # long enough to be mid-generation at the kill and through t
 STREAM_TIMEOUT_S = 300.0
 
 
+def mid_generation(streams: Sequence[OpenAIStream]) -> None:
+    """Wait until each of ``streams`` has streamed 2 tokens (or ended)."""
+    deadline = time.monotonic() + 120
+    while not all(len(s.tokens) >= 2 or not s.is_alive() for s in streams):
+        assert time.monotonic() < deadline, [len(s.tokens) for s in streams]
+        time.sleep(0.01)
+
+
+def retry_keeps_every_stream_exact(
+    deployment: VllmDeployment, checkpoint: Path, fault_file: Path, reference: list[TimedStream]
+) -> None:
+    """An injected fault on rank 1 mid-generation, ``retry`` to both ranks: every stream in
+    flight on either rank ends with exactly its fault-free tokens (held, then resumed)."""
+    streams = both_ranks_streams(deployment, checkpoint)
+    mid_generation(streams)
+    fault_file.write_text("1")  # rank 1's next step raises; rank 0 times out in its collective
+    wait_for(deployment, {0: "unhealthy", 1: "unhealthy"}, OP_TIMEOUT_S + 25)
+    for url in deployment.urls:
+        assert apply(url, RETRY).status_code == 202
+    wait_for(deployment, {0: "healthy", 1: "healthy"}, 60)
+    for stream, want in zip(streams, reference, strict=True):
+        stream.finish()
+        assert stream.finish_reason == "length", (stream.prompt, stream.stop_reason)
+        assert stream.tokens == want.tokens, f"prompt {stream.prompt}: {stream.chunks}"
+
+
 @pytest.mark.timeout(900)
 def test_sigkill_mid_traffic_then_scale_down_answers_as_before(
-    reinferring: VllmDeployment, checkpoint: Path
+    reinferring: VllmDeployment, checkpoint: Path, fault_file: Path
 ) -> None:
-    """With re-inference on, the survivor's streams in flight at the kill are held and end
-    with exactly the fault-free tokens, each token once; the victim's (its worker died, its
-    engine core and server live) are handed to the survivor and end the same way, still
-    streamed by the victim's server."""
+    """With ftengine's defaults (no re-inference or handoff key): the streams in flight on
+    both ranks at an injected fault end with exactly the fault-free tokens after ``retry``;
+    then, at a SIGKILL, the survivor's streams are held and end the same way, each token
+    once, and the victim's (its worker died, its engine core and server live) are handed to
+    the survivor its engine core found on the DP store and end the same way, still streamed
+    by the victim's server, which meanwhile fails its health check and refuses new work."""
     deployment = reinferring
     before = [complete(url, checkpoint) for url in deployment.urls]
     assert before[0] == before[1] == transformers_greedy(checkpoint, PROMPTS, MAX_TOKENS)
@@ -262,11 +298,13 @@ def test_sigkill_mid_traffic_then_scale_down_answers_as_before(
     assert [s.tokens for s in reference[: len(STREAMED)]] == [
         s.tokens for s in reference[len(STREAMED) :]
     ]
+    retry_keeps_every_stream_exact(deployment, checkpoint, fault_file, reference)
     streams = both_ranks_streams(deployment, checkpoint)
     kill_mid_traffic(deployment, checkpoint, victim=1, survivors=[0], held=streams)
     counts = [len(s.tokens) for s in streams]
     assert all(0 < n < STREAM_TOKENS for n in counts), f"not all mid-generation: {counts}"
     at_kill = [len(s.chunks) for s in streams]
+    dead_rank_tells_the_truth(deployment.urls[1], deployment.urls[0])
     victim_refuses(deployment, victim=1)
     survivor_url = deployment.urls[0]
     malformed = apply(survivor_url, scale_down_body("1"))
@@ -276,7 +314,7 @@ def test_sigkill_mid_traffic_then_scale_down_answers_as_before(
     assert refused.status_code == 202
     reason = str(answer(deployment, 0, refused.json()["request_id"], 30)["ft_error"])
     assert "Rejecting scale_down on engine 0" in reason and "own rank 0" in reason, reason
-    seconds = scale_down_answers_as_before(deployment, checkpoint, [1], {0: before[0]})
+    seconds = scale_down_answers_as_before(deployment, checkpoint, [1], {0: before[0]}, epoch=2)
     print(f"scale_down of rank 1: healthy and answering {seconds:.3f} s after the command")
     for i, (stream, want) in enumerate(zip(streams, reference, strict=True)):
         stream.finish()

@@ -1,5 +1,5 @@
-"""The README's state diagram matches the table, and the custom-policy example runs and is
-the README's, verbatim."""
+"""The README's state diagram matches the table, the custom-policy example runs and is the
+README's, verbatim, and the ``ftengine`` keys table shows the defaults the parser has."""
 
 from __future__ import annotations
 
@@ -39,3 +39,21 @@ def test_the_readmes_custom_policy_is_the_example_file_verbatim() -> None:
     region = EXAMPLE_REGION.search((ROOT / "examples" / "custom_policy.py").read_text())
     assert block and region, "README.md and examples/custom_policy.py need their marks"
     assert block.group(1) == region.group(1) + "\n", "copy the example's region into README"
+
+
+KEY_ROW = re.compile(r"^\| `(\w+)` \| [^|]+ \| `([^`]+)` \|", re.MULTILINE)
+
+
+def test_the_keys_table_shows_the_parsers_defaults() -> None:
+    """Each ``ftengine`` key whose README default is a literal: the parser's own default
+    (re-inference is on unless a key says otherwise)."""
+    import json
+
+    from ftengine.backends.npu_config import NpuFtConfig
+
+    shown = dict(KEY_ROW.findall((ROOT / "README.md").read_text()))
+    defaults = NpuFtConfig.from_options({})
+    keys = ("reinference", "max_reinference", "placement", "policy", "scale_down", "handoff_urls")
+    for key in keys:  # (each is also the attribute's name)
+        value = getattr(defaults, key)
+        assert json.loads(shown[key]) == (list(value) if isinstance(value, tuple) else value), key

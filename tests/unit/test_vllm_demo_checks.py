@@ -23,12 +23,16 @@ def _good() -> Outcome:
         Change(11.0, 0, "healthy", "unhealthy"),
         Change(13.0, 0, "unhealthy", "healthy"),
     )
-    return Outcome(1, (0,), 10.0, changes, {0: 202}, {0: " w5 w6"}, {0: " w5 w6"})
+    traffic = {side: {"correct": 9, "wrong": 0, "failed": 0} for side in SIDES}
+    return Outcome(1, (0,), 10.0, changes, {0: 202}, {0: " w5 w6"}, {0: " w5 w6"}, traffic)
+
+
+SIDES = ("before_kill", "after_kill")
 
 
 def test_the_scenario_that_held_passes_every_check() -> None:
     found = checks(_good())
-    assert [c.ok for c in found] == [True] * 5
+    assert [c.ok for c in found] == [True] * 6
     assert found[0].detail == "rank 0: +1.00 s" and found[3].detail == "rank 0: +3.00 s"
 
 
@@ -42,6 +46,10 @@ def test_the_scenario_that_held_passes_every_check() -> None:
         ({"applied": {}}, [2]),  # a survivor never got the command
         ({"after": {0: " w7"}}, [4]),
         ({"after": {}}, [4]),
+        ({"traffic": {**_good().traffic, "before_kill": {"correct": 9, "failed": 1}}}, [5]),
+        ({"traffic": {**_good().traffic, "after_kill": {"correct": 9, "wrong": 1}}}, [5]),
+        ({"traffic": {"before_kill": {"correct": 9, "wrong": 0, "failed": 0}}}, [5]),  # no after
+        ({"traffic": {}}, [5]),
     ],
 )
 def test_each_check_fails_on_what_it_guards(change: dict[str, object], failed: list[int]) -> None:

@@ -5,14 +5,18 @@ deterministic "model" in vLLM's SSE shape. The tokens reach the engine core's ou
 exactly as the fault-free run would have produced them (none missing, none repeated), from
 a survivor that breaks its stream midway or after one that cannot be reached too; what
 cannot resume exactly, a survivor's refusal and the recovery deadline abort with the
-reason; the options are checked at start-up and the launcher gives each rank the others."""
+reason; the options are checked at start-up and the launcher gives each rank the others.
+Without ``handoff_urls`` (the default) the survivors are found on a real ``TCPStore`` (the
+kind vLLM's DP store is), where each rank publishes its API server's URL."""
 
 from __future__ import annotations
 
 import json
 import re
 import threading
+import time
 from collections.abc import Iterator
+from datetime import timedelta
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
@@ -24,12 +28,19 @@ from ftengine.errors import ConfigError
 from ftengine.integrations.vllm.engine_core import handoff
 from ftengine.integrations.vllm.engine_core.handoff import HANDOFF_ATTR, Handoff, refusal
 from ftengine.integrations.vllm.engine_core.reinference import abort, hold_or_abort, install
+from ftengine.integrations.vllm.engine_core.survivors import (
+    KEY,
+    FixedSurvivors,
+    SurvivorDirectory,
+)
+from ftengine.integrations.vllm.messages import API_KEY_ENV, API_URL_ENV
 from ftengine.integrations.vllm.patches.engine_core import check_reinference_seams
 from ftengine.testbed.vllm.launcher import DeploymentConfig
 from tests.unit.test_vllm_reinference import (
     Engine,
     Executor,
     FakeScheduler,
+    ParallelConfig,
     Sentinel,
     settings,
 )
@@ -53,6 +64,7 @@ class ModelConfig:
 @attrs.define
 class VllmConfig:
     model_config: ModelConfig = attrs.field(factory=ModelConfig)
+    parallel_config: ParallelConfig = attrs.field(factory=lambda: ParallelConfig(0, 2))
 
 
 @attrs.define
@@ -81,6 +93,7 @@ class Survivor:
 
     script: list[str] = attrs.field(factory=list)
     bodies: list[dict[str, Any]] = attrs.field(factory=list)
+    auth: list[str | None] = attrs.field(factory=list)  # each ask's Authorization header
     url: str = ""
 
     def next_move(self) -> str:
@@ -99,6 +112,7 @@ def handler(survivor: Survivor) -> type[BaseHTTPRequestHandler]:
             assert not unknown, f"not vLLM CompletionRequest fields: {unknown}"
             request = protocol.CompletionRequest.model_validate(body)
             survivor.bodies.append(body)
+            survivor.auth.append(self.headers.get("Authorization"))
             move = survivor.next_move()
             if move.isdigit():
                 self.send_response(int(move))
@@ -152,13 +166,21 @@ def dead_engine(*requests: Any) -> Engine:
 
 def hand_off(urls: list[str], engine: Engine, deadline_s: float = 30.0) -> Handoff:
     held = list(engine.scheduler.requests.values())
-    ho = Handoff(tuple(urls), "tiny", deadline_s)
+    ho = Handoff(FixedSurvivors(tuple(urls)), "tiny", deadline_s)
     for reason, refused in ho.take(engine, held, DEAD).items():
         abort(engine, refused, reason)  # as re-inference's hold_or_abort does
+    finish(ho)
+    return ho
+
+
+def finish(ho: Handoff) -> None:
+    """Every handed-off request ended; the watch for late arrivals stopped."""
+    ho.stopped.set()
+    assert ho.late is not None
+    ho.late.join(timeout=30)
     for thread in ho.threads:
         thread.join(timeout=30)
         assert not thread.is_alive()
-    return ho
 
 
 def outputs(engine: Engine) -> dict[str, list[Any]]:
@@ -263,8 +285,7 @@ def test_a_dead_engine_with_survivors_hands_its_held_requests_over(survivor: Sur
     assert sentinel.status_type == v1.EngineStatusType.DEAD
     ho: Handoff = getattr(sentinel, HANDOFF_ATTR)
     assert ho.model == "tiny-served" and ho.deadline_s == options.recovery_timeout_s
-    for thread in ho.threads:
-        thread.join(timeout=30)
+    finish(ho)
     outs = outputs(sentinel.engine)["h"]
     assert streamed(outs) == fault_free([3, 1], 6)[2:]
     assert outs[-1].finish_reason == v1.FinishReason.LENGTH
@@ -298,8 +319,9 @@ def test_handoff_urls_are_checked_at_start_up(urls: object, message: str) -> Non
 
 def test_handoff_urls_need_reinference() -> None:
     with pytest.raises(ConfigError, match=r"handoff_urls needs ftengine\.reinference: true"):
-        settings(handoff_urls=["http://a:1"])
+        settings(reinference=False, handoff_urls=["http://a:1"])
     assert settings(reinference=True, handoff_urls=["http://a:1/"]).handoff_urls == ("http://a:1",)
+    assert settings(handoff_urls=["http://a:1"]).handoff_urls == ("http://a:1",)  # on by default
 
 
 def test_the_launcher_gives_each_rank_the_others_urls(tmp_path: Path) -> None:
@@ -312,8 +334,10 @@ def test_the_launcher_gives_each_rank_the_others_urls(tmp_path: Path) -> None:
     sent = json.loads(argv[argv.index("--additional-config") + 1])
     urls = ["http://127.0.0.1:8100", "http://127.0.0.1:8102"]
     assert sent == {"ftengine": {"reinference": True, "handoff_urls": urls}}
+    off = {"ftengine": {"reinference": False}}
     with pytest.raises(ConfigError, match=r"handoff_urls needs ftengine\.reinference"):
-        DeploymentConfig(tmp_path, dp_size=2, handoff=True)
+        DeploymentConfig(tmp_path, dp_size=2, handoff=True, additional_config=off)
+    assert DeploymentConfig(tmp_path, dp_size=2, handoff=True).handoff  # re-inference by default
     with pytest.raises(ConfigError, match="dp_size must be >= 2, found 1"):
         DeploymentConfig(tmp_path, dp_size=1, handoff=True, additional_config=options)
 
@@ -328,3 +352,150 @@ def test_the_vllm_fields_the_handoff_reads_are_where_it_expects_them() -> None:
     body = handoff.resume_state(request("x", [1], emitted=0, max_tokens=2)).body([], "m")
     assert set(body) <= set(protocol.CompletionRequest.model_fields)
     assert {"STOP", "LENGTH", "ABORT"} <= set(v1.FinishReason.__members__)
+
+
+@pytest.fixture
+def dp_store() -> Iterator[Any]:
+    """A real ``torch.distributed.TCPStore``, the kind vLLM's DP store is (a ``get`` of a
+    missing key blocks, here for at most 2 s)."""
+    dist = pytest.importorskip("torch.distributed")
+    store = dist.TCPStore(
+        "127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=2)
+    )
+    yield store
+
+
+@attrs.define
+class DpEngine(ServingEngine):
+    """A DP rank's engine core: with the DP store vLLM's ``DPEngineCoreProc`` keeps."""
+
+    dp_store: Any = None
+
+
+def dp_engine(store: Any, rank: int, world: int, *requests: Any) -> DpEngine:
+    """A rank of a ``world``-rank deployment on ``store``; DEAD when it holds ``requests``."""
+    config = VllmConfig(parallel_config=ParallelConfig(rank, world))
+    return DpEngine(
+        FakeScheduler(list(requests), []), model_executor=Executor(is_failed=bool(requests)),
+        vllm_config=config, dp_store=store,
+    )  # fmt: skip
+
+
+def test_without_handoff_urls_a_dead_rank_finds_its_survivor_on_the_dp_store(
+    survivor: Survivor, dp_store: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The default: each rank's engine core publishes its API server's URL (exported by
+    that server) on the DP store; a DEAD one hands its held requests to the others'."""
+    monkeypatch.setenv(API_URL_ENV, survivor.url)
+    monkeypatch.setenv(API_KEY_ENV, "sk-deployment")  # exported by each rank's server
+    peer = Sentinel(dp_engine(dp_store, 0, 3))
+    install(peer, settings(), check_reinference_seams)  # rank 0 publishes at start-up
+    monkeypatch.setenv(API_URL_ENV, "http://127.0.0.1:9")  # rank 1 is the one that dies
+    dead = Sentinel(dp_engine(dp_store, 1, 3, request("d", [2, 5], emitted=1, max_tokens=5)))
+    install(dead, settings(), check_reinference_seams)
+    directory = getattr(dead, HANDOFF_ATTR).survivors
+    assert isinstance(directory, SurvivorDirectory)
+    assert directory() == (survivor.url,)  # rank 2 published nothing, its own URL skipped
+    hold_or_abort(dead, RuntimeError("worker died"), None)
+    finish(getattr(dead, HANDOFF_ATTR))
+    outs = outputs(dead.engine)["d"]
+    assert streamed(outs) == fault_free([2, 5], 5)[1:]
+    assert outs[-1].finish_reason == v1.FinishReason.LENGTH
+    assert survivor.auth == ["Bearer sk-deployment"]  # the survivor's --api-key
+
+
+def test_each_rank_publishes_once_per_store_and_reads_the_others_from_the_next_on(
+    dp_store: Any,
+) -> None:
+    engines = [dp_engine(dp_store, r, 4) for r in range(4)]
+    directories = [SurvivorDirectory(e, r, 4, f"http://h{r}:1") for r, e in enumerate(engines)]
+    for directory in directories[:3]:
+        directory.publish()
+    assert directories[2]() == ("http://h0:1", "http://h1:1")  # ring order; rank 3 absent
+    assert directories[0]() == ("http://h1:1", "http://h2:1")
+    dp_store.set(KEY.format(rank=1), "http://other:2")
+    directories[1].publish()  # the same store: no write
+    assert directories[0]() == ("http://other:2", "http://h2:1")
+    fresh = pytest.importorskip("torch.distributed").TCPStore(
+        "127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=2)
+    )
+    engines[1].dp_store = fresh  # a retry's new store
+    directories[1].publish()
+    assert bytes(fresh.get(KEY.format(rank=1))).decode() == "http://h1:1"
+    # rank 3 (no URL of its own) still reads the old store, where rank 1's key is as it was
+    assert SurvivorDirectory(engines[3], 3, 4, None)() == (
+        "http://h0:1", "http://other:2", "http://h2:1",
+    )  # fmt: skip
+
+
+def test_a_status_push_on_a_new_store_publishes_the_url_and_a_failing_store_only_warns(
+    dp_store: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    engine = dp_engine(dp_store, 0, 2)
+    sentinel = Sentinel(engine)
+    directory = SurvivorDirectory(engine, 0, 2, "http://me:1")
+    setattr(sentinel, HANDOFF_ATTR, Handoff(directory, "m", 10.0))
+    handoff.publish_url(sentinel)
+    assert bytes(dp_store.get(KEY.format(rank=0))).decode() == "http://me:1"
+
+    class Broken:
+        def set(self, key: str, value: str) -> None:
+            raise RuntimeError("connection reset by peer")  # torch's DistStoreError is one
+
+    engine.dp_store = Broken()
+    handoff.publish_url(sentinel)
+    assert "could not publish its API server's URL" in caplog.text
+
+
+def test_with_no_survivor_known_a_dead_rank_aborts_saying_why(dp_store: Any) -> None:
+    """Nobody published (or the DP store fails): aborted at once with the reason, not left
+    to the recovery deadline."""
+    engine = dp_engine(dp_store, 1, 2, request("n", [1], emitted=1, max_tokens=4))
+    ho = Handoff(SurvivorDirectory(engine, 1, 2, None), "m", 30.0)
+    ho.take(engine, list(engine.scheduler.requests.values()), DEAD)
+    finish(ho)
+    [out] = outputs(engine)["n"]
+    assert out.finish_reason == v1.FinishReason.ABORT
+    assert out.stop_reason == (
+        f"{DEAD}; not handed to a survivor: no other rank's API server is known (none "
+        "published one on the DP store)"
+    )
+
+
+def test_a_single_rank_deployment_installs_no_handoff() -> None:
+    engine = ServingEngine(
+        FakeScheduler([], []), vllm_config=VllmConfig(parallel_config=ParallelConfig(0, 1))
+    )
+    sentinel = Sentinel(engine)
+    install(sentinel, settings(), check_reinference_seams)
+    assert not hasattr(sentinel, HANDOFF_ATTR)
+
+
+def test_a_request_that_reaches_the_dead_engine_core_after_its_fault_is_handed_off(
+    survivor: Survivor,
+) -> None:
+    """Sent before its API server learned the engine is DEAD, a request waits in the input
+    queue nothing reads any more: handed off as the held ones are (or aborted saying why);
+    what else waits there goes back in order."""
+    engine = dead_engine(request("held", [1, 2], emitted=1, max_tokens=4))
+    add, utility = v1.EngineCoreRequestType.ADD, v1.EngineCoreRequestType.UTILITY
+    ho = Handoff(FixedSurvivors((survivor.url,)), "tiny", 30.0)
+    ho.take(engine, list(engine.scheduler.requests.values()), DEAD)
+    late = request("late", [6, 6, 6], emitted=0, max_tokens=5)
+    sampled = request("sampled", [6], emitted=0, max_tokens=5, temperature=0.7)
+    call = (0, 1, "get_supported_tasks", ())
+    for item in ((add, (late, 0)), (utility, call), (add, (sampled, 0))):
+        engine.input_queue.put_nowait(item)
+    deadline = time.monotonic() + 30
+    while not (engine.input_queue.empty() and len(survivor.bodies) >= 2):  # all taken
+        assert time.monotonic() < deadline, survivor.bodies
+        time.sleep(0.05)
+    finish(ho)  # (an item taken is dealt with before the watch looks at ``stopped``)
+    outs = outputs(engine)
+    assert streamed(outs["late"]) == fault_free([6, 6, 6], 5)
+    assert outs["late"][-1].finish_reason == v1.FinishReason.LENGTH
+    [refused] = outs["sampled"]
+    assert refused.finish_reason == v1.FinishReason.ABORT and "temperature 0.7" in str(
+        refused.stop_reason
+    )
+    assert engine.input_queue.get_nowait() == (utility, call) and engine.input_queue.empty()

@@ -2,8 +2,8 @@
 and a scheduler stand-in with the real scheduler's signatures: a fault holds the running
 requests (preempted, nothing left in flight) and the waiting ones, aborts the ones over
 ``max_reinference`` with the reason, aborts everything when the engine is DEAD or the wait
-for a recovery times out; without the option vLLM's own ``on_fault`` runs; the seams it
-calls fail loudly when vLLM moves them."""
+for a recovery times out; with ``"reinference": false`` vLLM's own ``on_fault`` runs; the
+seams it calls fail loudly when vLLM moves them."""
 
 from __future__ import annotations
 
@@ -92,12 +92,27 @@ class Executor:
 
 
 @attrs.define
+class ParallelConfig:
+    """``ParallelConfig``'s DP fields the handoff reads (one rank: no survivor)."""
+
+    data_parallel_rank: int = 0
+    data_parallel_size: int = 1
+
+
+@attrs.define
+class EngineConfig:
+    parallel_config: ParallelConfig = attrs.field(factory=ParallelConfig)
+
+
+@attrs.define
 class Engine:
     scheduler: FakeScheduler
     model_executor: Executor = attrs.field(factory=Executor)
     output_queue: queue.Queue[Any] = attrs.field(factory=queue.Queue)
+    input_queue: queue.Queue[Any] = attrs.field(factory=queue.Queue)
     batch_queue: Any = None
     engine_index: int = 0
+    vllm_config: Any = attrs.field(factory=EngineConfig)
 
 
 class Sentinel:
@@ -240,7 +255,7 @@ def test_a_wait_for_recovery_past_the_deadline_aborts_every_held_request() -> No
 
 def test_without_the_option_vllms_own_on_fault_runs() -> None:
     sentinel = Sentinel(Engine(FakeScheduler([FakeRequest("r0")], [])))
-    install(sentinel, settings(), check_reinference_seams)
+    install(sentinel, settings(reinference=False), check_reinference_seams)
     assert not hasattr(sentinel, HOLD_ATTR) and type(sentinel.resumed) is threading.Event
     hold_or_abort(sentinel, RuntimeError("boom"), vllm_abort_all)
     assert getattr(sentinel, "vllm_ran", False) is True
@@ -253,7 +268,7 @@ def test_without_the_option_the_aborted_requests_say_why(failed: bool, what: str
     engine = Engine(FakeScheduler([FakeRequest("r0")], [FakeRequest("w0")]))
     engine.model_executor.is_failed = failed
     sentinel = Sentinel(engine)
-    install(sentinel, settings(), check_reinference_seams)
+    install(sentinel, settings(reinference=False), check_reinference_seams)
     hold_or_abort(sentinel, RuntimeError("boom"), vllm_abort_all)
     reasons = aborts(engine)
     assert set(reasons) == {"r0", "w0"}
@@ -267,7 +282,8 @@ def test_without_the_option_the_aborted_requests_say_why(failed: bool, what: str
 def test_the_options_are_checked_at_start_up() -> None:
     from ftengine.errors import ConfigError
 
-    assert settings().reinference is False and settings().max_reinference == 3
+    assert settings().reinference is True and settings().max_reinference == 3  # the defaults
+    assert settings(reinference=False).reinference is False
     assert settings(reinference=True, max_reinference=0).max_reinference == 0
     with pytest.raises(ConfigError, match=r"ftengine\.max_reinference must be an integer >= 0"):
         settings(max_reinference=-1)

@@ -249,8 +249,8 @@ def test_vllm_up_puts_the_placement_into_ftengines_additional_config() -> None:
     assert cli._additional(parser.parse_args(["up", "--checkpoint", "/ckpt"])) == {}
     with pytest.raises(SystemExit):
         parser.parse_args(["up", "--checkpoint", "/ckpt", "--placement", "balanced"])
-    args = parser.parse_args(["up", "--checkpoint", "/ckpt", "--reinference", "--handoff"])
-    assert cli._additional(args) == {"ftengine": {"reinference": True}} and args.handoff
+    args = parser.parse_args(["up", "--checkpoint", "/ckpt", "--no-reinference", "--handoff"])
+    assert cli._additional(args) == {"ftengine": {"reinference": False}} and args.handoff
 
 
 def test_vllm_up_refuses_a_handoff_without_reinference_before_starting_anything(
@@ -263,6 +263,6 @@ def test_vllm_up_refuses_a_handoff_without_reinference_before_starting_anything(
     checkpoint = write_tiny_qwen3_moe(tmp_path / "ckpt")
     parser = argparse.ArgumentParser()
     cli.register(parser)
-    args = parser.parse_args(["up", "--checkpoint", str(checkpoint), "--handoff"])
-    assert cli.run_up(args) == 2
+    argv = ["up", "--checkpoint", str(checkpoint), "--no-reinference", "--handoff"]
+    assert cli.run_up(parser.parse_args(argv)) == 2
     assert "handoff_urls needs ftengine.reinference" in capsys.readouterr().err

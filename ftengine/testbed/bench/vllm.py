@@ -85,13 +85,17 @@ class Client:
     def complete(
         self, rank: int, tokens: int = TOKENS, timeout: float = 120.0
     ) -> dict[str, object]:
+        reply = self.completion(rank, tokens, timeout).json()
+        choice: dict[str, object] = reply["choices"][0]
+        return choice
+
+    def completion(self, rank: int, tokens: int = TOKENS, timeout: float = 120.0) -> httpx.Response:
+        """The reply of ``rank``'s server to the greedy completion of ``PROMPT``."""
         body = {"model": self.model, "prompt": PROMPT, "max_tokens": tokens, "temperature": 0}
         if tokens > TOKENS:
             body["ignore_eos"] = True
         url = f"{self.deployment.urls[rank]}/v1/completions"
-        reply = self.http.post(url, json=body, timeout=timeout).json()
-        choice: dict[str, object] = reply["choices"][0]
-        return choice
+        return self.http.post(url, json=body, timeout=timeout)
 
     def statuses(self) -> dict[int, str]:
         found: dict[int, str] = {}

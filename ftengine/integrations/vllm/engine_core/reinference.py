@@ -1,6 +1,6 @@
-"""Token-level re-inference inside vLLM's engine core (``"reinference": true`` in the
-``ftengine`` options): a fault holds the engine core's requests instead of aborting them,
-and after ``retry`` they continue from their last emitted token.
+"""Token-level re-inference inside vLLM's engine core (on by default; ``"reinference":
+false`` in the ``ftengine`` options turns it off): a fault holds the engine core's requests
+instead of aborting them, and after ``retry`` they continue from their last emitted token.
 
 vLLM 0.32's ``EngineCoreSentinel.on_fault`` finishes every request as aborted. With a
 :class:`Hold` installed it does what it does otherwise (status, fault info, status push) but
@@ -17,7 +17,7 @@ Bounds (``ftengine.reinference.Reinference``, one definition with the CPU cluste
 request running in more than ``max_reinference`` faulted steps is aborted with the reason
 in ``stop_reason``; an engine whose fault leaves it DEAD aborts what it held; a wait past
 ``engine_recovery_timeout_sec`` aborts every held request before vLLM's wrapper gives up.
-With ``"handoff_urls"`` a DEAD engine hands what it held to a survivor instead
+A DEAD engine of a deployment of several ranks hands what it held to a survivor instead
 (``ftengine.integrations.vllm.engine_core.handoff``).
 A poison request (its own content faults every re-run) is found by re-running the requests
 of the engine's own faulted step one at a time (``poison.py``) and aborted alone, with
@@ -231,7 +231,7 @@ def hold_or_abort(
     sentinel.fault_info = type(exc).__name__
     if dead:
         why = f"engine {sentinel.engine_index}'s worker process died ({type(exc).__name__})"
-        # With survivors to hand them to (``handoff_urls``) they resume there instead.
+        # With survivors to hand them to (several ranks) they resume there instead.
         refused = handoff.release_dead(
             sentinel, engine, held_requests(engine), Reinference.dead(why)
         )

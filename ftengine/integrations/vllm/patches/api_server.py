@@ -2,7 +2,10 @@
 that ``scale_down`` (vLLM 0.32 has only ``retry``) passes it, and a malformed one is a 400
 with vLLM's error object, as vLLM answers a malformed ``retry``; the FT router's
 registration, to warn when the routes answer anyone (``api_server.ft_routes``, which also
-puts them behind the API key); the completion stream generator, so that a stream whose
+puts them behind the API key) and to put the DEAD-rank guard in front of every route
+(``api_server.dead_rank``: ``/health`` 503, new requests 503 with ``Retry-After``); the
+engine client's start, to hand the engine core its server's URL first
+(``api_server.advertised_url``); the completion stream generator, so that a stream whose
 request ended before its first token still gets its finishing chunk
 (``api_server.stream_ends``)."""
 
@@ -13,6 +16,8 @@ from collections.abc import Callable
 from typing import Any
 
 from ftengine.errors import CommandRejected
+from ftengine.integrations.vllm.api_server.advertised_url import export_url
+from ftengine.integrations.vllm.api_server.dead_rank import DeadRankGuard
 from ftengine.integrations.vllm.api_server.ft_routes import warn_if_open
 from ftengine.integrations.vllm.api_server.scale_down_payload import INSTRUCTION, check_payload
 from ftengine.integrations.vllm.api_server.stream_ends import with_finishing_chunks
@@ -21,6 +26,7 @@ from ftengine.integrations.vllm.patches.mechanism import PATCHED_MARK, Patch, ma
 
 ROUTER_MODULE = "vllm.entrypoints.serve.fault_tolerance.api_router"
 COMPLETION_MODULE = "vllm.entrypoints.openai.completion.serving"
+ENTRY_MODULE = "vllm.entrypoints.launchers.api_server.entry"
 
 
 def _checking_scale_down(validate: Callable[..., Any]) -> Callable[..., Any]:
@@ -46,19 +52,36 @@ SCALE_DOWN_PATCHES = (
 )
 
 
-def _warning_when_open(original: Callable[..., Any]) -> Callable[..., Any]:
+def _guarded_and_warning_when_open(original: Callable[..., Any]) -> Callable[..., Any]:
     def register_fault_tolerance_api_router(app: Any) -> Any:
         result = original(app)
+        # Only with --enable-fault-tolerance (vLLM registers this router only then); added
+        # before vLLM's own middleware, so authentication and CORS still run first.
+        app.add_middleware(DeadRankGuard)
         warn_if_open(app.state.args)  # vLLM's build_app sets it before registering routers
         return result
 
     return register_fault_tolerance_api_router
 
 
+def _exporting_url(original: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(original)
+    def build_async_engine_client(args: Any, **kwargs: Any) -> Any:
+        if getattr(args, "enable_fault_tolerance", False):
+            export_url(args)  # the engine core it starts inherits the environment
+        return original(args, **kwargs)
+
+    return build_async_engine_client
+
+
 API_SERVER_PATCHES = (
     Patch(
         ROUTER_MODULE, "", "register_fault_tolerance_api_router", ("app",),
-        marked(_warning_when_open),
+        marked(_guarded_and_warning_when_open),
+    ),
+    Patch(
+        ENTRY_MODULE, "", "build_async_engine_client", ("args", "usage_context", "client_config"),
+        marked(_exporting_url),
     ),
     Patch(
         COMPLETION_MODULE, "OpenAIServingCompletion", "completion_stream_generator",

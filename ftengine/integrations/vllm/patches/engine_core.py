@@ -48,7 +48,7 @@ def _with_agent(init: Callable[..., None]) -> Callable[..., None]:
 
         start_agent(self, AGENT_ATTR)
         agent = getattr(self, AGENT_ATTR, None)
-        if agent is not None:  # with "reinference": true, faults hold requests
+        if agent is not None:  # with re-inference (the default), faults hold requests
             from ftengine.integrations.vllm.engine_core.reinference import install
 
             install(self, agent.settings, check_reinference_seams)
@@ -83,7 +83,12 @@ def _agent_on_fault(on_fault: Callable[..., None]) -> Callable[..., None]:
 
 
 def push_status(self: Any) -> None:
-    """``EngineCoreSentinel._push_status`` (vLLM 0.32's payload) plus ftengine's fields."""
+    """``EngineCoreSentinel._push_status`` (vLLM 0.32's payload) plus ftengine's fields;
+    first, on a DP store this engine core has not written on, its API server's URL
+    (``engine_core/handoff.publish_url``)."""
+    from ftengine.integrations.vllm.engine_core.handoff import publish_url
+
+    publish_url(self)  # on a new DP store (start-up, retry, scale_down): peers find our server
     engine = import_vllm(ENGINE_MODULE)
     payload: dict[str, object] = {"id": self.engine_index, "status": self.status_type.name.lower()}
     if self.status_type == engine.EngineStatusType.UNHEALTHY:

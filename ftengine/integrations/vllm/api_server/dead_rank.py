@@ -1,0 +1,102 @@
+"""A DEAD rank's API server tells the truth: ``/health`` says 503, and a request it would
+accept and then abort is refused with 503, vLLM's error object and ``Retry-After``.
+
+Under vLLM's fault tolerance a rank whose worker died keeps its API server (and its
+engine core, DEAD) until ``engine_recovery_timeout_sec``; vLLM's ``/health`` still answers
+200 (it asks only whether the engine-core client is errored) and a new completion is
+queued to an engine core that will never run it. ASGI middleware in front of vLLM's routes
+reads the engines' FT statuses that vLLM's client caches (``EngineClient.get_status``, no
+round trip) and, once every engine this server feeds is ``dead``:
+
+- ``GET /health`` (and SageMaker's ``/ping``) answer 503, so a load balancer's health check
+  takes the rank out; an ``unhealthy`` engine (recovering: its requests queue and resume)
+  stays 200, else a fault of one rank, which makes every DP peer ``unhealthy`` for a
+  moment, would take the whole deployment out of the balancer;
+- any other request that is not a read (``GET`` / ``HEAD``) and not for the FT routes
+  (``/fault_tolerance/...``, which the orchestrator still needs) answers 503 with
+  ``Retry-After`` and vLLM's ``{"error": {...}}``: retried through the load balancer, it
+  reaches a survivor.
+
+Requests already held when the engine died are handed to a survivor by the engine core
+(``engine_core/handoff.py``), not refused here.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Awaitable, Callable, MutableMapping
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+Scope = MutableMapping[str, Any]
+Message = MutableMapping[str, Any]
+Receive = Callable[[], Awaitable[Message]]
+Send = Callable[[Message], Awaitable[None]]
+App = Callable[[Scope, Receive, Send], Awaitable[None]]
+
+RETRY_AFTER_S = 1
+"""Seconds a refused client waits before asking again (through the load balancer, which
+``/health`` has steered to a survivor by then)."""
+HEALTH_PATHS = ("/health", "/ping")
+OPEN_PREFIXES = ("/fault_tolerance/",)
+READS = ("GET", "HEAD")
+
+
+def all_dead(status: object) -> bool:
+    """Whether vLLM's ``get_status()`` answer (``{"engines": [{"status": ...}, ...]}``)
+    names engines and every one is ``dead``."""
+    engines = status.get("engines") if isinstance(status, dict) else None
+    if not isinstance(engines, list) or not engines:
+        return False
+    return all(isinstance(e, dict) and e.get("status") == "dead" for e in engines)
+
+
+def refused_body(message: str) -> bytes:
+    """vLLM's error object (``ErrorResponse``) for a 503."""
+    error = {"message": message, "type": "ServiceUnavailableError", "param": None, "code": 503}
+    return json.dumps({"error": error}).encode()
+
+
+class DeadRankGuard:
+    """ASGI middleware: what a server whose engines are all DEAD answers (module doc)."""
+
+    def __init__(self, app: App) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope.get("type") != "http" or not await self._dead(scope):
+            await self.app(scope, receive, send)
+            return
+        path, method = str(scope.get("path", "")), str(scope.get("method", "GET"))
+        if path in HEALTH_PATHS:
+            await _answer(send, b"", [])
+        elif method in READS or path.startswith(OPEN_PREFIXES):
+            await self.app(scope, receive, send)
+        else:
+            why = (
+                "this rank's engine is DEAD (its worker process died) and will not serve "
+                "again; retry through the load balancer, which reaches a surviving rank"
+            )
+            headers = [(b"content-type", b"application/json"),
+                       (b"retry-after", str(RETRY_AFTER_S).encode())]  # fmt: skip
+            await _answer(send, refused_body(why), headers)
+
+    async def _dead(self, scope: Scope) -> bool:
+        app = scope.get("app")
+        client = getattr(getattr(app, "state", None), "engine_client", None)
+        get_status = getattr(client, "get_status", None)
+        if get_status is None:
+            return False
+        try:
+            return all_dead(await get_status())
+        except Exception:  # a status that cannot be read is vLLM's to report, not ours
+            logger.debug("[FT] could not read the engines' status", exc_info=True)
+            return False
+
+
+async def _answer(send: Send, body: bytes, headers: list[tuple[bytes, bytes]]) -> None:
+    headers = [*headers, (b"content-length", str(len(body)).encode())]
+    await send({"type": "http.response.start", "status": 503, "headers": headers})
+    await send({"type": "http.response.body", "body": body})

@@ -1,0 +1,67 @@
+"""Where a DEAD engine core finds its survivors' API servers: vLLM's DP store, which every
+engine core of the deployment already shares.
+
+Each engine core writes its own server's URL (``API_URL_ENV``, exported by that server:
+``api_server/advertised_url.py``) under ``ftengine/api_url/{rank}`` once per store: at
+start-up and after each ``retry`` or ``scale_down``, which build a new store. A DEAD one
+reads the others' when it hands off its held requests, in ring order from the next rank
+on, so several DEAD ranks' requests spread over the survivors. A peer that is itself DEAD
+refuses with 503 (``api_server/dead_rank.py``) and the handoff asks the next one.
+``ftengine.handoff_urls`` replaces the discovery (:class:`FixedSurvivors`).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import attrs
+
+logger = logging.getLogger(__name__)
+
+KEY = "ftengine/api_url/{rank}"
+
+
+@attrs.frozen
+class FixedSurvivors:
+    """The survivors an operator named (``ftengine.handoff_urls``)."""
+
+    urls: tuple[str, ...]
+
+    def __call__(self) -> tuple[str, ...]:
+        return self.urls
+
+
+@attrs.define
+class SurvivorDirectory:
+    """Engine ``rank`` (of ``world``, original DP ranks) of ``engine`` (vLLM's engine core,
+    whose ``dp_store`` is read): its own server's ``own_url`` (None: it publishes none)."""
+
+    engine: Any
+    rank: int
+    world: int
+    own_url: str | None
+    published_on: Any = None  # the store own_url was last written on
+
+    def publish(self) -> None:
+        """Write ``own_url`` on the engine's current DP store, once per store (the busy
+        loop's fault path calls this too: on a store already written it does no I/O)."""
+        store = getattr(self.engine, "dp_store", None)
+        if self.own_url is None or store is None or store is self.published_on:
+            return
+        store.set(KEY.format(rank=self.rank), self.own_url)
+        self.published_on = store
+        logger.debug("[FT] engine %d published its API server %s", self.rank, self.own_url)
+
+    def __call__(self) -> tuple[str, ...]:
+        """The other ranks' published URLs, from the next rank on (never this one's own)."""
+        store = self.engine.dp_store
+        urls: list[str] = []
+        for step in range(1, self.world):
+            key = KEY.format(rank=(self.rank + step) % self.world)
+            if not store.check([key]):  # (a get of a missing key blocks until it appears)
+                continue
+            url = bytes(store.get(key)).decode()
+            if url != self.own_url and url not in urls:
+                urls.append(url)
+        return tuple(urls)
