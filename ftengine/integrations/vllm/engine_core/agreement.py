@@ -1,0 +1,87 @@
+"""When the engine cores' agents may recover on their own: a recovery the survivors run
+together (a ``retry`` rebuilds the DP group with every member, a ``scale_down`` among the
+survivors) starts only when every member's policy proposes the same one. Each agent
+publishes its :class:`Proposal` on the DP board (``dp_board``); while the members disagree
+(one has not seen the dead peer yet, their policies differ) nobody acts, and what never
+agrees waits for an orchestrator, as vLLM PR #46370's ``auto_recovery`` proceeds only when
+the survivors agree on a common mask.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Literal
+
+import attrs
+
+from ftengine.policies import Retry, ScaleDown
+from ftengine.validators import rank_set, to_ranks
+
+Instruction = Literal["retry", "scale_down"]
+INSTRUCTIONS: tuple[Instruction, ...] = ("retry", "scale_down")
+
+
+@attrs.frozen
+class Proposal:
+    """A recovery for the survivors to run together: ``instruction`` with ``removed``, the
+    original DP ranks removed once it ran (cumulative; for a retry, those removed already).
+    Its members are every other original rank."""
+
+    instruction: Instruction
+    removed: frozenset[int] = attrs.field(
+        default=frozenset(), converter=to_ranks, validator=rank_set()
+    )
+
+    @classmethod
+    def of(cls, decision: Retry | ScaleDown, removed: frozenset[int]) -> Proposal:
+        """What a policy's ``Retry`` / ``ScaleDown`` proposes, ``removed`` already removed."""
+        if isinstance(decision, ScaleDown):
+            return cls("scale_down", removed | decision.ranks)
+        return cls("retry", removed)
+
+    def members(self, world_size: int) -> frozenset[int]:
+        """The ranks that run it: every original rank it does not remove."""
+        return frozenset(range(world_size)) - self.removed
+
+    def to_json(self) -> list[object]:
+        return [self.instruction, sorted(self.removed)]
+
+    @classmethod
+    def from_json(cls, raw: object) -> Proposal | None:
+        """A peer's published proposal; None for none (or one this version cannot read)."""
+        if not isinstance(raw, list) or len(raw) != 2 or raw[0] not in INSTRUCTIONS:
+            return None
+        ranks = raw[1]
+        if not isinstance(ranks, list) or not all(type(r) is int and r >= 0 for r in ranks):
+            return None
+        instruction: Instruction = "retry" if raw[0] == "retry" else "scale_down"
+        return cls(instruction, frozenset(ranks))
+
+
+@attrs.frozen
+class PeerView:
+    """What an agent knows of one peer: its status (``dead`` once its beat stopped), its
+    epoch and its published proposal."""
+
+    status: str
+    epoch: int
+    proposal: Proposal | None = None
+
+
+def agreed(
+    proposal: Proposal,
+    rank: int,
+    world_size: int,
+    epoch: int,
+    peers: Mapping[int, PeerView],
+) -> bool:
+    """Whether every other member of ``proposal`` is ``unhealthy`` at ``epoch`` (faulted in
+    the same recovery round as engine ``rank``) and proposes the same."""
+    others = proposal.members(world_size) - {rank}
+    return all(
+        (view := peers.get(member)) is not None
+        and view.status == "unhealthy"
+        and view.epoch == epoch
+        and view.proposal == proposal
+        for member in others
+    )
