@@ -61,7 +61,7 @@ def test_the_books_count_one_death_once_and_name_a_fault_in_its_place() -> None:
         (FaultKind.TRANSIENT, 1),
         (FaultKind.DEAD_PEER, 2),
     ]
-    assert (ctx.dead_ranks, ctx.attempts, ctx.elapsed, ctx.epoch) == ({2}, 1, 2.0, 2)
+    assert (ctx.dead_ranks, ctx.attempts, ctx.elapsed, ctx.epoch) == (frozenset({2}), 1, 2.0, 2)
     assert ctx.phase is Phase.QUARANTINED and ctx.fault.rank == 2
     removed = books.context(7.0, frozenset({2}), epoch=2, redundancy=None)
     assert removed is not None and removed.dead_ranks == frozenset()
