@@ -160,6 +160,7 @@ class EngineCoreAgent:
         with self._lock:
             self.generation += 1
             self.pending = None
+            self.blamed = None  # note_fault has named the fault's rank already
             self.anticipated = None  # vLLM's own status says it now
 
     def release_commands(self) -> None:
