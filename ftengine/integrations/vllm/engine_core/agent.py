@@ -179,7 +179,9 @@ class EngineCoreAgent:
         kind = FaultKind.DEAD_PEER if isinstance(exc, PeerDead) else classify_exception(exc)
         # Its own fault (no peer's was news first): this rank's; else the peer's, if known.
         rank = self.rank if blamed is None and own_fault(exc, self.peers) else blamed
-        self.books.open(Fault(kind=kind, rank=rank, info=type(exc).__name__, at=time.monotonic()))
+        fault = Fault(kind=kind, rank=rank, info=type(exc).__name__, at=time.monotonic())
+        with self._lock:
+            self.books.open(fault)
 
     @property
     def fault(self) -> Fault | None:
@@ -374,19 +376,18 @@ class EngineCoreAgent:
     def context(self, now: float) -> RecoveryContext | None:
         """What the policy sees now: the episode's fault as the verdict names it, the peers
         dead in it, the ranks removed, the worker's redundancy facts (None: no episode)."""
-        fault = self.fault
-        if fault is None:
-            return None
-        self.books.settle(self.verdict(fault))
-        for rank, status in self.peers.items():
-            if status == "dead":
-                self.books.dead(rank, now)
-        return self.books.context(
-            now,
-            self._removed(),
-            epoch=self._epoch(),
-            redundancy=redundancy_facts(self.status_file.read()),
-        )
+        redundancy = redundancy_facts(self.status_file.read())
+        with self._lock:  # the busy loop may open the next episode meanwhile
+            fault = self.fault
+            if fault is None:
+                return None
+            self.books.settle(self.verdict(fault))
+            for rank, status in list(self.peers.items()):
+                if status == "dead":
+                    self.books.dead(rank, now)
+            return self.books.context(
+                now, self._removed(), epoch=self._epoch(), redundancy=redundancy
+            )
 
     def _maybe_recover(self) -> None:
         """Ask the policy about an unhealthy engine's fault and act on its decision."""
@@ -450,7 +451,8 @@ class EngineCoreAgent:
             params=params,
             request_id=f"ftengine-auto-{uuid.uuid4()}",
         )
-        attempt = self.books.start_attempt()
+        with self._lock:
+            attempt = self.books.start_attempt()
         if proposal.instruction == "retry":
             logger.info("[FT] engine %d: policy retries (attempt %d)", self.rank, attempt)
         else:
@@ -469,7 +471,8 @@ class EngineCoreAgent:
             logger.exception("[FT] engine %d: automatic %s failed", self.rank, proposal.instruction)
             fault = self.fault
             if fault is not None:  # a retry's delay counts from the failure
-                self.books.settle(attrs.evolve(fault, at=time.monotonic()))
+                with self._lock:
+                    self.books.settle(attrs.evolve(fault, at=time.monotonic()))
         finally:
             self._recovering.clear()
             self._idle.set()
