@@ -120,4 +120,5 @@ def test_auto_scales_a_sigkilled_rank_down_with_no_command_and_every_stream_comp
         log = deployment.ranks[rank].log_path.read_text(errors="replace")
         assert f"survivors agree: scale down to remove DP ranks [{VICTIM}]" in log, rank
         # The server logs each request (uvicorn's access log): the status polls, no command.
-        assert "/fault_tolerance/status" in log and "/fault_tolerance/apply" not in log, rank
+        assert '"GET /fault_tolerance/status' in log, rank
+        assert '"POST /fault_tolerance/apply' not in log, rank
