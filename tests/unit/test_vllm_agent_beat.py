@@ -131,7 +131,7 @@ def test_the_board_works_on_a_real_tcpstore() -> None:
     one.publish(store, Entry("healthy", 0), 1, 0.0)
     assert zero.read(store, skip=frozenset({2})) == {1: PeerStatus(Entry("healthy", 0), 1)}
     assert zero.complete_store is store  # rank 2 is removed: never waited for
-    proposing = Entry("unhealthy", 0, Proposal("scale_down", frozenset({2})), blame=2)
+    proposing = Entry("unhealthy", 0, Proposal("scale_down", frozenset({2}), 0), blame=2)
     one.publish(store, proposing, 2, 0.0)
     assert zero.read(store, skip=frozenset({2})) == {1: PeerStatus(proposing, 2)}
 

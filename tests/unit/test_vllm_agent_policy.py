@@ -48,9 +48,9 @@ def test_auto_scales_a_dead_peer_down_once_every_survivor_proposes_it() -> None:
     tick(agent)
     ctx = agent.context(1e9)
     assert ctx is not None and ctx.dead_ranks == {2} and ctx.fault.kind is FaultKind.DEAD_PEER
-    assert published(sentinel, 0)["proposal"] == ["scale_down", [2]]
+    assert published(sentinel, 0)["proposal"] == ["scale_down", [2], 0]
     assert sentinel.scale_downs == []  # rank 1 has not proposed it yet
-    store.peer(1, "unhealthy", beat=2, proposal=["scale_down", [2]])
+    store.peer(1, "unhealthy", beat=2, proposal=["scale_down", [2], 0])
     tick(agent)
     wait_until(lambda: bool(sentinel.scale_downs))
     (request,) = sentinel.scale_downs
@@ -59,7 +59,9 @@ def test_auto_scales_a_dead_peer_down_once_every_survivor_proposes_it() -> None:
 
 
 @pytest.mark.parametrize(
-    "theirs", [["retry", []], ["scale_down", [1, 2]], None], ids=["retry", "more", "none"]
+    "theirs",
+    [["retry", [], 0], ["scale_down", [1, 2], 0], ["scale_down", [2], 1], None],
+    ids=["retry", "more", "another-round", "none"],
 )
 def test_survivors_that_disagree_wait_for_the_orchestrator(theirs: list[object] | None) -> None:
     sentinel, agent = survivor()
@@ -76,9 +78,9 @@ def test_a_peer_still_healthy_or_of_another_epoch_is_no_party_to_it() -> None:
     sentinel, agent = survivor()
     store = sentinel.engine.dp_store
     store.peer(2, "dead")
-    store.peer(1, "unhealthy", epoch=1, proposal=["scale_down", [2]])  # another round
+    store.peer(1, "unhealthy", epoch=1, proposal=["scale_down", [2], 1])  # another round
     tick(agent)
-    store.peer(1, "healthy", beat=2, proposal=["scale_down", [2]])
+    store.peer(1, "healthy", beat=2, proposal=["scale_down", [2], 0])
     tick(agent)
     assert sentinel.scale_downs == []
 
@@ -89,7 +91,7 @@ def test_redundancy_the_worker_wrote_stops_a_scale_down_the_experts_cannot_survi
     agent.status_file.write(file_fields({"phase": "quarantined"}, tight))
     store = sentinel.engine.dp_store
     store.peer(2, "dead")
-    store.peer(1, "unhealthy", proposal=["scale_down", [2]])
+    store.peer(1, "unhealthy", proposal=["scale_down", [2], 0])
     tick(agent)
     ctx = agent.context(1e9)
     assert ctx is not None and ctx.redundancy == tight
@@ -114,7 +116,7 @@ def test_a_peers_fault_is_counted_against_the_rank_it_began_on() -> None:
         tick(agent)
     ctx = agent.context(1e9)
     assert ctx is not None and [f.rank for f in ctx.faults] == [1, 1, 1]
-    assert published(sentinel, 0)["proposal"] == ["scale_down", [1]]
+    assert published(sentinel, 0)["proposal"] == ["scale_down", [1], 0]
     assert published(sentinel, 0)["blame"] == 1
 
 
@@ -184,7 +186,7 @@ def test_after_a_scale_down_the_removed_rank_is_no_peer() -> None:
     sentinel, agent = survivor()
     store = sentinel.engine.dp_store
     store.peer(2, "dead")
-    store.peer(1, "unhealthy", proposal=["scale_down", [2]])
+    store.peer(1, "unhealthy", proposal=["scale_down", [2], 0])
     tick(agent)
     tick(agent)
     wait_until(lambda: bool(sentinel.scale_downs))
@@ -194,6 +196,15 @@ def test_after_a_scale_down_the_removed_rank_is_no_peer() -> None:
     agent.policy = AutoRecovery() | OrchestratorDriven()
     agent.note_fault(TIMEOUT)  # a later fault: a retry among the two survivors
     sentinel.status_type = Status.UNHEALTHY
-    store.peer(1, "unhealthy", beat=6, epoch=1, proposal=["retry", [2]])
+    store.peer(1, "unhealthy", beat=6, epoch=1, proposal=["retry", [2], 1])
+    tick(agent)
+    wait_until(lambda: bool(sentinel.retries))
+
+
+def test_a_member_that_has_begun_the_recovery_still_counts() -> None:
+    """vLLM's retry counts the new epoch before its rendezvous: a member already in it shows
+    epoch 1 while this engine, faulted later, is still at 0; same round, same proposal."""
+    sentinel, agent = survivor(world=2)
+    sentinel.engine.dp_store.peer(1, "unhealthy", epoch=1, proposal=["retry", [], 0])
     tick(agent)
     wait_until(lambda: bool(sentinel.retries))

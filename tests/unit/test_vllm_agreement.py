@@ -16,35 +16,37 @@ from ftengine.integrations.vllm.engine_core.fault_books import FaultBooks
 from ftengine.integrations.vllm.status_file import StatusFile, file_fields, redundancy_facts
 from ftengine.policies import Retry, ScaleDown
 
-SCALE_2 = Proposal("scale_down", frozenset({2}))
+SCALE_2 = Proposal("scale_down", frozenset({2}), epoch=1)
 
 
 def test_a_proposal_is_what_the_decision_runs_with_the_ranks_removed_so_far() -> None:
-    assert Proposal.of(Retry(1.0), frozenset({3})) == Proposal("retry", frozenset({3}))
-    assert Proposal.of(ScaleDown({2}), frozenset({3})) == Proposal("scale_down", {2, 3})
+    assert Proposal.of(Retry(1.0), frozenset({3}), 2) == Proposal("retry", frozenset({3}), 2)
+    assert Proposal.of(ScaleDown({2}), frozenset({3}), 0) == Proposal("scale_down", {2, 3})
     assert SCALE_2.members(4) == {0, 1, 3}
     assert Proposal.from_json(SCALE_2.to_json()) == SCALE_2
 
 
 @pytest.mark.parametrize(
     "raw",
-    [None, "retry", ["retry"], ["reboot", []], ["scale_down", "2"], ["scale_down", [-1]],
-     ["scale_down", [True]], ["retry", [1.5]]],
+    [None, "retry", ["retry"], ["reboot", [], 0], ["scale_down", "2", 0], ["scale_down", [-1], 0],
+     ["scale_down", [True], 0], ["retry", [1.5], 0], ["retry", []], ["retry", [], -1],
+     ["retry", [], "1"]],
 )  # fmt: skip
 def test_a_proposal_this_version_cannot_read_is_none(raw: object) -> None:
     assert Proposal.from_json(raw) is None
 
 
-def test_every_other_member_must_be_unhealthy_in_the_same_round_and_propose_the_same() -> None:
-    same = PeerView("unhealthy", 1, SCALE_2)
-    assert agreed(SCALE_2, 0, 3, 1, {1: same})
-    assert agreed(SCALE_2, 0, 3, 1, {1: same, 2: PeerView("dead", 0)})  # 2 is no member
-    assert not agreed(SCALE_2, 0, 3, 1, {})
-    assert not agreed(SCALE_2, 0, 3, 1, {1: PeerView("healthy", 1, SCALE_2)})
-    assert not agreed(SCALE_2, 0, 3, 1, {1: PeerView("unhealthy", 0, SCALE_2)})
-    assert not agreed(SCALE_2, 0, 3, 1, {1: PeerView("unhealthy", 1, Proposal("retry"))})
+def test_every_other_member_must_be_unhealthy_and_propose_the_same_in_the_same_round() -> None:
+    same = PeerView("unhealthy", SCALE_2)
+    assert agreed(SCALE_2, 0, 3, {1: same})
+    assert agreed(SCALE_2, 0, 3, {1: same, 2: PeerView("dead")})  # 2 is no member
+    assert not agreed(SCALE_2, 0, 3, {})
+    assert not agreed(SCALE_2, 0, 3, {1: PeerView("healthy", SCALE_2)})
+    earlier = Proposal("scale_down", frozenset({2}), epoch=0)
+    assert not agreed(SCALE_2, 0, 3, {1: PeerView("unhealthy", earlier)})
+    assert not agreed(SCALE_2, 0, 3, {1: PeerView("unhealthy", Proposal("retry", epoch=1))})
     retry = Proposal("retry")
-    assert not agreed(retry, 0, 3, 0, {1: PeerView("unhealthy", 0, retry)})  # 2 must too
+    assert not agreed(retry, 0, 3, {1: PeerView("unhealthy", retry)})  # 2 must too
 
 
 def test_the_books_count_one_death_once_and_name_a_fault_in_its_place() -> None:

@@ -221,8 +221,8 @@ def test_auto_retries_through_the_engine_core_once_every_peer_is_faulted() -> No
     store.peer(1, "unhealthy", beat=2)
     tick(agent)
     assert sentinel.retries == []  # it has not proposed the retry (yet)
-    assert json.loads(store.data[KEY.format(rank=0)])["proposal"] == ["retry", []]
-    store.peer(1, "unhealthy", beat=3, proposal=["retry", []])
+    assert json.loads(store.data[KEY.format(rank=0)])["proposal"] == ["retry", [], 0]
+    store.peer(1, "unhealthy", beat=3, proposal=["retry", [], 0])
     tick(agent)
     wait_until(lambda: bool(sentinel.retries))
     (request,) = sentinel.retries

@@ -310,7 +310,7 @@ class EngineCoreAgent:
                 self._seen[rank] = (beat, now)
             stale = last is not None and now - self._seen[rank][1] > STALE_S
             self.peers[rank] = "dead" if stale else status
-            self.views[rank] = PeerView(self.peers[rank], epoch, seen.entry.proposal)
+            self.views[rank] = PeerView(self.peers[rank], seen.entry.proposal)
             self.blames[rank] = seen.entry.blame
             # Only from a beat that began healthy: one that began faulted has not started
             # the settle clock of the recovery that may have finished meanwhile.
@@ -419,7 +419,7 @@ class EngineCoreAgent:
     def _propose(self, decision: Retry | ScaleDown, ctx: RecoveryContext) -> None:
         """Publish the recovery ``decision`` proposes; run it once it is due, the peers have
         seen it, and every other member proposes the same."""
-        proposal = Proposal.of(decision, ctx.removed_ranks)
+        proposal = Proposal.of(decision, ctx.removed_ranks, ctx.epoch)
         if proposal.instruction == "scale_down":
             _, found = problems(self.sentinel, {REMOVED_KEY: sorted(proposal.removed)})
             if found:  # as a worker's engine does with a policy's impossible scale-down
@@ -431,7 +431,7 @@ class EngineCoreAgent:
         published = self.board.published
         if published is None or published.proposal != proposal:
             return  # the peers must see ours before we wait for them in the rendezvous
-        if not agreed(proposal, self.rank, self.world, ctx.epoch, self.views):
+        if not agreed(proposal, self.rank, self.world, self.views):
             return
         # On its own thread: the beats go on while the DP group rendezvous waits.
         self._recovering.set()
