@@ -72,9 +72,7 @@ class PeerView:
     proposal: Proposal | None = None
 
 
-def agreed(
-    proposal: Proposal, rank: int, world_size: int, peers: Mapping[int, PeerView]
-) -> bool:
+def agreed(proposal: Proposal, rank: int, world_size: int, peers: Mapping[int, PeerView]) -> bool:
     """Whether every other member of ``proposal`` (engine ``rank``'s) is ``unhealthy`` and
     proposes the same, in the same round (its epoch)."""
     others = proposal.members(world_size) - {rank}
