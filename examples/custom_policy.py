@@ -1,10 +1,12 @@
-"""Writing a custom recovery policy: retry a transient fault once on our own, leave
-everything else to the orchestrator. Runs on the fake backend with a manual clock:
+"""Writing a custom recovery policy: scale a flapping rank down, retry a transient fault
+once on our own, leave everything else to the orchestrator. Runs on the fake backend with
+a manual clock:
 
     .venv/bin/python examples/custom_policy.py
 
 and, named by its import path, inside a real vLLM deployment (repository root on
-``PYTHONPATH``; ``tests/integration/test_vllm_custom_policy.py`` does it):
+``PYTHONPATH``; ``tests/integration/test_vllm_custom_policy.py`` does it: two faults of
+one rank retried, the third scales it down):
 
     --additional-config '{"ftengine": {"policy": "examples.custom_policy:policy"}}'
 
@@ -20,7 +22,7 @@ from ftengine.clock import ManualClock
 from ftengine.context import RecoveryContext
 from ftengine.engine import RecoveryEngine
 from ftengine.faults import Fault, FaultKind
-from ftengine.policies import Composable, Decision, GiveUp, OrchestratorDriven, Retry
+from ftengine.policies import Composable, Decision, FlapGuard, OrchestratorDriven, Retry
 
 
 # readme:begin
@@ -36,19 +38,14 @@ class RetryTransientOnce(Composable):
         return None
 
 
-def give_up_if_this_rank_flaps(ctx: RecoveryContext) -> Decision | None:
-    """A plain function is a policy too: give up once this worker faulted 3 times in 60 s."""
-    if len(ctx.faults_of(ctx.rank, since=ctx.now - 60.0)) >= 3:
-        return GiveUp(f"rank {ctx.rank} faulted 3 times within 60s")
-    return None
-
-
 def policy() -> Composable:
     """The factory configuration names: ``"policy": "examples.custom_policy:policy"``.
 
-    The first opinion wins: the flap check, our retry rule, then vLLM's default behaviour.
+    The first opinion wins: a rank that faulted 3 times within 10 minutes is scaled down (a
+    worker gives up if it is that rank), a transient fault is retried once, and anything
+    else waits for an orchestrator (vLLM's default behaviour).
     """
-    return give_up_if_this_rank_flaps | RetryTransientOnce(0.5) | OrchestratorDriven(60.0)
+    return FlapGuard(k=3, window=600.0) | RetryTransientOnce(0.5) | OrchestratorDriven(60.0)
 
 
 # readme:end

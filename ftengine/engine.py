@@ -39,7 +39,7 @@ from ftengine.commands import (
     parse_command,
     scale_down_problems,
 )
-from ftengine.context import RecoveryContext, RedundancyFacts
+from ftengine.context import RedundancyFacts
 from ftengine.engine_state import EngineState, StartedAction
 from ftengine.errors import CommandRejected, ConfigError
 from ftengine.faults import Fault, HealthStatus, Phase, fault_text
@@ -177,15 +177,12 @@ class RecoveryEngine:
     def _ask(self, fault: Fault, phase: Phase, now: float) -> Decision:
         state = self._state
         episode = state.current()
-        ctx = RecoveryContext(
-            fault=fault,
-            phase=phase,
-            now=now,
-            episode_start=episode.start,
-            attempts=episode.attempts,
-            faults=tuple(state.history),
-            dead_ranks=episode.dead_ranks(state.removed),
-            removed_ranks=state.removed,
+        ctx = episode.context(
+            fault,
+            phase,
+            now,
+            state.history,
+            state.removed,
             rank=self.rank,
             world_size=self.world_size,
             epoch=state.epoch,

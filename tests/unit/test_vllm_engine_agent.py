@@ -1,13 +1,15 @@
 """The engine-core agent with a stand-in engine core and DP store: peer faults become a
 fault of this engine (once, and never from a stale state), the policy's retry runs the
-engine core's own retry once every peer is faulted."""
+engine core's own retry once every peer is faulted and proposes it too."""
 
 from __future__ import annotations
 
-import enum
 import json
 import queue
+import tempfile
 import time
+from collections.abc import Callable
+from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
@@ -20,15 +22,13 @@ from ftengine.integrations.vllm.config import VllmFtSettings
 from ftengine.integrations.vllm.engine_core import agent as engine_agent
 from ftengine.integrations.vllm.engine_core.agent import FAULT_MARK, UTILS_MODULE, EngineCoreAgent
 from ftengine.integrations.vllm.engine_core.dp_board import KEY
+from ftengine.integrations.vllm.status_file import StatusFile
 
 # Imported here, as in a real engine core: the agent's retry thread builds vLLM's request.
 pytest.importorskip(UTILS_MODULE, reason="vllm is not installed")
 
 
-class Status(enum.Enum):
-    HEALTHY = 0
-    DEAD = 1
-    UNHEALTHY = 2
+Status = pytest.importorskip("vllm.v1.engine").EngineStatusType  # what the agent sets too
 
 
 class Store:
@@ -52,10 +52,21 @@ class Store:
     def multi_get(self, keys: list[str]) -> list[bytes]:
         return [self.get(key) for key in keys]
 
-    def peer(self, rank: int, status: str, beat: int = 1, epoch: int = 0) -> None:
-        self.data[KEY.format(rank=rank)] = json.dumps(
-            {"status": status, "beat": beat, "epoch": epoch}
-        )
+    def peer(
+        self,
+        rank: int,
+        status: str,
+        beat: int = 1,
+        epoch: int = 0,
+        proposal: list[object] | None = None,
+        blame: int | None = None,
+    ) -> None:
+        """Peer ``rank``'s entry as its agent publishes it (``proposal``: ``[instruction,
+        removed ranks]``; ``blame``: the rank its fault points at)."""
+        value = {"status": status, "beat": beat, "epoch": epoch}
+        if proposal is not None or blame is not None:
+            value |= {"proposal": proposal, "blame": blame}
+        self.data[KEY.format(rank=rank)] = json.dumps(value)
 
 
 class Sentinel:
@@ -70,9 +81,12 @@ class Sentinel:
             model_executor=SimpleNamespace(is_failed=False, collective_rpc=self.rpc),
         )
         self.status_type = Status.HEALTHY
+        self.fault_info: str | None = None
         self._dp_reinit_epoch = 0
         self.retries: list[Any] = []
+        self.scale_downs: list[Any] = []
         self.rpcs: list[tuple[Any, ...]] = []
+        self.pushes = 0
 
     def rpc(self, method: Any, timeout: float, args: tuple[Any, ...]) -> None:
         self.rpcs.append((method, args))
@@ -82,10 +96,35 @@ class Sentinel:
         self._dp_reinit_epoch += 1
         self.status_type = Status.HEALTHY
 
+    def scale_down(self, request: Any) -> SimpleNamespace:
+        """ftengine's ``EngineCoreSentinel.scale_down``: its preconditions, then healthy."""
+        from ftengine.integrations.vllm.engine_core.scale_down import REMOVED_ATTR, problems
+
+        removed, found = problems(self, dict(request.params))
+        if found:
+            return SimpleNamespace(success=False, reason="; ".join(found))
+        self.scale_downs.append(request)
+        setattr(self, REMOVED_ATTR, removed)
+        self._dp_reinit_epoch += 1
+        self.status_type = Status.HEALTHY
+        return SimpleNamespace(success=True, reason=None)
+
+    def _push_status(self) -> None:
+        self.pushes += 1
+
 
 def agent_for(sentinel: Sentinel, policy: str = "orchestrator") -> EngineCoreAgent:
     settings = VllmFtSettings(enabled=True, npu=NpuFtConfig(policy=policy))
-    return EngineCoreAgent(sentinel, settings)
+    agent = EngineCoreAgent(sentinel, settings)
+    agent.status_file = StatusFile(Path(tempfile.mkdtemp()) / "status.json")  # not /tmp's
+    return agent
+
+
+def wait_until(done: Callable[[], bool], seconds: float = 5.0) -> None:
+    deadline = time.monotonic() + seconds
+    while not done():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.01)
 
 
 def markers(sentinel: Sentinel) -> list[Any]:
@@ -161,20 +200,31 @@ def test_the_policy_sees_a_peer_side_error_among_live_peers_as_transient() -> No
     assert (dead.kind, dead.rank) == (FaultKind.DEAD_PEER, 1)
 
 
+def tick(agent: EngineCoreAgent) -> None:
+    """One peer watch and decision, then the publish of what it decided."""
+    agent._watch_peers()
+    agent._maybe_recover()
+    agent._watch_peers()
+    agent._maybe_recover()
+
+
 def test_auto_retries_through_the_engine_core_once_every_peer_is_faulted() -> None:
     sentinel = Sentinel()
+    store = sentinel.engine.dp_store
     agent = agent_for(sentinel, "auto")
     agent.note_fault(RuntimeError("Timed out waiting 5000ms for recv operation to complete"))
     agent.after_fault()
     sentinel.status_type = Status.UNHEALTHY
-    agent.peers = {1: "healthy"}
-    agent._maybe_recover()
+    store.peer(1, "healthy")
+    tick(agent)
     assert sentinel.retries == []  # a healthy peer cannot join the DP group's rebuild
-    agent.peers = {1: "unhealthy"}
-    agent._maybe_recover()
-    deadline = time.monotonic() + 5
-    while not sentinel.retries and time.monotonic() < deadline:
-        time.sleep(0.01)
+    store.peer(1, "unhealthy", beat=2)
+    tick(agent)
+    assert sentinel.retries == []  # it has not proposed the retry (yet)
+    assert json.loads(store.data[KEY.format(rank=0)])["proposal"] == ["retry", [], 0]
+    store.peer(1, "unhealthy", beat=3, proposal=["retry", [], 0])
+    tick(agent)
+    wait_until(lambda: bool(sentinel.retries))
     (request,) = sentinel.retries
     assert request.instruction == "retry" and request.request_id.startswith("ftengine-auto-")
 

@@ -1,7 +1,8 @@
 """The status files through which a vLLM worker's FSM shows its phase, epoch and removed
-ranks to its engine core and API server (same host): one per engine core, named by the
-engine core's pid, written only under a real vLLM engine core and removed once that engine
-core no longer runs."""
+ranks to its engine core and API server (same host), and the worker its redundancy facts
+(what its expert placement can lose) to the engine core's policy: one per engine core,
+named by the engine core's pid, written only under a real vLLM engine core and removed once
+that engine core no longer runs."""
 
 from __future__ import annotations
 
@@ -16,6 +17,9 @@ from pathlib import Path
 import attrs
 import psutil
 
+from ftengine.context import RedundancyFacts
+from ftengine.errors import ConfigError
+
 ENGINE_CORE_TITLE = "VLLM::EngineCore"
 """How vLLM titles an engine-core process (setproctitle); its workers are "VLLM::Worker"."""
 STATUS_NAME = re.compile(r"ftengine-status-(?P<pid>\d+)-(?P<rank>\d+)\.(?:json|\d+\.partial)$")
@@ -23,11 +27,32 @@ STATUS_NAME = re.compile(r"ftengine-status-(?P<pid>\d+)-(?P<rank>\d+)\.(?:json|\
 
 STATUS_FIELDS = ("phase", "epoch", "removed_ranks")
 FILE_FIELDS = (*STATUS_FIELDS, "attempts")
+REDUNDANCY = "redundancy"
 
 
-def file_fields(status: Mapping[str, object]) -> dict[str, object]:
-    """What a worker writes to its :class:`StatusFile` (``EngineStatus.to_dict()`` subset)."""
-    return {key: status.get(key) for key in FILE_FIELDS}
+def file_fields(
+    status: Mapping[str, object], redundancy: RedundancyFacts | None = None
+) -> dict[str, object]:
+    """What a worker writes to its :class:`StatusFile`: an ``EngineStatus.to_dict()``
+    subset and its ``redundancy`` facts (None: unknown, e.g. EPLB off)."""
+    fields = {key: status.get(key) for key in FILE_FIELDS}
+    fields[REDUNDANCY] = None if redundancy is None else attrs.asdict(redundancy)
+    return fields
+
+
+def redundancy_facts(fields: Mapping[str, object]) -> RedundancyFacts | None:
+    """The worker's redundancy facts from its status file's ``fields`` (None: unknown,
+    which a policy takes as "the survivors can host every expert"); ``ConfigError`` for
+    facts that are not :class:`RedundancyFacts`' (a worker of another version)."""
+    raw = fields.get(REDUNDANCY)
+    if raw is None:
+        return None
+    if not isinstance(raw, Mapping):
+        raise ConfigError(f"status file: expected redundancy facts (an object), found {raw!r}")
+    try:
+        return RedundancyFacts(**{str(key): value for key, value in raw.items()})
+    except TypeError as exc:
+        raise ConfigError(f"status file: unreadable redundancy facts {dict(raw)!r}") from exc
 
 
 def worker_fields(status: Mapping[str, object]) -> dict[str, object]:

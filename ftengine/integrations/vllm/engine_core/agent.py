@@ -11,9 +11,16 @@
   survivor reports ``unhealthy`` as soon as it has the news, before its own busy loop gets
   to vLLM's ``on_fault`` (a busy one waits in a collective until the dead worker's sockets
   close): see :func:`worker_dying`.
-- **Policy.** With ``"auto"`` or a custom policy the agent asks the policy what to do and,
-  for ``Retry``, runs the engine core's own retry, exactly what an orchestrator's
-  ``retry`` would run; anything else waits for the orchestrator as vLLM does.
+- **Policy.** The configured policy decides here, for the whole deployment's engine core
+  (the worker's FSM carries out the engine core's commands). It sees what a worker of the
+  test bed sees (``fault_books``): the fault history with the rank each fault points at
+  (this engine's own, or the peer whose fault was news first), the dead peers, the removed
+  ranks, the worker's redundancy facts, attempts and elapsed time. Every decision acts:
+  ``Retry`` and ``ScaleDown`` are proposed on the DP board and run (the engine core's own
+  ``retry`` / ftengine's ``scale_down``, exactly what an orchestrator's command runs) once
+  every survivor proposes the same (``agreement``), else the orchestrator's command is
+  awaited; ``WaitForOrchestrator`` waits (to a deadline earlier than vLLM's own, then gives
+  up); ``GiveUp`` makes the engine DEAD, its held requests aborted with the reason.
 - **Status.** ftengine's phase, epoch and removed ranks, written by the worker's FSM to
   :class:`StatusFile`, are added to each status the engine core pushes.
 """
@@ -29,29 +36,42 @@ from typing import Any
 
 import attrs
 
+from ftengine.commands import REMOVED_KEY
 from ftengine.context import RecoveryContext
 from ftengine.errors import PeerDead
 from ftengine.faults import Fault, FaultKind, Phase
 from ftengine.integrations.vllm.config import VllmFtSettings
+from ftengine.integrations.vllm.engine_core.agreement import PeerView, Proposal, agreed
 from ftengine.integrations.vllm.engine_core.dp_board import BEAT_ENV as BEAT_ENV
 from ftengine.integrations.vllm.engine_core.dp_board import BEAT_S as BEAT_S
 from ftengine.integrations.vllm.engine_core.dp_board import (
     PEER_READ_S,
     Doorbell,
+    Entry,
     StatusBoard,
     beat_interval,
 )
+from ftengine.integrations.vllm.engine_core.fault_books import FaultBooks
+from ftengine.integrations.vllm.engine_core.poison import own_fault
+from ftengine.integrations.vllm.engine_core.scale_down import REMOVED_ATTR, problems
 from ftengine.integrations.vllm.engine_core.worker_exit import worker_dying
 from ftengine.integrations.vllm.messages import import_vllm
 from ftengine.integrations.vllm.status_file import (
     StatusFile,
+    redundancy_facts,
     remove_dead_status_files,
     worker_fields,
 )
 from ftengine.integrations.vllm.worker.adapter import adopt_fault
-from ftengine.policies import GiveUp, Retry, decide
+from ftengine.policies import (
+    GiveUp,
+    Retry,
+    ScaleDown,
+    WaitForOrchestrator,
+    decide,
+    describe,
+)
 from ftengine.policies.algebra import Policy
-from ftengine.policies.builtin import OrchestratorDriven
 
 logger = logging.getLogger(__name__)
 
@@ -64,6 +84,8 @@ FAULT_MARK = "ftengine-peer-fault"
 """Request type of the agent's input-queue marker (no vLLM request type has this value)."""
 EPOCH_ATTR = "_dp_reinit_epoch"  # EngineCoreSentinel's count of DP-group rebuilds (retries)
 UTILS_MODULE = "vllm.v1.fault_tolerance.utils"
+ENGINE_MODULE = "vllm.v1.engine"
+DEADLINE_MARGIN_S = 1.0  # a policy's deadline this close to vLLM's is left to vLLM's wrapper
 
 
 class EngineCoreAgent:
@@ -78,12 +100,12 @@ class EngineCoreAgent:
         self.world = int(parallel.data_parallel_size)
         self.status_file = StatusFile.for_engine_core(self.rank)
         self.policy: Policy = settings.build_policy()
-        self.waits_only = isinstance(self.policy, OrchestratorDriven)
         self.pending: PeerDead | None = None
+        self.blamed: int | None = None  # the peer whose fault was news first, while healthy
         self.generation = 0  # faults handled so far; a marker names the one it was made in
-        self.fault: Fault | None = None
-        self.episode_start = 0.0
-        self.attempts = 0
+        self.books = FaultBooks(self.rank, self.world)
+        self.proposal: Proposal | None = None  # what this engine's policy proposes now
+        self.decided: str | None = None  # the last decision, logged when it changes
         self._beat = 0
         self.beat_s = beat_interval()
         self._read_at = -PEER_READ_S  # when the peers were last read (monotonic)
@@ -94,13 +116,17 @@ class EngineCoreAgent:
         self._timed_group: object = None
         self._healthy_since = 0.0
         self.peers: dict[int, str] = {}  # current-epoch peers' statuses ("dead" if stale)
+        self.views: dict[int, PeerView] = {}  # the peers' statuses, epochs, proposals
+        self.blames: dict[int, int | None] = {}  # the rank each peer's fault points at
         self._was_healthy = True
         self._dying = False  # this engine's own worker has begun to exit
         self.anticipated: str | None = None  # status reported ahead of vLLM's on_fault
         self._faulted = threading.Event()  # cleared while an early report runs ahead
         self._faulted.set()
         self._stop = threading.Event()
-        self._retrying = threading.Event()
+        self._recovering = threading.Event()  # the agent's own retry / scale_down runs
+        self._idle = threading.Event()  # the opposite, for commands to wait on
+        self._idle.set()
         self._lock = threading.Lock()
         self.thread = threading.Thread(target=self._run, name="ftengine-agent", daemon=True)
 
@@ -134,6 +160,7 @@ class EngineCoreAgent:
         with self._lock:
             self.generation += 1
             self.pending = None
+            self.blamed = None  # note_fault has named the fault's rank already
             self.anticipated = None  # vLLM's own status says it now
 
     def release_commands(self) -> None:
@@ -148,19 +175,28 @@ class EngineCoreAgent:
 
         with self._lock:
             self.pending = None  # this fault is the news; a queued marker is now stale
+            blamed, self.blamed = self.blamed, None
         kind = FaultKind.DEAD_PEER if isinstance(exc, PeerDead) else classify_exception(exc)
-        now = time.monotonic()
-        self.fault = Fault(kind=kind, info=type(exc).__name__, at=now)
-        self.episode_start, self.attempts = now, 0
+        # Its own fault (no peer's was news first): this rank's; else the peer's, if known.
+        rank = self.rank if blamed is None and own_fault(exc, self.peers) else blamed
+        fault = Fault(kind=kind, rank=rank, info=type(exc).__name__, at=time.monotonic())
+        with self._lock:
+            self.books.open(fault)
+
+    @property
+    def fault(self) -> Fault | None:
+        """The fault of the episode under way, as the agent knows it now."""
+        return self.books.fault
 
     def after_fault(self) -> None:
         """After vLLM's ``on_fault`` (busy-loop thread, so the executor is ours): hand the
         fault to a worker still serving (its FSM quarantines), then mark older fault markers
         stale. The caller pushes the status again, now with the worker's phase."""
         executor = self.engine.model_executor
-        if self.fault is not None and not getattr(executor, "is_failed", False):
+        fault = self.fault
+        if fault is not None and not getattr(executor, "is_failed", False):
             try:
-                executor.collective_rpc(adopt_fault, timeout=5.0, args=(self.fault.kind.value,))
+                executor.collective_rpc(adopt_fault, timeout=5.0, args=(fault.kind.value,))
             except Exception:  # the worker may be gone or hung: vLLM's own path goes on
                 logger.warning("[FT] could not hand the fault to engine %d's worker", self.rank)
         self.fault_handled()
@@ -220,10 +256,19 @@ class EngineCoreAgent:
     def _own_status(self) -> str:
         return str(self.sentinel.status_type.name).lower()
 
-    def _mine(self) -> tuple[str, int]:
-        """What this engine publishes: status (``dead`` once its worker exits) and epoch."""
+    def _mine(self) -> Entry:
+        """What this engine publishes: status (``dead`` once its worker exits), epoch and,
+        while unhealthy, its policy's proposal and the rank its fault points at."""
         own = self._own_status()
-        return ("dead" if own != "dead" and self._dying else own, self._epoch())
+        status = "dead" if own != "dead" and self._dying else own
+        if status != "unhealthy":
+            return Entry(status, self._epoch())
+        fault = self.fault
+        return Entry(status, self._epoch(), self.proposal, None if fault is None else fault.rank)
+
+    def _removed(self) -> frozenset[int]:
+        """The original DP ranks scale-downs removed so far (cumulative)."""
+        return frozenset(getattr(self.sentinel, REMOVED_ATTR, frozenset()))
 
     def _watch_peers(self, *, exit_checked: bool = False) -> None:
         """Publish this engine's status, read the peers', fault on a peer's fault;
@@ -243,10 +288,14 @@ class EngineCoreAgent:
             self._dying = self._dying or worker_dying(self.engine.model_executor)
         if own != "dead" and self._dying and self.anticipated != "dead":
             self._anticipate("dead")
+        removed = self._removed()
+        for rank in removed:  # gone for good: never news, never a member
+            for known in (self.peers, self.views, self.blames):
+                known.pop(rank, None)
         try:
             if self.board.publish(store, self._mine(), self._beat, now):
                 self.doorbell.ring(self.board.doorbells.values())
-            peers = self.board.read(store)
+            peers = self.board.read(store, skip=removed)
             self._store_failures = 0
         except Exception as exc:
             self._store_failures += 1
@@ -254,12 +303,15 @@ class EngineCoreAgent:
                 why = f"the DP store (hosted by DP rank 0) stopped answering: {exc}"
                 self._inject(0, why, early=True)
             return
-        for rank, (status, beat, epoch) in peers.items():
+        for rank, seen in peers.items():
+            status, beat, epoch = seen.entry.status, seen.beat, seen.entry.epoch
             last = self._seen.get(rank)
             if last is None or last[0] != beat:
                 self._seen[rank] = (beat, now)
             stale = last is not None and now - self._seen[rank][1] > STALE_S
             self.peers[rank] = "dead" if stale else status
+            self.views[rank] = PeerView(self.peers[rank], seen.entry.proposal)
+            self.blames[rank] = seen.entry.blame
             # Only from a beat that began healthy: one that began faulted has not started
             # the settle clock of the recovery that may have finished meanwhile.
             if own == "healthy" and status in ("dead", "unhealthy") and self._current(epoch, now):
@@ -285,6 +337,7 @@ class EngineCoreAgent:
             if self.pending is not None:
                 return
             self.pending = PeerDead(f"[FT] engine {self.rank}: {why}")
+            self.blamed = rank
             marker = FaultMarker(self, self.generation)
         logger.warning("[FT] engine %d: %s; faulting now", self.rank, why)
         # The busy loop hands the marker to the patched _handle_client_request, which calls
@@ -300,58 +353,141 @@ class EngineCoreAgent:
         the orchestrator saw (bounded: the per-op timeout ends any step)."""
         if self.anticipated is not None:
             self._faulted.wait(HOLD_S + (self.settings.cpu_distributed_timeout_s or 0.0))
+        # A command while the agent's own recovery runs is judged on the status it leaves
+        # (vLLM would otherwise run a second recovery beside it).
+        self._idle.wait(self.settings.recovery_timeout_s)
 
     def verdict(self, fault: Fault) -> Fault:
         """The fault as the policy should see it: a dead peer by name when one is known; a
-        peer-side error (timeout, closed socket) while every peer still beats is a peer's
+        fault that names no rank, the rank a peer's own fault names (the peer it began on);
+        a peer-side error (timeout, closed socket) while every peer still beats is a peer's
         transient fault (everyone is alive: a retry can rebuild the groups)."""
         dead = sorted(r for r, s in self.peers.items() if s == "dead")
         if dead:
             return attrs.evolve(fault, kind=FaultKind.DEAD_PEER, rank=dead[0])
+        if fault.rank is None:
+            began = sorted(r for r, b in self.blames.items() if b == r and self.peers.get(r))
+            if began:
+                fault = attrs.evolve(fault, rank=began[0])
         if fault.kind in (FaultKind.HUNG_PEER, FaultKind.DEAD_PEER) and self.peers:
             return attrs.evolve(fault, kind=FaultKind.TRANSIENT)
         return fault
 
-    def _maybe_recover(self) -> None:
-        if self.waits_only or self.fault is None or self._retrying.is_set():
-            return
-        if self._own_status() != "unhealthy":
-            return
-        if any(status != "unhealthy" for status in self.peers.values()):
-            return  # a retry rebuilds the DP group with every peer: all must be faulted
-        fault = self.verdict(self.fault)
-        ctx = RecoveryContext(
-            fault=fault,
-            phase=Phase.QUARANTINED,
-            now=time.monotonic(),
-            episode_start=self.episode_start,
-            attempts=self.attempts,
-            rank=self.rank,
-            world_size=self.world,
-        )
-        decision = decide(self.policy, ctx)
-        if isinstance(decision, Retry) and ctx.now >= fault.at + decision.after:
-            # On its own thread: the beats go on while the DP group rendezvous waits.
-            self._retrying.set()
-            threading.Thread(target=self._retry, name="ftengine-retry", daemon=True).start()
-        elif isinstance(decision, GiveUp):
-            logger.warning("[FT] engine %d: policy gave up: %s", self.rank, decision.reason)
-            self.fault = None
+    def context(self, now: float) -> RecoveryContext | None:
+        """What the policy sees now: the episode's fault as the verdict names it, the peers
+        dead in it, the ranks removed, the worker's redundancy facts (None: no episode)."""
+        redundancy = redundancy_facts(self.status_file.read())
+        with self._lock:  # the busy loop may open the next episode meanwhile
+            fault = self.fault
+            if fault is None:
+                return None
+            self.books.settle(self.verdict(fault))
+            for rank, status in list(self.peers.items()):
+                if status == "dead":
+                    self.books.dead(rank, now)
+            return self.books.context(
+                now, self._removed(), epoch=self._epoch(), redundancy=redundancy
+            )
 
-    def _retry(self) -> None:
+    def _maybe_recover(self) -> None:
+        """Ask the policy about an unhealthy engine's fault and act on its decision."""
+        if self._own_status() != "unhealthy":
+            self.proposal = self.decided = None
+            return
+        if self._recovering.is_set():
+            return  # the proposal stays published: the other members may still start
+        ctx = self.context(time.monotonic())
+        if ctx is None:
+            return
+        decision = decide(self.policy, ctx)
+        if describe(decision) != self.decided:
+            self.decided = describe(decision)
+            logger.info("[FT] engine %d: policy decided to %s", self.rank, self.decided)
+        if isinstance(decision, GiveUp):
+            self.give_up(decision.reason)
+        elif isinstance(decision, WaitForOrchestrator):
+            self.proposal = None
+            if ctx.now >= decision.deadline and decision.deadline < self._vllm_deadline(ctx):
+                self.give_up(f"no recovery command within {ctx.elapsed:.1f} s (the policy's wait)")
+        else:
+            self._propose(decision, ctx)
+
+    def _vllm_deadline(self, ctx: RecoveryContext) -> float:
+        """Where vLLM's own wrapper gives up (less a margin): a later deadline is its to keep."""
+        return ctx.episode_start + self.settings.recovery_timeout_s - DEADLINE_MARGIN_S
+
+    def _propose(self, decision: Retry | ScaleDown, ctx: RecoveryContext) -> None:
+        """Publish the recovery ``decision`` proposes; run it once it is due, the peers have
+        seen it, and every other member proposes the same."""
+        proposal = Proposal.of(decision, ctx.removed_ranks, ctx.epoch)
+        if proposal.instruction == "scale_down":
+            _, found = problems(self.sentinel, {REMOVED_KEY: sorted(proposal.removed)})
+            if found:  # as a worker's engine does with a policy's impossible scale-down
+                self.give_up(f"policy scale-down not possible: {'; '.join(found)}")
+                return
+        self.proposal = proposal
+        if isinstance(decision, Retry) and ctx.now < ctx.fault.at + decision.after:
+            return
+        published = self.board.published
+        if published is None or published.proposal != proposal:
+            return  # the peers must see ours before we wait for them in the rendezvous
+        if not agreed(proposal, self.rank, self.world, self.views):
+            return
+        # On its own thread: the beats go on while the DP group rendezvous waits.
+        self._recovering.set()
+        self._idle.clear()
+        threading.Thread(
+            target=self._recover, args=(proposal,), name="ftengine-recovery", daemon=True
+        ).start()
+
+    def _recover(self, proposal: Proposal) -> None:
+        """Run ``proposal`` through the engine core's own command (what vLLM's dispatch of
+        an orchestrator's ``retry`` / ``scale_down`` calls)."""
+        params: dict[str, object] = {}
+        if proposal.instruction == "scale_down":
+            params[REMOVED_KEY] = sorted(proposal.removed)
         request = import_vllm(UTILS_MODULE).FaultToleranceRequest(
-            instruction="retry", params={}, request_id=f"ftengine-auto-{uuid.uuid4()}"
+            instruction=proposal.instruction,
+            params=params,
+            request_id=f"ftengine-auto-{uuid.uuid4()}",
         )
-        self.attempts += 1
-        logger.info("[FT] engine %d: policy retries (attempt %d)", self.rank, self.attempts)
+        with self._lock:
+            attempt = self.books.start_attempt()
+        if proposal.instruction == "retry":
+            logger.info("[FT] engine %d: policy retries (attempt %d)", self.rank, attempt)
+        else:
+            logger.info(
+                "[FT] engine %d: survivors agree: scale down to remove DP ranks %s (attempt %d)",
+                *(self.rank, sorted(proposal.removed), attempt),
+            )  # fmt: skip
         try:
-            self.sentinel.retry(request)
+            result = getattr(self.sentinel, proposal.instruction)(request)
+            if not getattr(result, "success", True):
+                logger.warning(
+                    "[FT] engine %d: automatic %s refused: %s",
+                    *(self.rank, proposal.instruction, getattr(result, "reason", None)),
+                )  # fmt: skip
         except Exception:
-            logger.exception("[FT] engine %d: automatic retry failed", self.rank)
-            if self.fault is not None:
-                self.fault = attrs.evolve(self.fault, at=time.monotonic())
+            logger.exception("[FT] engine %d: automatic %s failed", self.rank, proposal.instruction)
+            fault = self.fault
+            if fault is not None:  # a retry's delay counts from the failure
+                with self._lock:
+                    self.books.settle(attrs.evolve(fault, at=time.monotonic()))
         finally:
-            self._retrying.clear()
+            self._recovering.clear()
+            self._idle.set()
+
+    def give_up(self, reason: str) -> None:
+        """The policy's ``GiveUp``: this engine is DEAD (vLLM's wrapper ends it at its
+        deadline), what it holds aborted with the reason, the status pushed."""
+        from ftengine.integrations.vllm.engine_core.reinference import abort_held
+
+        self.proposal = None
+        logger.warning("[FT] engine %d: policy gave up: %s", self.rank, reason)
+        self.sentinel.status_type = import_vllm(ENGINE_MODULE).EngineStatusType.DEAD
+        self.sentinel.fault_info = f"policy gave up: {reason}"
+        abort_held(self.sentinel, f"engine {self.rank} gave up: {reason}")
+        self.sentinel._push_status()
 
 
 @attrs.frozen

@@ -2,7 +2,9 @@
 cheap: the agent ticks every ``BEAT_S``, reads its peers every ``PEER_READ_S`` (one round
 trip), and writes only when its status changes or every ``PUBLISH_S`` (the beat count that
 tells peers it lives). News does not wait for a read: an engine whose status changes rings
-each peer's :class:`Doorbell` (a UDP datagram), which wakes that peer's agent to read now."""
+each peer's :class:`Doorbell` (a UDP datagram), which wakes that peer's agent to read now.
+An :class:`Entry` carries, beside the status and epoch, the recovery the engine's policy
+proposes (``agreement``) and the rank its current fault points at."""
 
 from __future__ import annotations
 
@@ -13,6 +15,10 @@ import select
 import socket
 from collections.abc import Iterable
 from typing import Any
+
+import attrs
+
+from ftengine.integrations.vllm.engine_core.agreement import Proposal
 
 BEAT_S = 0.05  # the agent's tick: its worker's exit and its own status checked
 PEER_READ_S = 0.25  # the peers are read this often (a ring: at once); a read every 20 ms
@@ -76,8 +82,24 @@ def _host_ip() -> str:
     return host if ":" not in host and host != "0.0.0.0" else "127.0.0.1"
 
 
-PeerStatus = tuple[str, int, int]
-"""A peer's ``(status, beat, epoch)``."""
+@attrs.frozen
+class Entry:
+    """What one engine core publishes: its ``status`` (``dead`` once its worker exits), its
+    ``epoch``, the recovery its policy ``proposal`` (None: none) and the rank its current
+    fault points at (``blame``: its own for a fault of its own making; None: unknown)."""
+
+    status: str
+    epoch: int
+    proposal: Proposal | None = None
+    blame: int | None = None
+
+
+@attrs.frozen
+class PeerStatus:
+    """A peer's last :class:`Entry` and its beat count (moves on while it lives)."""
+
+    entry: Entry
+    beat: int
 
 
 class StatusBoard:
@@ -86,7 +108,7 @@ class StatusBoard:
     def __init__(self, rank: int, world: int) -> None:
         self.rank = rank
         self.world = world
-        self.published: tuple[str, int] | None = None  # (status, epoch) last written
+        self.published: Entry | None = None  # last written
         self.published_at = 0.0
         self.published_on: Any = None  # the DP store it was written on
         self.complete_store: Any = None  # the DP store on which every peer has published
@@ -94,24 +116,33 @@ class StatusBoard:
         self.doorbell: tuple[str, int] | None = None  # this engine's, published with it
         self.doorbells: dict[int, tuple[str, int]] = {}  # the peers', as last read
 
-    def publish(self, store: Any, mine: tuple[str, int], beat: int, now: float) -> bool:
-        """Write this engine's status when it changes, else every ``PUBLISH_S`` (the beat
+    def publish(self, store: Any, mine: Entry, beat: int, now: float) -> bool:
+        """Write this engine's entry when it changes, else every ``PUBLISH_S`` (the beat
         count that tells peers it lives), and at once on a new store (a retry's); whether
         it was news (a change: the peers' doorbells should ring)."""
         fresh = store is self.published_on and now - self.published_at < PUBLISH_S
         if fresh and mine == self.published:
             return False
-        status, epoch = mine
-        value = {"status": status, "beat": beat, "epoch": epoch, "doorbell": self.doorbell}
+        value = {
+            "status": mine.status,
+            "beat": beat,
+            "epoch": mine.epoch,
+            "doorbell": self.doorbell,
+            "proposal": None if mine.proposal is None else mine.proposal.to_json(),
+            "blame": mine.blame,
+        }
         store.set(KEY.format(rank=self.rank), json.dumps(value))
         news = mine != self.published
         self.published, self.published_at, self.published_on = mine, now, store
         return news
 
-    def read(self, store: Any) -> dict[int, PeerStatus]:
-        """Every peer's last status: one ``multi_get`` once all peers have published on
-        this store (a missing key would block it), one check and get per peer before."""
-        keys = {r: KEY.format(rank=r) for r in range(self.world) if r != self.rank}
+    def read(self, store: Any, skip: frozenset[int] = frozenset()) -> dict[int, PeerStatus]:
+        """Every peer's last status but ``skip``'s (ranks removed: they never publish on the
+        survivors' store): one ``multi_get`` once all have published on this store (a
+        missing key would block it), one check and get per peer before."""
+        keys = {
+            r: KEY.format(rank=r) for r in range(self.world) if r != self.rank and r not in skip
+        }
         if store is not self.complete_store and store.check(list(keys.values())):
             self.complete_store = store
         if store is self.complete_store:
@@ -121,12 +152,19 @@ class StatusBoard:
         return {rank: self.decode(rank, value) for rank, value in raw.items()}
 
     def decode(self, rank: int, raw: bytes) -> PeerStatus:
-        """A peer's ``(status, beat, epoch)``, decoded again only when its bytes changed."""
+        """A peer's entry and beat, decoded again only when its bytes changed."""
         cached = self.decoded.get(rank)
         if cached is not None and cached[0] == raw:
             return cached[1]
         value = json.loads(raw)
-        decoded = (str(value["status"]), int(value["beat"]), int(value["epoch"]))
+        blame = value.get("blame")
+        entry = Entry(
+            status=str(value["status"]),
+            epoch=int(value["epoch"]),
+            proposal=Proposal.from_json(value.get("proposal")),
+            blame=blame if type(blame) is int else None,
+        )
+        decoded = PeerStatus(entry, int(value["beat"]))
         doorbell = value.get("doorbell")
         if isinstance(doorbell, list) and len(doorbell) == 2:
             self.doorbells[rank] = (str(doorbell[0]), int(doorbell[1]))

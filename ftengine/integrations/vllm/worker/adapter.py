@@ -86,7 +86,9 @@ class WorkerFaultAdapter:
             self.ft.sentinel.subscribe(lambda _change: self.publish_status())
             status = StatusFile.for_worker(self.worker.parallel_config.data_parallel_rank)
             if status is not None:
-                self._status_sink = lambda fields: status.write(file_fields(fields))
+                # The worker's redundancy facts go with it: the engine core's policy reads them.
+                facts = self.ft.sentinel.engine.redundancy
+                self._status_sink = lambda fields: status.write(file_fields(fields, facts))
             self.publish_status()
         return self.ft
 
