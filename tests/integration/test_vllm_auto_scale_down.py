@@ -6,10 +6,9 @@ and once both propose it they run it: healthy again on their own, at a new epoch
 survivors' held through the recovery, the victim's handed to a survivor and streamed on by
 the victim's own server.
 
-ftengine keys this test sets beside ``"policy": "auto"``: ``"reinference": true`` and each
-rank's ``handoff_urls`` (the launcher's ``handoff=True``), which hold the requests and hand
-the victim's to a survivor, and ``cpu_distributed_timeout_sec`` (the per-op timeout every
-vLLM test here shortens).
+``"policy": "auto"`` is the only ftengine key: re-inference (on by default) holds the
+requests, and the victim's survivor is found on the DP store. The per-op timeout every vLLM
+test here shortens is vLLM's own flag (``--cpu-distributed-timeout-seconds``).
 """
 
 from __future__ import annotations
@@ -43,7 +42,7 @@ STREAM_TIMEOUT_S = 300.0
 @pytest.fixture(scope="module")
 def deployment(tmp_path_factory: pytest.TempPathFactory) -> Iterator[VllmDeployment]:
     checkpoint = write_tiny_qwen3_moe(tmp_path_factory.mktemp("vllm-auto-sd") / "qwen3-moe")
-    options = {"policy": "auto", "reinference": True, "cpu_distributed_timeout_sec": OP_TIMEOUT_S}
+    options = {"policy": "auto"}
     config = DeploymentConfig(
         checkpoint,
         dp_size=DP,
@@ -53,7 +52,7 @@ def deployment(tmp_path_factory: pytest.TempPathFactory) -> Iterator[VllmDeploym
         log_dir=tmp_path_factory.mktemp("logs"),
         recovery_timeout_s=300.0,
         startup_timeout_s=600.0,
-        handoff=True,
+        extra_args=("--cpu-distributed-timeout-seconds", str(int(OP_TIMEOUT_S))),
     )
     with VllmDeployment.start(config) as started:
         yield started
