@@ -8,6 +8,7 @@ from datetime import timedelta
 from typing import cast
 
 import torch.distributed as dist
+from torch._C._distributed_c10d import HashStore
 
 from ftengine.integrations.vllm.messages import import_vllm
 from ftengine.integrations.vllm.shapes import All2AllManagerLike, GroupCoordinatorLike
@@ -52,7 +53,7 @@ class RealVllmDistributed:
         ``ProcessGroup`` of ``like``'s rank and size with no backend, so ``rank()`` and
         ``size()`` answer and every collective raises (RuntimeError, "No backend type")."""
         group = cast(dist.ProcessGroup, like)
-        return dist.ProcessGroup(group.rank(), group.size())
+        return dist.ProcessGroup(HashStore(), group.rank(), group.size())
 
     def close_groups(self, groups: list[object]) -> int:
         """Destroy ``groups`` and let go of them (the list is emptied: the caller must hold
