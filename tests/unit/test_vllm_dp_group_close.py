@@ -11,7 +11,7 @@ import time
 import traceback
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Any
+from typing import Any, cast
 
 import pytest
 import torch
@@ -95,16 +95,17 @@ def _rank(rank: int, ports: list[int], out: Any) -> None:
     timeout = timedelta(seconds=OP_TIMEOUT_S)
     cpu = init("127.0.0.1", ports[0], rank, 2, backend="gloo", timeout=timeout)
     device = init("127.0.0.1", ports[1], rank, 2, backend="gloo", timeout=timeout)
-    hooks = VllmWorkerHooks(Worker(Parallel(rank)), OneDpGroup(Coordinator(cpu, device)))  # type: ignore[arg-type]
+    coordinator = Coordinator(cpu, device)
+    hooks = VllmWorkerHooks(Worker(Parallel(rank)), OneDpGroup(coordinator))  # type: ignore[arg-type]
     hooks.gloo_device_group = True
     del cpu, device  # the coordinator holds them, as vLLM's does
     ones = torch.ones(4)
-    dist.all_reduce(ones, group=hooks.dist.dp_group().device_group)  # type: ignore[arg-type]
-    report: dict[str, object] = {"rank": rank}
+    dist.all_reduce(ones, group=_device(coordinator))
+    report: dict[str, Any] = {"rank": rank}
     if rank == 1:
         time.sleep(CLOSE_AFTER_S)
         try:
-            _raise_holding(hooks.dist.dp_group().device_group)
+            _raise_holding(_device(coordinator))
         except RuntimeError as exc:  # what WorkerFaultAdapter.report_exception does
             traceback.clear_frames(exc.__traceback__)
             hooks.close_dp_group()
@@ -113,27 +114,31 @@ def _rank(rank: int, ports: list[int], out: Any) -> None:
         gathered = torch.empty(8)
         started = time.monotonic()
         try:
-            dist.all_gather_into_tensor(gathered, ones, group=hooks.dist.dp_group().device_group)  # type: ignore[arg-type]
+            dist.all_gather_into_tensor(gathered, ones, group=_device(coordinator))
         except RuntimeError as exc:
+            report["failed_at"] = time.time()
+            report["waited_s"] = time.monotonic() - started
             report["error"] = str(exc).splitlines()[0]
             report["kind"] = classify_exception(exc).value
             traceback.clear_frames(exc.__traceback__)
             hooks.close_dp_group()  # the peer faults in turn (its quarantine)
-        report["failed_at"] = time.time()
-        report["waited_s"] = time.monotonic() - started
-    report["stand_in_raises"] = _raises(hooks)
+    report["stand_in_raises"] = _raises(coordinator)
     # The retry: every rank rebuilds on fresh ports, then a collective works again.
     hooks.publish_dp_ports([ports[2]])
     hooks.rebuild_dp_group(frozenset({0, 1}), epoch=1)
     total = torch.full((2,), float(rank + 1))
-    dist.all_reduce(total, group=hooks.dist.dp_group().device_group)  # type: ignore[arg-type]
+    dist.all_reduce(total, group=_device(coordinator))
     report["after_retry"] = total.tolist()
     out.put(report)
 
 
-def _raises(hooks: VllmWorkerHooks) -> bool:
+def _device(coordinator: Coordinator) -> dist.ProcessGroup:
+    return cast(dist.ProcessGroup, coordinator.device_group)
+
+
+def _raises(coordinator: Coordinator) -> bool:
     try:
-        dist.all_reduce(torch.zeros(1), group=hooks.dist.dp_group().cpu_group)  # type: ignore[arg-type]
+        dist.all_reduce(torch.zeros(1), group=cast(dist.ProcessGroup, coordinator.cpu_group))
     except RuntimeError:
         return True
     return False
@@ -147,17 +152,18 @@ def test_a_closed_dp_group_releases_the_peers_wait_at_once_and_the_retry_rebuild
     for p in procs:
         p.start()
     try:
-        reports = {int(r["rank"]): r for r in (out.get(timeout=90) for _ in procs)}
+        got: list[dict[str, Any]] = [out.get(timeout=240) for _ in procs]
+        reports = {int(r["rank"]): r for r in got}
     finally:
         for p in procs:
             p.join(timeout=10)
             if p.is_alive():
                 p.kill()
     survivor, faulted = reports[0], reports[1]
-    assert "closed by peer" in str(survivor["error"]).lower(), survivor
-    assert survivor["kind"] == FaultKind.DEAD_PEER.value  # a peer's fault, not its own
+    # "Connection closed by peer" (or reset, had it not been waiting yet): a peer's fault
+    assert survivor["kind"] == FaultKind.DEAD_PEER.value, reports
     # Released as the peer closed, far from the 30 s op timeout.
-    late = float(survivor["failed_at"]) - float(faulted["closed_at"])  # type: ignore[arg-type]
-    assert late < 1.0 and float(survivor["waited_s"]) < OP_TIMEOUT_S / 3, (late, survivor)  # type: ignore[arg-type]
-    assert survivor["stand_in_raises"] and faulted["stand_in_raises"]
-    assert survivor["after_retry"] == faulted["after_retry"] == [3.0, 3.0]
+    late = float(survivor["failed_at"]) - float(faulted["closed_at"])
+    assert late < 1.0 and float(survivor["waited_s"]) < OP_TIMEOUT_S / 3, (late, reports)
+    assert survivor["stand_in_raises"] and faulted["stand_in_raises"], reports
+    assert survivor["after_retry"] == faulted["after_retry"] == [3.0, 3.0], reports
