@@ -112,7 +112,12 @@ class WorkerFaultAdapter:
         peers waiting in it fail at once; a reference from the traceback would keep it open.
         The traceback itself (files, lines) is kept for vLLM's log."""
         if self.ft is not None:
-            traceback.clear_frames(exc.__traceback__)
+            chained: BaseException | None = exc
+            seen: set[int] = set()
+            while chained is not None and id(chained) not in seen:  # and what it wraps
+                seen.add(id(chained))
+                traceback.clear_frames(chained.__traceback__)
+                chained = chained.__cause__ or chained.__context__
             self.ft.sentinel.on_fault(exc)
 
     def adopt_engine_fault(self, kind: FaultKind) -> None:
