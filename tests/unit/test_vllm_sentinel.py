@@ -17,14 +17,10 @@ import torch
 
 from ftengine.backends.fake import FakeBackend
 from ftengine.clock import ManualClock
-from ftengine.faults import FaultKind, HealthStatus, Phase
+from ftengine.faults import HealthStatus, Phase
 from ftengine.integrations.vllm.config import VllmFtSettings
 from ftengine.integrations.vllm.messages import VllmMessages
-from ftengine.integrations.vllm.worker.adapter import (
-    CommandFailed,
-    WorkerFaultAdapter,
-    adopt_fault,
-)
+from ftengine.integrations.vllm.worker.adapter import CommandFailed, WorkerFaultAdapter
 from ftengine.integrations.vllm.worker.factory import DeviceBackend, WorkerFt
 from ftengine.integrations.vllm.worker.hooks import DEAD_RANKS_ATTR, MASK_ATTR, VllmWorkerHooks
 from tests.unit.test_vllm_standin import (
@@ -51,7 +47,6 @@ class Rig:
         self.dist = Distributed()
         self.clock = ManualClock()
         self.mask = mask
-        self.released = 0  # the peers released (DeviceBackend.release)
         self.adapter = WorkerFaultAdapter(
             worker,
             backend_factory=self._device,
@@ -64,10 +59,7 @@ class Rig:
     def _device(
         self, worker: Any, hooks: VllmWorkerHooks, settings: VllmFtSettings
     ) -> DeviceBackend:
-        return DeviceBackend(self.device, self.mask, release=self._release)
-
-    def _release(self) -> None:
-        self.released += 1
+        return DeviceBackend(self.device, self.mask)
 
     def health(self) -> HealthStatus:
         return self.ft.sentinel.health
@@ -252,22 +244,3 @@ def test_nothing_is_closed_without_peers_or_where_the_device_side_is_not_gloo() 
     gpu.close_dp_group()
     assert dist.closed == gpu_dist.closed == []
     assert gpu_dist.group.cpu_group == "group-0"
-
-
-def test_the_peers_are_released_once_the_engine_core_hands_the_fault_over() -> None:
-    """Not from the failed step: vLLM's engine core judges the fault its own (re-inference's
-    poison probe) before a released peer can report one of its own."""
-    r = rig(dp_rank=1)
-    r.worker.worker_sentinel = r.adapter  # where vLLM keeps its sentinel
-    r.adapter.report_exception(RuntimeError("[FT] fault injected on DP rank 1"))
-    assert (r.health(), r.released) == (HealthStatus.UNHEALTHY, 0)
-    adopt_fault(r.worker, FaultKind.TRANSIENT.value)  # the agent's after_fault, by rpc
-    assert (r.health(), r.released) == (HealthStatus.UNHEALTHY, 1)
-    assert r.device.names() == ["quarantine"]  # quarantined once, by the step's fault
-
-
-def test_an_idle_worker_adopts_the_fault_then_releases_its_peers() -> None:
-    r = rig(dp_rank=0)
-    r.worker.worker_sentinel = r.adapter  # where vLLM keeps its sentinel
-    adopt_fault(r.worker, FaultKind.DEAD_PEER.value)
-    assert (r.health(), r.released) == (HealthStatus.UNHEALTHY, 1)

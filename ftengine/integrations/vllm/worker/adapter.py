@@ -121,21 +121,12 @@ class WorkerFaultAdapter:
             self.ft.sentinel.on_fault(exc)
 
     def adopt_engine_fault(self, kind: FaultKind) -> None:
-        """The engine core faulted (its worker's step raised, or e.g. a peer died while
-        this worker idled): a worker still serving quarantines now, so its phase agrees
-        with vLLM's status; then the peers still waiting in this worker's groups are
-        released (``WorkerFt.release``: on CPU the DP group closes, so their collectives
-        fail at once instead of at the op timeout). Not from the failed step itself: the
-        engine core has by now judged the fault its own (re-inference's poison probe),
-        before any peer, released, can report a fault of its own. Ignored before the model
-        is loaded."""
-        if self.ft is None:
-            return
-        sentinel = self.ft.sentinel
-        if sentinel.serving:
+        """The engine core faulted (e.g. a peer died while this worker idled): a worker
+        still serving quarantines now, so its phase agrees with vLLM's status. Ignored
+        before the model is loaded."""
+        if self.ft is not None and self.ft.sentinel.serving:
+            sentinel = self.ft.sentinel
             sentinel.report(Fault(kind=kind, info=ENGINE_CORE_FAULT, at=sentinel.clock.now()))
-        if self.ft.release is not None:
-            self.ft.release()
 
     def handle_command(self, ft_request: object) -> Any:
         """Overrides vLLM's ``WorkerSentinel.handle_command`` (vLLM's name, kept: vLLM's

@@ -52,9 +52,6 @@ class DeviceBackend:
     mask: torch.Tensor | None = None
     serving_op_timeout_s: float | None = None
     """Set on the backend once the worker has warmed up (start-up runs untimed)."""
-    release: Callable[[], None] | None = None
-    """Releases the peers waiting in this worker's groups once its fault is known (None:
-    nothing does; they wait for the op timeout)."""
 
 
 BackendFactory = Callable[[WorkerLike, VllmWorkerHooks, VllmFtSettings], DeviceBackend]
@@ -82,8 +79,9 @@ def vllm_cpu_backend(
         real_process_groups,
         rank=parallel.data_parallel_rank,
         rehost=cpu_rehoster(worker, hooks, settings.placement),
+        close=hooks.close_dp_group,
     )
-    return DeviceBackend(backend, serving_op_timeout_s=timeout, release=hooks.close_dp_group)
+    return DeviceBackend(backend, serving_op_timeout_s=timeout)
 
 
 def cpu_rehoster(
@@ -127,13 +125,11 @@ def backend_for_platform(device_type: str) -> BackendFactory:
 class WorkerFt:
     """One vLLM worker's ftengine pieces, built once its model is loaded: the ``sentinel``
     (engine, policy, hosted backend), vLLM's view of its ``commands``, and the op timeout to
-    set on the backend once the worker serves (start-up runs untimed), and what releases
-    the peers waiting in its groups after a fault (``DeviceBackend.release``)."""
+    set on the backend once the worker serves (start-up runs untimed)."""
 
     sentinel: WorkerSentinel
     commands: VllmCommands
     serving_op_timeout_s: float | None = None
-    release: Callable[[], None] | None = None
 
 
 class SentinelSeams(TypedDict, total=False):
@@ -188,7 +184,7 @@ def build_worker_ft(
         messages=messages if messages is not None else VllmMessages.load(),
         ports=hooks,
     )
-    return WorkerFt(sentinel, commands, device.serving_op_timeout_s, device.release)
+    return WorkerFt(sentinel, commands, device.serving_op_timeout_s)
 
 
 def _redundancy(placement: ExpertPlacement, tp_size: int) -> RedundancyFacts:
