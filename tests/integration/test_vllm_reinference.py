@@ -43,6 +43,12 @@ TOKENS = 96  # long enough that two faults and their retries land mid-generation
 OP_TIMEOUT_S = 5.0
 STREAM_TIMEOUT_S = 240.0
 MAX_REINFERENCE = 1
+# The longest wait for a chunk through the fault and the retry: rank 0 no longer waits for
+# the op timeout, so even with the retry's own time (the test's polling and commands, the
+# groups' rendezvous, the dummy batch: ~2-3 s on a loaded 2-core machine) a stream waits
+# less than the op timeout alone; it waited that plus the retry (~7 s) before. Issue 27's
+# target, 1.5 s, needs the retry itself faster as well.
+LONGEST_WAIT_S = OP_TIMEOUT_S
 
 
 @attrs.frozen
@@ -165,28 +171,8 @@ def test_retry_keeps_every_stream_exact(deployed: Deployed, reference: list[list
         stream.finish()
         assert stream.finish_reason == "length", (stream.prompt, stream.tokens)
         assert stream.tokens == want, f"prompt {stream.prompt}: {stream.chunks}"
-
-
-# The longest wait for a chunk through the fault and the retry: rank 0 no longer waits for
-# the op timeout, so even with the retry's own time (the test's polling and commands, the
-# groups' rendezvous, the dummy batch: ~2-3 s on a loaded 2-core machine) a stream waits
-# less than the op timeout alone; it waited that plus the retry (~7 s) before. Issue 27's
-# target, 1.5 s, needs the retry itself faster as well.
-LONGEST_WAIT_S = OP_TIMEOUT_S
-
-
-@pytest.mark.timeout(900)
-def test_a_step_error_on_rank_1_stalls_no_stream_for_long(
-    deployed: Deployed, reference: list[list[int]]
-) -> None:
-    """Rank 0's step waits in a collective for rank 1's, which raised: rank 1 closes its
-    DP group as it quarantines, so rank 0 faults at once, not at the op timeout."""
-    streams = start_streams(deployed)
-    wait_tokens(streams, 2)
-    fault_then_retry(deployed, streams)
-    for stream, want in zip(streams, reference, strict=True):
-        stream.finish()
-        assert stream.tokens == want, f"prompt {stream.prompt}: {stream.chunks}"
+    # Rank 0's step waited in a collective for rank 1's, which raised: rank 1 closed its DP
+    # group as it quarantined, so rank 0 faulted at once, not at the op timeout.
     waits = [round(s.longest_wait_s, 2) for s in streams]
     assert max(waits) <= LONGEST_WAIT_S, f"longest wait for a chunk per stream: {waits} s"
 
