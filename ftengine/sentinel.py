@@ -1,4 +1,4 @@
-"""WorkerSentinel: the one glue object between a RecoveryEngine, a device Backend and the
+"""RankSentinel: the one glue object between a RecoveryEngine, a device Backend and the
 host worker (the CPU cluster worker, the NPU worker, the vLLM adapter).
 
 The host gives the sentinel a :class:`HostedBackend`: its device backend composed with a
@@ -66,14 +66,14 @@ class HostedBackend(DelegatingBackend):
         self.hooks.run_dummy_batch()
 
 
-class WorkerSentinel:
+class RankSentinel:
     """Joins a policy and a hosted backend (a device backend and its host worker) into one
     recovering worker.
 
     ``rank`` / ``world_size`` are original DP ranks. ``engine`` is the RecoveryEngine
-    it built (the host may ``subscribe`` to it); call ``on_fault`` from the host's
+    it built (the host may ``subscribe`` to it); call ``report_fault`` from the host's
     exception handlers, ``report`` for faults learnt some other way (a supervisor saw
-    a peer exit), ``handle_ft_command`` for orchestrator commands and ``poll`` every
+    a peer exit), ``run_command`` for orchestrator commands and ``poll`` every
     ~50 ms from the host's loop.
     """
 
@@ -112,7 +112,7 @@ class WorkerSentinel:
         """True while the worker may run real steps (running or healthy)."""
         return self.engine.phase.serving
 
-    def on_fault(self, exc: BaseException, step: int | None = None) -> Fault:
+    def report_fault(self, exc: BaseException, step: int | None = None) -> Fault:
         """Classify ``exc`` (caught by the host at model ``step``) and report it.
 
         A peer fault carries no rank (the exception does not say which peer); a local
@@ -144,7 +144,7 @@ class WorkerSentinel:
         """Report a fault learnt from outside, e.g. a supervisor saw peer ``rank`` exit."""
         self.report(Fault(kind=kind, rank=rank, step=step, info=info, at=self.clock.now()))
 
-    def handle_ft_command(
+    def run_command(
         self, instruction: str, params: Mapping[str, object], request_id: str
     ) -> CommandResult:
         """Run an orchestrator command (``retry`` / ``scale_down``) to the end."""

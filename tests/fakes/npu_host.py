@@ -228,7 +228,7 @@ def make_npu_rig(
 
 
 class SentinelHooks:
-    """``WorkerHooks`` of the fake host, for driving the NPU backend through a WorkerSentinel."""
+    """``WorkerHooks`` of the fake host, for driving the NPU backend through a RankSentinel."""
 
     def __init__(self, host: FakeNpuHost) -> None:
         self.host = host

@@ -13,7 +13,7 @@ from ftengine.commands import CommandResult
 from ftengine.errors import ConfigError
 from ftengine.faults import FaultKind, HealthStatus
 from ftengine.policies import OrchestratorDriven
-from ftengine.sentinel import HostedBackend, WorkerSentinel
+from ftengine.sentinel import HostedBackend, RankSentinel
 from ftengine.testbed.cluster import ClusterConfig
 from ftengine.testbed.cluster.adapters import build_command_adapter, resolve_adapter_factory
 from ftengine.testbed.cluster.config import TORCH_DEFAULT_TIMEOUT_S
@@ -39,26 +39,26 @@ class Hooks:
 class Recording:
     """An adapter that records its construction and answers every command itself."""
 
-    def __init__(self, sentinel: WorkerSentinel, rank: int) -> None:
+    def __init__(self, sentinel: RankSentinel, rank: int) -> None:
         self.sentinel = sentinel
         self.rank = rank
 
-    def handle_ft_command(
+    def run_command(
         self, instruction: str, params: Mapping[str, object], request_id: str
     ) -> CommandResult:
         return CommandResult(request_id, False, f"rank {self.rank} saw {instruction}")
 
 
-def recording(sentinel: WorkerSentinel, rank: int) -> Recording:
+def recording(sentinel: RankSentinel, rank: int) -> Recording:
     return Recording(sentinel, rank)
 
 
-def faceless(sentinel: WorkerSentinel, rank: int) -> object:
+def faceless(sentinel: RankSentinel, rank: int) -> object:
     return object()
 
 
-def sentinel(rank: int = 1) -> WorkerSentinel:
-    return WorkerSentinel(
+def sentinel(rank: int = 1) -> RankSentinel:
+    return RankSentinel(
         OrchestratorDriven(), HostedBackend(FakeBackend(rank=rank), Hooks()), rank=rank,
         world_size=4, clock=ManualClock(),
     )  # fmt: skip
@@ -74,9 +74,7 @@ def test_the_named_factory_is_called_with_the_sentinel_and_the_rank() -> None:
     adapter = build_command_adapter(f"{HERE}:recording", inner, 2)
     assert isinstance(adapter, Recording)
     assert (adapter.sentinel, adapter.rank) == (inner, 2)
-    assert adapter.handle_ft_command("retry", {}, "r1") == CommandResult(
-        "r1", False, "rank 2 saw retry"
-    )
+    assert adapter.run_command("retry", {}, "r1") == CommandResult("r1", False, "rank 2 saw retry")
 
 
 @pytest.mark.parametrize(
@@ -101,8 +99,8 @@ def test_an_import_failure_keeps_its_cause() -> None:
     assert isinstance(caught.value.__cause__, ImportError)
 
 
-def test_an_adapter_without_handle_ft_command_is_refused() -> None:
-    with pytest.raises(ConfigError, match="without a handle_ft_command"):
+def test_an_adapter_without_run_command_is_refused() -> None:
+    with pytest.raises(ConfigError, match="without a run_command"):
         build_command_adapter(f"{HERE}:faceless", sentinel(), 1)
 
 
@@ -132,12 +130,12 @@ def test_the_vllm_factory_runs_commands_through_vllms_message_types() -> None:
     inner = sentinel(rank=1)
     adapter = build_command_adapter(spec, inner, 1)
 
-    early = adapter.handle_ft_command("retry", {}, "too-early")
+    early = adapter.run_command("retry", {}, "too-early")
     assert early == CommandResult(
         "too-early", False, "[FT] Rejecting retry on engine 1: status is HEALTHY"
     )
     inner.peer_fault(FaultKind.DEAD_PEER, 3, "rank 3 exited")
-    done = adapter.handle_ft_command("scale_down", {"removed_dp_ranks": [3]}, "down")
+    done = adapter.run_command("scale_down", {"removed_dp_ranks": [3]}, "down")
     assert done == CommandResult("down", True, None)
     assert inner.health is HealthStatus.HEALTHY
     assert inner.engine.removed_ranks == frozenset({3})

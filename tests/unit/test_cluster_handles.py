@@ -10,7 +10,7 @@ from typing import Any
 from prometheus_client import CollectorRegistry
 
 from ftengine.faults import FaultKind, HealthStatus
-from ftengine.sentinel import WorkerSentinel
+from ftengine.sentinel import RankSentinel
 from ftengine.testbed.cluster.handles import EPISODE_HISTORY, WorkerHandle
 from ftengine.testbed.control.metrics import ControlMetrics
 from ftengine.testbed.control.snapshot import ClusterView
@@ -22,16 +22,16 @@ def handle(rank: int = 1) -> WorkerHandle:
     return WorkerHandle(rank, process, conn=None)  # type: ignore[arg-type]
 
 
-def two_episodes(engine: WorkerSentinel, worker: WorkerHandle) -> None:
+def two_episodes(engine: RankSentinel, worker: WorkerHandle) -> None:
     """A transient fault recovered by retry, then a dead peer scaled away; the worker reports
     its status after each step, as the cluster worker does."""
     engine.peer_fault(FaultKind.TRANSIENT, 1, "step 7 failed")
     worker.report(engine.status().to_dict())
-    assert engine.handle_ft_command("retry", {}, "r1").success
+    assert engine.run_command("retry", {}, "r1").success
     worker.report(engine.status().to_dict())
     engine.peer_fault(FaultKind.DEAD_PEER, 3, "rank 3 exited")
     worker.report(engine.status().to_dict())
-    assert engine.handle_ft_command("scale_down", {"removed_dp_ranks": [3]}, "s1").success
+    assert engine.run_command("scale_down", {"removed_dp_ranks": [3]}, "s1").success
     worker.report(engine.status().to_dict())
 
 

@@ -1,4 +1,4 @@
-"""The NPU backend behind the shared WorkerSentinel: DP=4 scale-downs and a retry on rank 0."""
+"""The NPU backend behind the shared RankSentinel: DP=4 scale-downs and a retry on rank 0."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from ftengine.clock import ManualClock
 from ftengine.context import RedundancyFacts
 from ftengine.faults import FaultKind, HealthStatus, Phase
 from ftengine.policies import OrchestratorDriven
-from ftengine.sentinel import HostedBackend, WorkerSentinel
+from ftengine.sentinel import HostedBackend, RankSentinel
 from ftengine.weights.index import CheckpointIndex
 from tests.fakes.npu_host import NpuRig, SentinelHooks, make_npu_rig
 from tests.fakes.npu_state import FakeDeviceError, FakeNpuState
@@ -25,10 +25,10 @@ def index(tiny_checkpoints: TinyCheckpoints) -> CheckpointIndex:
 
 def sentinel_for(
     rig: NpuRig, *, world_size: int = 4, tp_size: int = 1
-) -> tuple[WorkerSentinel, SentinelHooks]:
+) -> tuple[RankSentinel, SentinelHooks]:
     placement = rig.host.placement()
     hooks = SentinelHooks(rig.host)
-    sentinel = WorkerSentinel(
+    sentinel = RankSentinel(
         OrchestratorDriven(),
         HostedBackend(rig.backend, hooks),
         rank=0,
@@ -54,7 +54,7 @@ def test_scale_down_of_rank_3_then_rank_2(npu_state: FakeNpuState, index: Checkp
         assert sentinel.health is HealthStatus.UNHEALTHY
         assert rig.host.step(rig.host.tokens(2)).numel() == 0  # fenced until recovered
         npu_state.clear_calls()
-        result = sentinel.handle_ft_command(
+        result = sentinel.run_command(
             "scale_down", {"removed_dp_ranks": sorted(dead)}, f"sd{epoch}"
         )
         assert result.success, result.reason
@@ -76,10 +76,10 @@ def test_device_error_then_retry(npu_state: FakeNpuState, index: CheckpointIndex
     npu_state.fail(DISPATCH, FakeDeviceError("EZ9999: device error, stream poisoned"))
     with pytest.raises(FakeDeviceError) as caught:
         rig.host.step(rig.host.tokens(2))
-    fault = sentinel.on_fault(caught.value, step=7)
+    fault = sentinel.report_fault(caught.value, step=7)
     assert (fault.kind, fault.step) == (FaultKind.TRANSIENT, 7)
     assert npu_state.names().count("npu.stop_device") == 1  # reset once, by the barrier
-    result = sentinel.handle_ft_command("retry", {}, "retry-1")
+    result = sentinel.run_command("retry", {}, "retry-1")
     assert result.success, result.reason
     assert sentinel.health is HealthStatus.HEALTHY
     assert rig.host.step(rig.host.tokens(2)).shape == (2, MC2_HIDDEN)
@@ -93,7 +93,7 @@ def test_tp_2_scale_down_masks_both_ep_ranks_of_the_dead_dp_rank(
     rig = make_npu_rig(index, dp_size=2, dp_rank=0, tp_size=2, num_redundant=8)
     sentinel, _ = sentinel_for(rig, world_size=2, tp_size=2)
     sentinel.peer_fault(FaultKind.DEAD_PEER, rank=1, info="EOF")
-    result = sentinel.handle_ft_command("scale_down", {"removed_dp_ranks": [1]}, "sd")
+    result = sentinel.run_command("scale_down", {"removed_dp_ranks": [1]}, "sd")
     assert result.success, result.reason
     assert rig.backend.elastic.tensor.tolist() == [1, 2, 0, 8, 0, 1, -1, -1, 0, 1, -1, -1]
     placement = rig.host.placement()

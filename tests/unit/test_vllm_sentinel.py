@@ -65,7 +65,7 @@ class Rig:
         return self.ft.sentinel.health
 
     def fault(self) -> None:
-        self.ft.sentinel.on_fault(RuntimeError("Connection closed by peer"), step=7)
+        self.ft.sentinel.report_fault(RuntimeError("Connection closed by peer"), step=7)
 
     def send(self, instruction: str, params: dict[str, Any], request_id: str) -> Any:
         # Through msgpack, as the request crosses processes in vLLM.

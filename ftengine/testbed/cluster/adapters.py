@@ -3,7 +3,7 @@
 ``ClusterConfig.command_adapter = "package.module:function"`` names a factory that each
 worker resolves once and calls as ``factory(sentinel, rank)``; every ``retry`` /
 ``scale_down`` the supervisor relays then goes through the returned object's
-``handle_ft_command``. Without one, commands go straight to the worker's WorkerSentinel.
+``run_command``. Without one, commands go straight to the worker's RankSentinel.
 ``ftengine.testbed.vllm.cluster_adapter:vllm_command_adapter`` is the one that drives
 the cluster through vLLM's own message types.
 """
@@ -16,18 +16,18 @@ from typing import Protocol, cast
 
 from ftengine.commands import CommandResult
 from ftengine.errors import ConfigError
-from ftengine.sentinel import WorkerSentinel
+from ftengine.sentinel import RankSentinel
 
 
 class CommandAdapter(Protocol):
-    """Runs one orchestrator command on this worker, to its end (``WorkerSentinel`` is one)."""
+    """Runs one orchestrator command on this worker, to its end (``RankSentinel`` is one)."""
 
-    def handle_ft_command(
+    def run_command(
         self, instruction: str, params: Mapping[str, object], request_id: str
     ) -> CommandResult: ...
 
 
-AdapterFactory = Callable[[WorkerSentinel, int], CommandAdapter]
+AdapterFactory = Callable[[RankSentinel, int], CommandAdapter]
 """``factory(sentinel, rank)``: the adapter of DP rank ``rank``'s worker."""
 
 _EXPECTED = "expected 'package.module:function' naming a callable importable by the workers"
@@ -59,14 +59,14 @@ def resolve_adapter_factory(spec: str) -> AdapterFactory:
     return cast(AdapterFactory, factory)
 
 
-def build_command_adapter(spec: str | None, sentinel: WorkerSentinel, rank: int) -> CommandAdapter:
+def build_command_adapter(spec: str | None, sentinel: RankSentinel, rank: int) -> CommandAdapter:
     """The adapter ``spec`` names, built for ``rank`` over ``sentinel`` (the sentinel if None)."""
     if spec is None:
         return sentinel
     adapter = resolve_adapter_factory(spec)(sentinel, rank)
-    if not callable(getattr(adapter, "handle_ft_command", None)):
+    if not callable(getattr(adapter, "run_command", None)):
         raise ConfigError(
             f"ClusterConfig.command_adapter {spec!r} returned a {type(adapter).__name__} without "
-            "a handle_ft_command(instruction, params, request_id) method"
+            "a run_command(instruction, params, request_id) method"
         )
     return adapter

@@ -72,7 +72,7 @@ class ClusterConfig:
 
     ``command_adapter`` (``"package.module:function"``) names a factory each worker calls
     once as ``factory(sentinel, rank)``; every orchestrator command then goes through the
-    returned object's ``handle_ft_command(instruction, params, request_id)`` (see
+    returned object's ``run_command(instruction, params, request_id)`` (see
     :mod:`ftengine.testbed.cluster.adapters`). ``fault_tolerance=False`` runs the cluster as one
     without ftengine would run (see :attr:`fault_tolerance`).
     """

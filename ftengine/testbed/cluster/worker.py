@@ -1,5 +1,5 @@
 """One CPU cluster worker process: loads its slots, joins the EP group, serves lockstep steps
-and recovers through a WorkerSentinel.
+and recovers through a RankSentinel.
 
 The main thread does everything that touches the engine or the process group (steps,
 commands, peer faults, ``poll``), so the engine never sees two threads at once; a
@@ -30,7 +30,7 @@ from torch._C._distributed_c10d import TCPStore
 
 from ftengine.context import RedundancyFacts
 from ftengine.errors import ConfigError
-from ftengine.sentinel import HostedBackend, WorkerSentinel
+from ftengine.sentinel import HostedBackend, RankSentinel
 from ftengine.status import PhaseChange
 from ftengine.testbed.cluster.adapters import build_command_adapter
 from ftengine.testbed.cluster.config import ClusterConfig
@@ -166,9 +166,9 @@ class ClusterWorker:
         self._last_status: dict[str, Any] | None = None
         self.backend.rebuild_groups(frozenset(range(spec.world_size)), 0)
 
-    def _sentinel(self) -> WorkerSentinel:
+    def _sentinel(self) -> RankSentinel:
         spec, experts = self.spec, self.backend.experts
-        sentinel = WorkerSentinel(
+        sentinel = RankSentinel(
             build_policy(spec.config.policy, spec.config.recovery_timeout_s),
             HostedBackend(self.backend, self),
             rank=spec.rank,
@@ -226,7 +226,7 @@ class ClusterWorker:
                 self.publish_status()
             self.link.send(reply)
         elif isinstance(message, FtCommand):
-            result = self.commands.handle_ft_command(
+            result = self.commands.run_command(
                 message.instruction, message.params, message.request_id
             )
             self.publish_status()
@@ -264,7 +264,7 @@ class ClusterWorker:
                 # No fault tolerance: the error ends this worker, as it ends vLLM's engine core.
                 self.link.send(reply)
                 raise
-            self.sentinel.on_fault(exc, step=request.step)
+            self.sentinel.report_fault(exc, step=request.step)
             return reply
         outputs = tuple(
             StepOutput(

@@ -35,7 +35,7 @@ class VllmCommandAdapter:
         self.last_request: Any = None
         self.last_result: Any = None
 
-    def handle_ft_command(
+    def run_command(
         self, instruction: str, params: Mapping[str, object], request_id: str
     ) -> CommandResult:
         """Encode the command as vLLM's request, run it, decode vLLM's result."""

@@ -3,10 +3,10 @@
 
 The fault path through it, read top to bottom: a model step raises (the step wrappers,
 ``step_wrappers.py``) -> :meth:`WorkerFaultAdapter.report_exception` -> ftengine's
-``WorkerSentinel.on_fault`` -> its ``RecoveryEngine`` (which drives the worker's
+``RankSentinel.report_fault`` -> its ``RecoveryEngine`` (which drives the worker's
 ``VllmHostedBackend``). A command from vLLM's engine core arrives as vLLM's
 ``Worker.handle_ft_command`` -> :meth:`WorkerFaultAdapter.handle_command` ->
-``commands.VllmCommands.run`` -> ``WorkerSentinel.handle_ft_command``.
+``commands.VllmCommands.run`` -> ``RankSentinel.run_command``.
 """
 
 from __future__ import annotations
@@ -120,7 +120,7 @@ class WorkerFaultAdapter:
                 seen.add(id(chained))
                 traceback.clear_frames(chained.__traceback__)
                 chained = chained.__cause__ or chained.__context__
-            self.ft.sentinel.on_fault(exc)
+            self.ft.sentinel.report_fault(exc)
 
     def adopt_engine_fault(self, kind: FaultKind) -> None:
         """The engine core faulted (e.g. a peer died while this worker idled): a worker

@@ -1,4 +1,4 @@
-"""vLLM's fault-tolerance commands run on ftengine's ``WorkerSentinel``.
+"""vLLM's fault-tolerance commands run on ftengine's ``RankSentinel``.
 
 vLLM's engine core relays an orchestrator command to its workers as
 ``collective_rpc("handle_ft_command", args=(FaultToleranceRequest,))``; the worker's fault
@@ -25,14 +25,12 @@ logger = logging.getLogger(__name__)
 
 
 class SentinelLike(Protocol):
-    """What :class:`VllmCommands` needs of ``ftengine.sentinel.WorkerSentinel``."""
+    """What :class:`VllmCommands` needs of ``ftengine.sentinel.RankSentinel``."""
 
     @property
     def health(self) -> HealthStatus: ...
 
-    def handle_ft_command(
-        self, instruction: str, params: Any, request_id: str
-    ) -> CommandResult: ...
+    def run_command(self, instruction: str, params: Any, request_id: str) -> CommandResult: ...
 
     def status(self) -> EngineStatus: ...
 
@@ -77,9 +75,7 @@ class VllmCommands:
         ports = command.vllm_params.get(DP_PORTS_KEY)
         if self.ports is not None and isinstance(ports, list | tuple):
             self.ports.publish_dp_ports([int(p) for p in ports])
-        result = self.sentinel.handle_ft_command(
-            command.instruction, command.params, command.request_id
-        )
+        result = self.sentinel.run_command(command.instruction, command.params, command.request_id)
         return self.messages.result(result)
 
     def status(self) -> dict[str, object]:

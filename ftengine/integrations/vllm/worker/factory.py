@@ -29,7 +29,7 @@ from ftengine.integrations.vllm.worker.distributed import RealVllmDistributed
 from ftengine.integrations.vllm.worker.hooks import VllmWorkerHooks
 from ftengine.placement.maps import ExpertPlacement
 from ftengine.policies import OrchestratorDriven
-from ftengine.sentinel import WorkerSentinel
+from ftengine.sentinel import RankSentinel
 
 if TYPE_CHECKING:
     from ftengine.integrations.vllm.worker.cpu_backend import Rehost
@@ -127,7 +127,7 @@ class WorkerFt:
     (engine, policy, hosted backend), vLLM's view of its ``commands``, and the op timeout to
     set on the backend once the worker serves (start-up runs untimed)."""
 
-    sentinel: WorkerSentinel
+    sentinel: RankSentinel
     commands: VllmCommands
     serving_op_timeout_s: float | None = None
 
@@ -166,7 +166,7 @@ def build_worker_ft(
     device = factory(worker, hooks, settings)
     parallel = worker.parallel_config
     tp = parallel.tensor_parallel_size
-    sentinel = WorkerSentinel(
+    sentinel = RankSentinel(
         # vLLM's engine core drives every recovery (its own DP group is rebuilt first and
         # the worker gets the new ports with the command), so the worker's FSM waits for
         # that command; the configured policy decides in the engine core's agent.
