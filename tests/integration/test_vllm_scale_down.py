@@ -154,8 +154,9 @@ def kill_mid_traffic(
     ]
     for stream in streams:
         stream.start()
-    time.sleep(1.0)
-    mid_generation(held)
+    if streams:
+        time.sleep(1.0)  # the traffic loops are under way
+    mid_generation(held)  # (held streams: kill at once, a quiet machine finishes them in ~1.5 s)
     os.kill(deployment.pids()[victim]["worker"], signal.SIGKILL)
     try:
         want = {victim: "dead", **{r: "unhealthy" for r in survivors}}
