@@ -120,12 +120,24 @@ def test_a_peers_fault_suspects_nobody_and_finds_no_poison(exc: BaseException) -
     assert getattr(sentinel, HOLD_ATTR).reruns == {"r0": 2}
 
 
-def test_any_error_after_a_peer_faulted_is_the_peers() -> None:
+def test_any_error_after_a_peer_died_is_the_peers() -> None:
     group_gone = RuntimeError("Worker failed with error 'Process group is not initialized'")
-    assert not own_fault(group_gone, {1: "unhealthy"}) and not own_fault(group_gone, {1: "dead"})
+    assert not own_fault(group_gone, {1: "dead"})
     sentinel = held_sentinel(running=1, waiting=0)
-    hold_or_abort(sentinel, group_gone, vllm_abort_all, {1: "unhealthy"})  # the agent's view
+    hold_or_abort(sentinel, group_gone, vllm_abort_all, {1: "dead"})  # the agent's view
     assert getattr(sentinel.engine.scheduler, PROBE_ATTR).probe.suspects == []
+
+
+def test_an_own_error_stays_own_while_a_peer_is_only_unhealthy() -> None:
+    """A peer's last status may still say ``unhealthy`` (a recovery's settle time, or it
+    reported its wait for this engine first): this engine's own error stays its own."""
+    injected = RuntimeError("Worker failed with error '[FT] fault injected on DP rank 1'")
+    assert own_fault(injected, {0: "unhealthy"})
+    closed = RuntimeError("Worker failed with error '[pair.cc:553] Connection closed by peer'")
+    assert not own_fault(closed, {1: "unhealthy"})  # a peer's error stays the peer's
+    sentinel = held_sentinel(running=1, waiting=0)
+    hold_or_abort(sentinel, injected, vllm_abort_all, {0: "unhealthy"})
+    assert getattr(sentinel.engine.scheduler, PROBE_ATTR).probe.suspects == ["r0"]
 
 
 def test_a_suspect_its_client_aborted_never_holds_the_others_back() -> None:

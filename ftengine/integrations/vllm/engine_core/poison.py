@@ -34,12 +34,14 @@ PEER_KINDS = frozenset({FaultKind.HUNG_PEER, FaultKind.DEAD_PEER})
 def own_fault(exc: BaseException, peers: Mapping[int, str]) -> bool:
     """Whether the busy loop's ``exc`` is this engine's own fault, one that its requests
     may have caused: not a peer's (a collective timed out, a peer's socket closed, the
-    agent's ``PeerDead``), which says nothing of what this engine ran, and no peer was
-    faulted already (``peers``: the engine-core agent's view of its peers' statuses; a
-    worker that timed out waiting for a faulted peer may raise something else after its
-    quarantine, e.g. for a process group it no longer has). In doubt it is a peer's: then
-    no poison is looked for and the re-run limit still bounds every request."""
-    if any(status in ("unhealthy", "dead") for status in peers.values()):
+    agent's ``PeerDead``), which says nothing of what this engine ran, and no peer is dead
+    already (``peers``: the engine-core agent's view of its peers' statuses; a worker that
+    lost a peer may raise something else). A peer merely ``unhealthy`` does not count: after
+    a recovery a peer's last status may still say so for a moment (the agents' settle
+    time), and a peer waiting for this engine's faulted step may report before this
+    engine's own fault reaches here. In doubt it is a peer's: then no poison is looked for
+    and the re-run limit still bounds every request."""
+    if any(status == "dead" for status in peers.values()):
         return False
     return classify_exception(exc) not in PEER_KINDS
 
