@@ -99,9 +99,14 @@ def retry(deployed: Deployed) -> int:
     return epoch
 
 
-def wait_tokens(streams: list[OpenAIStream], at_least: int) -> None:
+def wait_tokens(streams: list[OpenAIStream], at_least: int | list[int]) -> None:
+    """Until each stream has ``at_least`` tokens (one count for all, or one per stream);
+    every stream must still be running then."""
+    wants = at_least if isinstance(at_least, list) else [at_least] * len(streams)
     deadline = time.monotonic() + 120
-    while not all(len(s.tokens) >= at_least or not s.is_alive() for s in streams):
+    while not all(
+        len(s.tokens) >= want or not s.is_alive() for s, want in zip(streams, wants, strict=True)
+    ):
         assert time.monotonic() < deadline, [len(s.tokens) for s in streams]
         time.sleep(0.01)
     assert all(s.finish_reason is None and s.error is None for s in streams), [
@@ -173,7 +178,7 @@ def test_requests_in_more_faulted_steps_than_max_reinference_are_aborted_with_th
     streams = start_streams(deployed)
     wait_tokens(streams, 2)
     counts = fault_then_retry(deployed, streams)  # each one's first re-run: within N = 1
-    wait_tokens(streams, max(counts) + 2)  # every one ran again since
+    wait_tokens(streams, [n + 2 for n in counts])  # every one ran again since
     fault_then_retry(deployed, streams)  # the second: over the limit
     for stream, want in zip(streams, reference, strict=True):
         stream.finish()
