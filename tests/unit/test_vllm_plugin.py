@@ -16,7 +16,9 @@ import pytest
 
 from ftengine.backends.fake import FakeBackend
 from ftengine.clock import ManualClock
-from ftengine.faults import HealthStatus
+from ftengine.collective_errors import classify_exception
+from ftengine.errors import CollectiveTimeout, PeerDead
+from ftengine.faults import FaultKind, HealthStatus
 from ftengine.integrations.vllm import plugin
 from ftengine.integrations.vllm.config import VllmConfigError, VllmFtSettings
 from ftengine.integrations.vllm.messages import VllmMessages
@@ -31,6 +33,7 @@ from ftengine.integrations.vllm.worker.factory import (
     vllm_cpu_backend,
 )
 from ftengine.integrations.vllm.worker.hooks import VllmWorkerHooks
+from ftengine.integrations.vllm.worker.step_wrappers import hidden_peer_error
 from tests.unit.test_vllm_standin import Distributed, Worker, make_worker
 
 gpu_worker = pytest.importorskip("vllm.v1.worker.gpu_worker", reason="vllm is not installed")
@@ -131,6 +134,40 @@ def test_model_load_builds_the_engine_and_a_failed_step_reports_the_fault() -> N
     with pytest.raises(RuntimeError, match="Connection closed"):
         worker.execute_model("batch")
     assert adapter.ft.sentinel.health is HealthStatus.UNHEALTHY
+
+
+def _wrapped(outer: Exception, inner: Exception) -> Exception:
+    """``outer`` raised while handling ``inner`` (torch's logging wrapper of a collective)."""
+    try:
+        try:
+            raise inner
+        except Exception:
+            raise outer  # noqa: B904 - the implicit context, as torch's wrapper leaves it
+    except Exception as exc:
+        return exc
+
+
+def test_a_peers_error_under_torchs_valueerror_is_raised_as_a_peer_fault() -> None:
+    worker = make_worker()
+    adapter = plugged(worker)
+    worker.load_model()
+    assert adapter.ft is not None
+    gloo = RuntimeError("[pair.cc:553] Connection closed by peer [127.0.0.1]:7044.\ntrace")
+    worker.step_error = _wrapped(ValueError("not initialized in the world group map"), gloo)
+    with pytest.raises(PeerDead, match=r"^\[pair\.cc:553\] Connection closed by peer") as raised:
+        worker.execute_model("batch")
+    assert raised.value.__cause__ is worker.step_error  # the cause kept
+    assert classify_exception(raised.value) is FaultKind.DEAD_PEER
+    assert adapter.ft.sentinel.health is HealthStatus.UNHEALTHY
+    assert "PeerDead" in str(adapter.ft.sentinel.status().fault_info)
+
+
+def test_an_error_that_says_what_it_is_is_raised_unchanged() -> None:
+    assert hidden_peer_error(_wrapped(TimeoutError("timed out"), ValueError("x"))) is None
+    assert hidden_peer_error(ValueError("bad shape")) is None  # nothing under it
+    assert hidden_peer_error(_wrapped(ValueError("bad shape"), KeyError("r1"))) is None
+    hung = hidden_peer_error(_wrapped(ValueError("x"), RuntimeError("Wait timed out after 5s")))
+    assert isinstance(hung, CollectiveTimeout) and str(hung) == "Wait timed out after 5s"
 
 
 class Executor:

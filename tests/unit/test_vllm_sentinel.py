@@ -6,6 +6,8 @@ the device is ftengine's recording ``FakeBackend``; ``test_vllm_npu`` runs the N
 
 from __future__ import annotations
 
+import traceback
+import weakref
 from datetime import timedelta
 from typing import Any
 
@@ -23,6 +25,7 @@ from ftengine.integrations.vllm.worker.factory import DeviceBackend, WorkerFt
 from ftengine.integrations.vllm.worker.hooks import DEAD_RANKS_ATTR, MASK_ATTR, VllmWorkerHooks
 from tests.unit.test_vllm_standin import (
     Distributed,
+    DpGroup,
     RunnerV1,
     RunnerV2,
     Worker,
@@ -189,3 +192,55 @@ def test_handle_command_adopts_the_engine_cores_fault_and_raises_on_failure() ->
         r.adapter.handle_command(Request("scale_down", {"removed_dp_ranks": [1]}, "core-2"))
     assert isinstance(failed.value.result, Result) and not failed.value.result.success
     assert "own rank 1" in str(failed.value)
+
+
+def test_a_failed_steps_frames_let_go_of_their_locals_before_the_quarantine() -> None:
+    r = rig(dp_rank=1)
+    held = torch.zeros(1)  # stands for the process group a collective's frame holds
+    ref = weakref.ref(held)
+
+    def step(group: torch.Tensor) -> None:
+        raise RuntimeError(f"gloo failed in a group of {group.numel()}")
+
+    try:
+        step(held)
+    except RuntimeError as exc:
+        del held
+        assert ref() is not None  # the traceback's frame holds it
+        r.adapter.report_exception(exc)
+        assert ref() is None
+        assert "step(held)" in "".join(traceback.format_exception(exc))  # lines are kept
+    assert r.health() is HealthStatus.UNHEALTHY
+
+
+def _closing_hooks(dp_size: int = 4) -> tuple[VllmWorkerHooks, Distributed]:
+    dist = Distributed(group=DpGroup("group-0", device_group="device-0"))
+    hooks = VllmWorkerHooks(make_worker(dp_rank=1, dp_size=dp_size), dist)
+    hooks.gloo_device_group = True
+    return hooks, dist
+
+
+def test_the_dp_group_closes_once_and_the_rebuild_replaces_the_stand_in() -> None:
+    hooks, dist = _closing_hooks()
+    hooks.close_dp_group()
+    hooks.close_dp_group()  # a second fault before the rebuild: nothing left to close
+    assert dist.closed == ["group-0", "device-0"]
+    assert (dist.group.cpu_group, dist.group.device_group) == ("closed-group-0",) * 2
+
+    hooks.publish_dp_ports(PORTS)
+    hooks.rebuild_dp_group(frozenset({0, 1, 2, 3}), epoch=1)
+    assert dist.destroyed == []  # the stand-in has nothing to tear down
+    assert (dist.group.cpu_group, dist.group.device_group) == ("group-1",) * 2
+
+    hooks.close_dp_group()  # the next fault closes the rebuilt group
+    assert dist.closed[2:] == ["group-1"]
+
+
+def test_nothing_is_closed_without_peers_or_where_the_device_side_is_not_gloo() -> None:
+    alone, dist = _closing_hooks(dp_size=1)
+    alone.close_dp_group()
+    gpu, gpu_dist = _closing_hooks()
+    gpu.gloo_device_group = False  # NCCL / HCCL: a closed gloo group releases nobody there
+    gpu.close_dp_group()
+    assert dist.closed == gpu_dist.closed == []
+    assert gpu_dist.group.cpu_group == "group-0"

@@ -183,6 +183,7 @@ class All2AllManager:
 @dataclass
 class DpGroup:
     cpu_group: object
+    device_group: object = None
 
 
 @dataclass
@@ -193,6 +194,8 @@ class Distributed:
     manager: All2AllManager | None = field(default_factory=All2AllManager)
     inits: list[tuple[str, int, int, int, timedelta | None]] = field(default_factory=list)
     destroyed: list[object] = field(default_factory=list)
+    closed: list[object] = field(default_factory=list)
+    held: int = 0  # close_groups' answer: groups still referenced elsewhere
 
     def dp_group(self) -> DpGroup:
         return self.group
@@ -208,6 +211,14 @@ class Distributed:
 
     def destroy_group(self, group: object) -> None:
         self.destroyed.append(group)
+
+    def closed_group(self, like: object) -> object:
+        return f"closed-{like}"
+
+    def close_groups(self, groups: list[object]) -> int:
+        self.closed.extend(groups)
+        groups.clear()  # as the real one: the caller keeps no reference
+        return self.held
 
 
 def moe_model(

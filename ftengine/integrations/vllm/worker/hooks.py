@@ -2,8 +2,9 @@
 
 What the recovery does to a vLLM worker besides the device: drop the model runner's
 in-flight requests, run its dummy batch, hand the EPLB map tensors (updated in place) and
-the checkpoint to the backend, point the all2all manager at the dead-rank mask, and
-rebuild the worker's gloo DP group on the ports vLLM's engine core publishes. vLLM-Ascend's
+the checkpoint to the backend, point the all2all manager at the dead-rank mask, close the
+worker's gloo DP group when it faults (so that its peers' waits in it fail at once) and
+rebuild it on the ports vLLM's engine core publishes. vLLM-Ascend's
 worker is served by ``ftengine.integrations.vllm_ascend.hooks``, a subclass.
 """
 
@@ -94,6 +95,7 @@ class VllmWorkerHooks:
         self.keep_request_states = False
         self.group_timeout_s: float | None = None
         self._dp_ports: list[int] | None = None
+        self._dp_closed = False  # close_dp_group ran since the last rebuild
         self._placement: ExpertPlacement | None = None
         self._checkpoint: CheckpointIndex | None = None
 
@@ -166,6 +168,38 @@ class VllmWorkerHooks:
         if mask is not None:
             setattr(manager, MASK_ATTR, mask)
 
+    def close_dp_group(self) -> None:
+        """Close this worker's DP group, both gloo sides (vLLM's CPU platform), after a
+        fault: peers blocked in the failed step's collectives on it (vLLM's DP padding
+        all-reduce, the MoE all-gatherv) fail at once with "Connection closed by peer"
+        instead of waiting for the op timeout. A stand-in that raises on any collective
+        holds its place until :meth:`rebuild_dp_group` (a retry's or a scale-down's)."""
+        parallel = self.worker.parallel_config
+        # Elsewhere the device side is NCCL / HCCL, which a closed gloo group does not release.
+        if parallel.data_parallel_size <= 1 or self._dp_closed or not self.gloo_device_group:
+            return
+        group = self.dist.dp_group()
+        old = [group.cpu_group]
+        device = getattr(group, "device_group", None)
+        if device is not None and device is not group.cpu_group:
+            old.append(device)
+        stand_in = self.dist.closed_group(group.cpu_group)
+        group.cpu_group = stand_in
+        _replace_device_group(group, stand_in)
+        del device  # close_groups must hold the only references
+        fields = {"rank": parallel.data_parallel_rank, "groups": len(old)}
+        held = self.dist.close_groups(old)
+        self._dp_closed = True
+        if held:
+            logger.warning(
+                "vLLM DP group closed, but %d of its groups are still referenced: peers "
+                "waiting in them wait for the op timeout",
+                held,
+                extra=fields,
+            )
+        else:
+            logger.info("vLLM DP group closed", extra=fields)
+
     def rebuild_dp_group(self, alive_dp_ranks: frozenset[int], epoch: int) -> None:
         """Replace the worker's gloo DP group by one among ``alive_dp_ranks`` (dense ranks in
         ascending original order) on the port vLLM published for this worker."""
@@ -185,7 +219,8 @@ class VllmWorkerHooks:
             with contextlib.suppress(NotImplementedError):  # allgather_reducescatter has none
                 manager.clean_buffers()
         group = self.dist.dp_group()
-        self.dist.destroy_group(group.cpu_group)
+        if not self._dp_closed:
+            self.dist.destroy_group(group.cpu_group)
         seconds = self.group_timeout_s
         new = self.dist.init_gloo_group(
             parallel.data_parallel_master_ip,
@@ -195,6 +230,7 @@ class VllmWorkerHooks:
             _timeout(parallel.cpu_distributed_timeout_seconds if seconds is None else seconds),
         )
         group.cpu_group = new
+        self._dp_closed = False
         if self.gloo_device_group:
             _replace_device_group(group, new)
             mark_members(group, alive)

@@ -3,7 +3,8 @@
 vLLM has no hook for "model loaded", "warmed up" or "model step failed", so the worker's
 fault adapter wraps the worker's ``load_model`` (build ftengine's pieces once the model
 exists), ``compile_or_warm_up_model`` (op timeouts from then on) and the model steps
-(report the exception, then re-raise it for vLLM's own fault path). Instance attributes:
+(report the exception, then re-raise it for vLLM's own fault path; a peer's collective error
+hidden under another exception is raised as ftengine's typed one). Instance attributes:
 vLLM's classes stay untouched.
 """
 
@@ -13,11 +14,18 @@ import functools
 from collections.abc import Callable
 from typing import Any, Protocol
 
+from ftengine.collective_errors import classify_exception, error_text
+from ftengine.errors import BackendError, CollectiveTimeout, PeerDead
+from ftengine.faults import FaultKind
 from ftengine.integrations.vllm.shapes import WorkerLike
 from ftengine.integrations.vllm.worker.fault_injection import maybe_inject
 
 WRAPPED_STEPS = ("execute_model", "sample_tokens")
 WARM_UP = "compile_or_warm_up_model"
+PEER_ERRORS: dict[FaultKind, type[BackendError]] = {
+    FaultKind.DEAD_PEER: PeerDead,
+    FaultKind.HUNG_PEER: CollectiveTimeout,
+}
 
 
 class StepListener(Protocol):
@@ -68,7 +76,33 @@ def _reporting(
             maybe_inject(rank, worker, args[0] if scheduled and args else None)
             return step(*args, **kwargs)
         except Exception as exc:
-            listener.report_exception(exc)
-            raise
+            peer = hidden_peer_error(exc)
+            if peer is None:
+                listener.report_exception(exc)
+                raise
+            peer.__cause__ = exc
+            listener.report_exception(peer)
+            raise peer from exc
 
     return run
+
+
+def hidden_peer_error(exc: BaseException) -> BackendError | None:
+    """The peer's fault under ``exc``, typed, or None when ``exc`` itself says what it is.
+
+    torch's logging wrapper of a collective on a group vLLM built stateless (every DP group
+    a retry rebuilt) raises a ValueError ("not initialized in the world group map") while
+    handling gloo's "Connection closed by peer": the worker, and vLLM's engine core, which
+    sees only the text, would take it for this rank's own fault. The typed error carries
+    the collective's message (its first line), so both see a peer's."""
+    if classify_exception(exc) in PEER_ERRORS:
+        return None
+    inner = exc.__cause__ or exc.__context__
+    seen = {id(exc)}
+    while inner is not None and id(inner) not in seen:
+        seen.add(id(inner))
+        error = PEER_ERRORS.get(classify_exception(inner))
+        if error is not None:
+            return error(error_text(inner))
+        inner = inner.__cause__ or inner.__context__
+    return None
