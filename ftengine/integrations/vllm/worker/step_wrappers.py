@@ -20,7 +20,10 @@ from ftengine.faults import FaultKind
 from ftengine.integrations.vllm.shapes import WorkerLike
 from ftengine.integrations.vllm.worker.fault_injection import maybe_inject
 
-WRAPPED_STEPS = ("execute_model", "sample_tokens")
+# vLLM's engine core calls execute_dummy_batch on an idle DP rank so that it meets its busy
+# peers in the step's collectives: an idle rank learns of a peer's fault there.
+WRAPPED_STEPS = ("execute_model", "sample_tokens", "execute_dummy_batch")
+INJECTED_STEPS = ("execute_model", "sample_tokens")  # a test's injected fault hits requests
 WARM_UP = "compile_or_warm_up_model"
 PEER_ERRORS: dict[FaultKind, type[BackendError]] = {
     FaultKind.DEAD_PEER: PeerDead,
@@ -69,11 +72,13 @@ def _reporting(
 ) -> Callable[..., Any]:
     rank = worker.parallel_config.data_parallel_rank
     scheduled = step.__name__ == "execute_model"  # its first argument: the SchedulerOutput
+    injects = step.__name__ in INJECTED_STEPS
 
     @functools.wraps(step)
     def run(*args: Any, **kwargs: Any) -> Any:
         try:
-            maybe_inject(rank, worker, args[0] if scheduled and args else None)
+            if injects:
+                maybe_inject(rank, worker, args[0] if scheduled and args else None)
             return step(*args, **kwargs)
         except Exception as exc:
             peer = hidden_peer_error(exc)
