@@ -3,10 +3,14 @@ the verdict (the deployments themselves are measured by ``ftengine bench vllm``)
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Callable, Iterator
+
 import pytest
 
 from ftengine.testbed.bench.vllm_overhead import (
     Sample,
+    alternating,
     compare,
     interleaved,
     overhead,
@@ -56,5 +60,32 @@ def test_overhead_compares_wall_and_cpu_time_and_needs_two_rounds() -> None:
     assert found["rounds"] == 2
     assert found["wall"]["ratio"] == pytest.approx(2.0)  # type: ignore[index]
     assert found["cpu"]["ratio"] == pytest.approx(1.0)  # type: ignore[index]
-    with pytest.raises(ValueError, match="need >= 2 rounds per side, found 1 on, 2 off"):
+    with pytest.raises(ValueError, match="need >= 2 samples per side, found 1 on, 2 off"):
         overhead(on[:1], off)
+
+
+def test_alternating_launches_one_deployment_at_a_time_in_abba_order() -> None:
+    events: list[str] = []
+    open_now: list[int] = []
+
+    @contextlib.contextmanager
+    def launch(ft: bool, index: int) -> Iterator[Callable[[], Sample]]:
+        assert not open_now, "two deployments at once"
+        open_now.append(index)
+        events.append(f"{'on' if ft else 'off'}{index}")
+        per_token = [1.0 + index, 5.0, 2.0 + index, 3.0 + index]  # warm-up, then 3 rounds
+        taken = iter(per_token)
+        yield lambda: Sample(next(taken), 1.0)
+        open_now.pop()
+
+    lines: list[str] = []
+    on, off = alternating(launch, 2, 3, progress=lines.append)
+    assert events == ["on0", "off1", "off2", "on3"]
+    # each launch's figure: the median of its rounds after the warm-up (5, 2+i, 3+i)
+    assert on == [Sample(3.0, 1.0), Sample(5.0, 1.0)]
+    assert off == [Sample(4.0, 1.0), Sample(5.0, 1.0)]
+    assert len(lines) == 4 and lines[0].startswith("launch 1/4 (FT on): 3000.00 ms wall")
+    found = overhead(on, off, "alternating")
+    assert found["method"] == "alternating" and found["launches"] == 2
+    with pytest.raises(ValueError, match="need >= 2 launches per side"):
+        alternating(launch, 1, 3)

@@ -14,10 +14,11 @@ import contextlib
 import os
 import signal
 import statistics
+import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
@@ -25,7 +26,13 @@ import attrs
 import httpx
 
 from ftengine.integrations.vllm.engine_core.agent import BEAT_ENV
-from ftengine.testbed.bench.vllm_overhead import Sample, interleaved, measure, overhead
+from ftengine.testbed.bench.vllm_overhead import (
+    Sample,
+    alternating,
+    interleaved,
+    measure,
+    overhead,
+)
 from ftengine.testbed.bench.vllm_scale_down import scale_down_figures
 from ftengine.testbed.vllm.launcher import DeploymentConfig, VllmDeployment
 
@@ -57,6 +64,10 @@ class BenchConfig:
     overhead_only: bool = False
     """Only the FT-on launch beside its baseline, measured; no kills, retry or scale-down."""
     baseline: str = "off"
+    overhead_method: str = "alternating"
+    """``--overhead-only``'s method: ``alternating`` (one deployment at a time, FT on and off
+    launched by turns, ``overhead_launches`` each) or ``interleaved`` (side by side)."""
+    overhead_launches: int = 6
     """The overhead's other side: ``off`` (no FT at all), or ``inert`` (vLLM's FT and
     ftengine, the engine-core agents' beats made inert): ftengine's agent alone."""
 
@@ -207,13 +218,35 @@ BASELINES = ("off", "inert")
 INERT_BEAT_S = "86400"  # a day: no agent beat while the benchmark runs
 
 
+METHODS = ("alternating", "interleaved")
+OVERHEAD_ROUNDS_PER_LAUNCH = 8
+
+
 def run_overhead(config: BenchConfig) -> dict[str, object]:
-    """Only the overhead: an FT-on launch beside its baseline (``config.baseline``)."""
+    """Only the overhead: FT on against its baseline (``config.baseline``), by
+    ``config.overhead_method``."""
     if config.baseline not in BASELINES:
         raise ValueError(f"baseline: expected one of {BASELINES}, found {config.baseline!r}")
+    if config.overhead_method not in METHODS:
+        raise ValueError(f"method: expected one of {METHODS}, found {config.overhead_method!r}")
     inert = config.baseline == "inert"
     env = {BEAT_ENV: INERT_BEAT_S} if inert else {}
     model = str(config.checkpoint)
+    if config.overhead_method == "alternating":
+
+        @contextlib.contextmanager
+        def launch(ft: bool, index: int) -> Iterator[Callable[[], Sample]]:
+            with _launch(config, index, ft or inert, env if not ft else {}) as deployment:
+                client = Client(deployment, model)
+                yield lambda: steady_sample(client)
+
+        on, off = alternating(
+            launch,
+            config.overhead_launches,
+            OVERHEAD_ROUNDS_PER_LAUNCH,
+            progress=lambda line: print(line, file=sys.stderr, flush=True),
+        )
+        return overhead(on, off, "alternating")
     with (
         _launch(config, 0, True, {}) as first,
         _launch(config, 100, inert, env, port_offset=config.dp_size) as other,

@@ -1,16 +1,23 @@
 """The FT overhead inside real vLLM, measured so that it means something on a shared machine.
 
-An FT-on and an FT-off deployment of the same checkpoint run side by side and are measured
-in interleaved rounds (which one goes first alternates), so the machine's drifting load
-falls on both. Each round times one greedy completion per side: wall seconds per token,
-and the user + system CPU seconds per token of that deployment's engine cores and workers
-(psutil), which other jobs' contention hardly changes (they slow a process down, they do
-not make it execute more). Beside each ratio FT on / off stands the method's own noise:
-the same ratio between the even and the odd rounds of one mode, which should be 1.
+Two methods. ``alternating`` (the default): one deployment at a time, FT on and FT off
+launched by turns (on, off, off, on, on, off, ...: a drift over the run falls on both sides
+alike), each launch warmed up and then measured in ``rounds`` completions whose median is
+the launch's figure; the ratio is of the medians of the launches' figures, and the noise
+beside it the same ratio between one mode's earlier and later launches. No two deployments
+share the two cores, which made the side-by-side method's noise larger than what it
+measures. ``interleaved`` (side by side): an FT-on and an FT-off deployment run at once and
+are measured in interleaved rounds (which one goes first alternates). Each round times one
+greedy completion per side: wall seconds per token, and the user + system CPU seconds per
+token of that deployment's engine cores and workers (psutil), which other jobs' contention
+hardly changes (they slow a process down, they do not make it execute more). Beside each
+ratio FT on / off stands the method's own noise: the same ratio between the even and the odd
+rounds of one mode, which should be 1.
 """
 
 from __future__ import annotations
 
+import contextlib
 import statistics
 import time
 from collections.abc import Callable, Sequence
@@ -62,6 +69,36 @@ def interleaved(
     return on, off
 
 
+def alternating(
+    launch: Callable[[bool, int], contextlib.AbstractContextManager[Callable[[], Sample]]],
+    launches: int,
+    rounds: int,
+    progress: Callable[[str], None] = lambda _: None,
+) -> tuple[list[Sample], list[Sample]]:
+    """``launches`` launches per side, one deployment at a time, in ABBA order;
+    ``launch(ft, index)`` starts one and yields its sampler. Each launch: one warm-up sample,
+    then ``rounds`` samples; its figure is their median (wall and CPU apart). The figures of
+    the FT-on launches and of the FT-off ones, in launch order."""
+    if launches < 2 or rounds < 1:
+        raise ValueError(f"need >= 2 launches per side and >= 1 round, found {launches}, {rounds}")
+    on: list[Sample] = []
+    off: list[Sample] = []
+    order = [(index // 2) % 2 == index % 2 for index in range(2 * launches)]  # on off off on
+    for index, ft in enumerate(order):
+        with launch(ft, index) as sample:
+            sample()
+            taken = [sample() for _ in range(rounds)]
+        figure = Sample(
+            statistics.median(s.wall_s for s in taken), statistics.median(s.cpu_s for s in taken)
+        )
+        (on if ft else off).append(figure)
+        progress(
+            f"launch {index + 1}/{2 * launches} (FT {'on' if ft else 'off'}): "
+            f"{figure.wall_s * 1000:.2f} ms wall, {figure.cpu_s * 1000:.2f} ms CPU per token"
+        )
+    return on, off
+
+
 def _noise(values: Sequence[float]) -> float:
     """Median of the even rounds over median of the odd rounds: a same-mode ratio."""
     return statistics.median(values[0::2]) / statistics.median(values[1::2])
@@ -96,12 +133,16 @@ def compare(on: Sequence[float], off: Sequence[float]) -> dict[str, object]:
     }
 
 
-def overhead(on: Sequence[Sample], off: Sequence[Sample]) -> dict[str, object]:
-    """The benchmark's ``ft_overhead_ratio``: wall time and CPU time per token, compared."""
+def overhead(
+    on: Sequence[Sample], off: Sequence[Sample], method: str = "interleaved"
+) -> dict[str, object]:
+    """The benchmark's ``ft_overhead_ratio``: wall time and CPU time per token, compared
+    (``on`` and ``off``: rounds side by side, or launches' figures when ``alternating``)."""
     if len(on) < 2 or len(off) < 2:
-        raise ValueError(f"need >= 2 rounds per side, found {len(on)} on, {len(off)} off")
+        raise ValueError(f"need >= 2 samples per side, found {len(on)} on, {len(off)} off")
     return {
-        "rounds": len(on),
+        "method": method,
+        "rounds" if method == "interleaved" else "launches": len(on),
         "wall": compare([s.wall_s for s in on], [s.wall_s for s in off]),
         "cpu": compare([s.cpu_s for s in on], [s.cpu_s for s in off]),
     }

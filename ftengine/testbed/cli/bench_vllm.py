@@ -39,6 +39,19 @@ def register(parser: argparse.ArgumentParser) -> None:
         default="off",
         help="overhead's other side: off (no FT), inert (FT on, ftengine's agent beats off)",
     )
+    parser.add_argument(
+        "--overhead-method",
+        choices=("alternating", "interleaved"),
+        default="alternating",
+        help="--overhead-only's method: alternating (one deployment at a time, FT on and off "
+        "launched by turns; default) or interleaved (both side by side)",
+    )
+    parser.add_argument(
+        "--overhead-launches",
+        type=int,
+        default=6,
+        help="alternating: launches per side (>= 2; default 6)",
+    )
     parser.add_argument("--json", action="store_true", help="print only the JSON object")
     parser.set_defaults(func=run)
 
@@ -47,9 +60,15 @@ def run(args: argparse.Namespace) -> int:
     from ftengine.testbed.bench.vllm import BenchConfig
     from ftengine.testbed.bench.vllm import run as run_bench
 
-    if args.trials < 1 or args.overhead_rounds < 2 or args.dp < 2 or args.scale_down_trials < 1:
+    if (
+        args.trials < 1
+        or args.overhead_rounds < 2
+        or args.dp < 2
+        or args.scale_down_trials < 1
+        or args.overhead_launches < 2
+    ):
         print("ftengine bench vllm: expected --trials >= 1, --overhead-rounds >= 2, --dp >= 2, "
-              "--scale-down-trials >= 1", file=sys.stderr)  # fmt: skip
+              "--scale-down-trials >= 1, --overhead-launches >= 2", file=sys.stderr)  # fmt: skip
         return 2
     config = BenchConfig(
         args.checkpoint,
@@ -62,6 +81,8 @@ def run(args: argparse.Namespace) -> int:
         scale_down_only=args.scale_down_only,
         overhead_only=args.overhead_only,
         baseline=args.baseline,
+        overhead_method=args.overhead_method,
+        overhead_launches=args.overhead_launches,
     )
     result = run_bench(config)
     print(json.dumps(result, indent=None if args.json else 2))
