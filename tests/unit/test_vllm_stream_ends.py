@@ -11,7 +11,10 @@ from typing import Any
 
 import pytest
 
-from ftengine.integrations.vllm.api_server.stream_ends import with_finishing_chunks
+from ftengine.integrations.vllm.api_server.stream_ends import (
+    with_finishing_chat_chunks,
+    with_finishing_chunks,
+)
 
 serving = pytest.importorskip("vllm.entrypoints.openai.completion.serving")
 from vllm.entrypoints.generate.base.protocol import RequestResponseMetadata  # noqa: E402
@@ -110,3 +113,111 @@ def test_streams_vllm_ends_itself_are_unchanged(outputs: list[list[Any]]) -> Non
 def test_an_echoed_prompt_is_left_to_vllm() -> None:
     """vLLM sends an echoed prompt's first chunk whatever the output: nothing is skipped."""
     assert _stream(PATCHED, ABORTED_FIRST, echo=True) == _stream(ORIGINAL, ABORTED_FIRST, echo=True)
+
+
+chat_serving = pytest.importorskip("vllm.entrypoints.openai.chat_completion.serving")
+from vllm.entrypoints.openai.chat_completion.protocol import (  # noqa: E402
+    ChatCompletionRequest,
+)
+
+CHAT_ORIGINAL = chat_serving.OpenAIServingChat.chat_completion_stream_generator
+CHAT_PATCHED = with_finishing_chat_chunks(CHAT_ORIGINAL)
+
+
+def _chat_server() -> Any:
+    """vLLM's OpenAIServingChat with only what its stream generator reads (no parser)."""
+    server = object.__new__(chat_serving.OpenAIServingChat)
+    server.parser_cls = None
+    server.response_role = "assistant"
+    server.enable_force_include_usage = False
+    server.system_fingerprint = None
+    server.enable_prompt_tokens_details = False
+    server.enable_per_request_metrics = False
+    server.enable_log_outputs = False
+    server.enable_log_deltas = False
+    server.request_logger = None
+    server._include_reasoning_tokens_details = False
+    return server
+
+
+def _chat(
+    generator: Callable[..., Any], outputs: list[list[Any]], **request: Any
+) -> list[dict[str, Any] | str]:
+    async def results() -> AsyncIterator[Any]:
+        for step in outputs:
+            finished = any(o.finish_reason is not None for o in step)
+            yield RequestOutput("r", "p", PROMPT, None, step, finished)
+
+    body = ChatCompletionRequest(
+        model="m",
+        messages=[{"role": "user", "content": "hi"}],
+        max_tokens=4,
+        stream=True,
+        return_token_ids=True,
+        **request,
+    )
+
+    async def lines() -> list[str]:
+        metadata = RequestResponseMetadata(request_id="r")
+        args = (body, results(), "chatcmpl-r", "m", [], None, metadata)
+        return [line async for line in generator(_chat_server(), *args)]
+
+    return [
+        line if line == "data: [DONE]\n\n" else json.loads(line.removeprefix("data: "))
+        for line in asyncio.run(lines())
+    ]
+
+
+def test_vllms_chat_stream_aborted_before_its_first_token_has_no_finish_reason() -> None:
+    role, done = _chat(CHAT_ORIGINAL, ABORTED_FIRST)
+    assert done == "data: [DONE]\n\n" and isinstance(role, dict)
+    assert role["choices"][0]["finish_reason"] is None  # the role chunk, then nothing
+
+
+def test_the_patched_chat_stream_sends_the_finishing_chunk_it_skipped() -> None:
+    role, finish, done = _chat(CHAT_PATCHED, ABORTED_FIRST)
+    assert done == "data: [DONE]\n\n" and isinstance(role, dict) and isinstance(finish, dict)
+    assert (finish["id"], finish["created"], finish["model"]) == (
+        role["id"],
+        role["created"],
+        "m",
+    )
+    assert finish["object"] == "chat.completion.chunk"
+    assert finish["choices"] == [
+        {
+            "index": 0,
+            "delta": {},
+            "finish_reason": "abort",
+            "stop_reason": "engine 1 faulted",
+            "token_ids": [],
+        }
+    ]
+
+
+def test_the_finishing_chunk_comes_before_the_usage_chunk() -> None:
+    usage = {"stream_options": {"include_usage": True}}
+    *_, finish, last, done = _chat(CHAT_PATCHED, ABORTED_FIRST, **usage)
+    assert isinstance(finish, dict) and finish["choices"][0]["finish_reason"] == "abort"
+    assert isinstance(last, dict) and last["choices"] == [] and "usage" in last
+    *_, finish, last, done = _stream(PATCHED, ABORTED_FIRST, **usage)
+    assert isinstance(finish, dict) and finish["choices"][0]["finish_reason"] == "abort"
+    assert isinstance(last, dict) and last["choices"] == [] and "usage" in last
+
+
+@pytest.mark.parametrize(
+    "outputs",
+    [
+        [[_output([5], None)], [_output([6], "length")]],
+        [[_output([5], None)], [_output([], "abort", "later")]],
+        [[_output([5, 6], "length")]],
+    ],
+    ids=["two-tokens", "abort-after-a-token", "one-step"],
+)
+def test_chat_streams_vllm_ends_itself_are_unchanged(outputs: list[list[Any]]) -> None:
+    def strip(lines: list[dict[str, Any] | str]) -> list[Any]:
+        return [
+            {k: v for k, v in line.items() if k != "created"} if isinstance(line, dict) else line
+            for line in lines
+        ]
+
+    assert strip(_chat(CHAT_PATCHED, outputs)) == strip(_chat(CHAT_ORIGINAL, outputs))

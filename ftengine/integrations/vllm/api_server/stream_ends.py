@@ -1,18 +1,22 @@
-"""Every completion stream ends with its finish reason, even one that ended before its
-first token.
+"""Every completion and chat-completion stream ends with its finish reason, even one that
+ended before its first token.
 
-vLLM's completion stream generator skips an output that carries no text and no token while
-its request has emitted none (its "chunked prefill case, don't return empty chunks"). That
-skip also swallows the final output of a request finished before its first token, aborted by
-a fault for instance: the stream then ends with ``data: [DONE]`` and no finish reason, and
-the client cannot tell an abort from a cut connection (the chaos campaign's "lost" streams).
-:func:`with_finishing_chunks` watches the outputs the generator reads and, before its
-``[DONE]``, sends the finishing chunk vLLM skipped: no text, the finish and stop reasons.
+vLLM's completion and chat-completion stream generators skip an output that carries no text
+and no token while its request has emitted none (their "chunked prefill case, don't return
+empty chunks"). That skip also swallows the final output of a request finished before its
+first token, aborted by a fault for instance: the stream then ends with ``data: [DONE]`` and
+no finish reason, and the client cannot tell an abort from a cut connection (the chaos
+campaign's "lost" streams). :func:`with_finishing_chunks` and
+:func:`with_finishing_chat_chunks` watch the outputs the generator reads and, before its
+usage chunk (``stream_options.include_usage``) or its ``[DONE]``, send the finishing chunk
+vLLM skipped: no text, the finish and stop reasons.
 """
 
 from __future__ import annotations
 
+import contextlib
 import inspect
+import json
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
@@ -21,7 +25,21 @@ import attrs
 from ftengine.integrations.vllm.messages import import_vllm
 
 PROTOCOL_MODULE = "vllm.entrypoints.openai.completion.protocol"
+CHAT_PROTOCOL_MODULE = "vllm.entrypoints.openai.chat_completion.protocol"
+DELTA_MODULE = "vllm.entrypoints.generate.base.protocol"
 DONE = "data: [DONE]\n\n"
+
+
+def closes_choices(line: str) -> bool:
+    """Whether ``line`` ends the choices' chunks: ``[DONE]``, or the usage chunk (no
+    choices) that vLLM sends just before it."""
+    if line == DONE:
+        return True
+    try:
+        chunk = json.loads(line.removeprefix("data: "))
+    except ValueError:
+        return False
+    return isinstance(chunk, dict) and chunk.get("choices") == [] and "usage" in chunk
 
 
 @attrs.define
@@ -45,6 +63,16 @@ class SkippedEnds:
                 elif output.finish_reason is not None and index not in self.emitted:
                     self.skipped[index] = (output, result.prompt_token_ids)
             yield prompt_index, result
+
+    async def watch_outputs(self, results: AsyncIterator[Any]) -> AsyncIterator[Any]:
+        """A chat's ``results`` (one prompt: ``RequestOutput``s) unchanged, watched alike."""
+
+        async def indexed() -> AsyncIterator[tuple[int, Any]]:
+            async for result in results:
+                yield 0, result
+
+        async for _, result in self.watch(indexed()):
+            yield result
 
 
 def finishing_chunk(
@@ -85,7 +113,7 @@ def with_finishing_chunks(original: Callable[..., Any]) -> Callable[..., Any]:
         if not request.echo:
             bound.arguments["result_generator"] = ends.watch(bound.arguments["result_generator"])
         async for line in original(*bound.args, **bound.kwargs):
-            if line == DONE:
+            if ends.skipped and closes_choices(line):
                 for index, (output, prompt_token_ids) in sorted(ends.skipped.items()):
                     yield finishing_chunk(
                         request,
@@ -96,6 +124,52 @@ def with_finishing_chunks(original: Callable[..., Any]) -> Callable[..., Any]:
                         output,
                         prompt_token_ids,
                     )
+                ends.skipped.clear()
             yield line
 
     return completion_stream_generator
+
+
+def finishing_chat_chunk(request: Any, head: dict[str, Any], index: int, output: Any) -> str:
+    """The SSE line vLLM's chat generator would have sent for ``output``: an empty delta
+    with the finish and stop reasons, under the stream's ``head`` (id, created, model)."""
+    protocol = import_vllm(CHAT_PROTOCOL_MODULE)
+    choice = protocol.ChatCompletionResponseStreamChoice(
+        index=index,
+        delta=import_vllm(DELTA_MODULE).DeltaMessage(),
+        finish_reason=output.finish_reason,
+        stop_reason=output.stop_reason,
+        token_ids=[] if request.return_token_ids else None,
+    )
+    chunk = protocol.ChatCompletionStreamResponse(
+        object="chat.completion.chunk", choices=[choice], **head
+    )
+    return f"data: {chunk.model_dump_json(exclude_unset=True)}\n\n"
+
+
+def with_finishing_chat_chunks(original: Callable[..., Any]) -> Callable[..., Any]:
+    """``OpenAIServingChat.chat_completion_stream_generator`` that also finishes the
+    streams of requests ended before their first token. Its chunks' id, time and model are
+    those of the stream's first chunk (vLLM's role chunk, sent before any output)."""
+    signature = inspect.signature(original)
+
+    async def chat_completion_stream_generator(*args: Any, **kwargs: Any) -> AsyncIterator[str]:
+        bound = signature.bind(*args, **kwargs)
+        request = bound.arguments["request"]
+        ends = SkippedEnds(1)  # one prompt: the choice index is the output's
+        bound.arguments["result_generator"] = ends.watch_outputs(
+            bound.arguments["result_generator"]
+        )
+        head: dict[str, Any] | None = None
+        async for line in original(*bound.args, **bound.kwargs):
+            if head is None and line != DONE:
+                with contextlib.suppress(ValueError):
+                    first = json.loads(line.removeprefix("data: "))
+                    head = {key: first[key] for key in ("id", "created", "model")}
+            if ends.skipped and head is not None and closes_choices(line):
+                for index, (output, _) in sorted(ends.skipped.items()):
+                    yield finishing_chat_chunk(request, head, index, output)
+                ends.skipped.clear()
+            yield line
+
+    return chat_completion_stream_generator

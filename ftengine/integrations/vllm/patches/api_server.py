@@ -5,8 +5,8 @@ registration, to warn when the routes answer anyone (``api_server.ft_routes``, w
 puts them behind the API key) and to put the DEAD-rank guard in front of every route
 (``api_server.dead_rank``: ``/health`` 503, new requests 503 with ``Retry-After``); the
 engine client's start, to hand the engine core its server's URL first
-(``api_server.advertised_url``); the completion stream generator, so that a stream whose
-request ended before its first token still gets its finishing chunk
+(``api_server.advertised_url``); the completion and chat-completion stream generators, so that a
+stream whose request ended before its first token still gets its finishing chunk
 (``api_server.stream_ends``)."""
 
 from __future__ import annotations
@@ -20,12 +20,16 @@ from ftengine.integrations.vllm.api_server.advertised_url import export_url
 from ftengine.integrations.vllm.api_server.dead_rank import DeadRankGuard
 from ftengine.integrations.vllm.api_server.ft_routes import warn_if_open
 from ftengine.integrations.vllm.api_server.scale_down_payload import INSTRUCTION, check_payload
-from ftengine.integrations.vllm.api_server.stream_ends import with_finishing_chunks
+from ftengine.integrations.vllm.api_server.stream_ends import (
+    with_finishing_chat_chunks,
+    with_finishing_chunks,
+)
 from ftengine.integrations.vllm.messages import import_vllm
 from ftengine.integrations.vllm.patches.mechanism import PATCHED_MARK, Patch, marked
 
 ROUTER_MODULE = "vllm.entrypoints.serve.fault_tolerance.api_router"
 COMPLETION_MODULE = "vllm.entrypoints.openai.completion.serving"
+CHAT_MODULE = "vllm.entrypoints.openai.chat_completion.serving"
 ENTRY_MODULE = "vllm.entrypoints.launchers.api_server.entry"
 
 
@@ -90,5 +94,13 @@ API_SERVER_PATCHES = (
             "model_name", "num_prompts", "tokenizer", "request_metadata",
         ),
         marked(with_finishing_chunks),
+    ),
+    Patch(
+        CHAT_MODULE, "OpenAIServingChat", "chat_completion_stream_generator",
+        (
+            "request", "result_generator", "request_id", "model_name", "conversation",
+            "tokenizer", "request_metadata", "chat_template_kwargs", "mm_token_counts",
+        ),
+        marked(with_finishing_chat_chunks),
     ),
 )  # fmt: skip
