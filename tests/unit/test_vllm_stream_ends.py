@@ -196,12 +196,14 @@ def test_the_patched_chat_stream_sends_the_finishing_chunk_it_skipped() -> None:
 
 def test_the_finishing_chunk_comes_before_the_usage_chunk() -> None:
     usage = {"stream_options": {"include_usage": True}}
-    *_, finish, last, done = _chat(CHAT_PATCHED, ABORTED_FIRST, **usage)
-    assert isinstance(finish, dict) and finish["choices"][0]["finish_reason"] == "abort"
-    assert isinstance(last, dict) and last["choices"] == [] and "usage" in last
-    *_, finish, last, done = _stream(PATCHED, ABORTED_FIRST, **usage)
-    assert isinstance(finish, dict) and finish["choices"][0]["finish_reason"] == "abort"
-    assert isinstance(last, dict) and last["choices"] == [] and "usage" in last
+    for lines in (
+        _chat(CHAT_PATCHED, ABORTED_FIRST, **usage),
+        _stream(PATCHED, ABORTED_FIRST, **usage),
+    ):
+        *_, finish, last, done = lines
+        assert isinstance(finish, dict) and finish["choices"][0]["finish_reason"] == "abort"
+        assert isinstance(last, dict) and last["choices"] == [] and "usage" in last
+        assert done == "data: [DONE]\n\n"
 
 
 @pytest.mark.parametrize(
