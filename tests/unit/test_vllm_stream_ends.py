@@ -159,7 +159,7 @@ def _chat(
 
     async def lines() -> list[str]:
         metadata = RequestResponseMetadata(request_id="r")
-        args = (body, results(), "chatcmpl-r", "m", [], None, metadata)
+        args: tuple[Any, ...] = (body, results(), "chatcmpl-r", "m", [], None, metadata)
         return [line async for line in generator(_chat_server(), *args)]
 
     return [
