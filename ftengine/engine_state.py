@@ -54,6 +54,7 @@ class EngineState:
     """
 
     __slots__ = (
+        "admission",
         "clock",
         "episode",
         "episodes",
@@ -68,15 +69,23 @@ class EngineState:
         "listeners",
         "pending",
         "rank",
+        "ready",
         "removed",
         "token",
     )
 
-    def __init__(self, rank: int, world_size: int, clock: Clock, history: int) -> None:
+    def __init__(
+        self,
+        rank: int,
+        world_size: int,
+        clock: Clock,
+        history: int,
+        initial: Phase = Phase.RUNNING,
+    ) -> None:
         self.rank = rank
         self.everyone = frozenset(range(world_size))
         self.clock = clock
-        self.fsm = RecoveryFSM()
+        self.fsm = RecoveryFSM(initial)
         self.listeners = Listeners()
         self.history: deque[Fault] = deque(maxlen=history)
         self.epoch = 0
@@ -89,6 +98,11 @@ class EngineState:
         self.fault_info: str | None = None
         self.ft_error: str | None = None
         self.last_request_id: str | None = None
+        # Removed ranks whose returning worker reported ready (the host says so).
+        self.ready: frozenset[int] = frozenset()
+        # A returning rank: the deployment's (removed, epoch) before its admission, as the
+        # host learnt them at ``loaded`` (a scale_up's params may give newer ones).
+        self.admission: tuple[frozenset[int], int] | None = None
 
     @property
     def phase(self) -> Phase:
@@ -105,6 +119,7 @@ class EngineState:
             last_ft_request_id=self.last_request_id,
             ft_error=self.ft_error,
             removed_ranks=self.removed,
+            ready_ranks=self.ready & self.removed,
             epoch=self.epoch,
             attempts=0 if episode is None else episode.attempts,
             timeline=None if episode is None else episode.log.snapshot(),
@@ -200,6 +215,28 @@ class EngineState:
             steps=sequence(phase),
         )
 
+    def begin_admission(
+        self, added: frozenset[int], removed: frozenset[int], epoch: int, origin: str
+    ) -> RecoveryPlan:
+        """Start admitting ``added`` (``removed`` is the cumulative set after it; ``epoch``
+        the deployment's epoch before it, which a returning rank adopts): take a new token,
+        fire ``scale_up`` (healthy -> scaling_up, or ready -> joining) and return the plan.
+        An admission answers no fault and counts no recovery attempt; its steps are written
+        to the last fault episode's timeline when there is one."""
+        self.token += 1
+        self.epoch = epoch
+        phase = self.fire(Trigger.SCALE_UP, origin)
+        return RecoveryPlan(
+            token=self.token,
+            phase=phase,
+            attempt=0,
+            removed=removed,
+            alive=self.everyone - removed,
+            fault=None,
+            steps=sequence(phase),
+            added=added,
+        )
+
     def quarantine_started(self, fault: Fault) -> StartedAction:
         """Start quarantining ``fault``. It runs with the lock held, so it is
         never ``in_flight``: that names an interrupted run's action, which it may overlap."""
@@ -218,7 +255,9 @@ class EngineState:
         return started
 
     def _record(self, step: Step, args: StepArgs, attempt: int) -> StartedAction:
-        index = self.current().log.begin_step(step.timeline, attempt, self.clock.now())
+        if self.episode is None:  # a returning rank's admission: no fault episode to write to
+            return StartedAction(step, args, -1)
+        index = self.episode.log.begin_step(step.timeline, attempt, self.clock.now())
         return StartedAction(step, args, index)
 
     def action_returned(self) -> None:
@@ -229,16 +268,36 @@ class EngineState:
         self, started: StartedAction, report: RepairReport | None = None, error: str | None = None
     ) -> None:
         """Close ``started``'s timeline step now (failed with ``error``; ``report`` kept)."""
-        episode = self.current()
+        if started.index < 0 or self.episode is None:
+            return
+        episode = self.episode
         episode.log.end_step(started.index, self.clock.now(), error)
         if report is not None:
             episode.log.set_repair(report)
 
+    def commit(self, plan: RecoveryPlan) -> None:
+        """``plan``'s committing step returned: the backend now serves its removed set."""
+        self.removed = plan.removed
+        self.ready -= plan.added
+
     def complete(self, plan: RecoveryPlan) -> None:
         """Every step of ``plan`` succeeded: its removed set holds and the engine serves."""
-        self.removed = plan.removed
-        self.fire(Trigger.RECOVERED, f"{plan.phase.value} succeeded (attempt {plan.attempt})")
+        self.commit(plan)
+        if plan.fault is None:
+            what = f"ranks {sorted(plan.added)} admitted"
+            self.fire(Trigger.RECOVERED, f"{plan.phase.value} succeeded: {what}")
+            self.ft_error = None
+        else:
+            self.fire(Trigger.RECOVERED, f"{plan.phase.value} succeeded (attempt {plan.attempt})")
         self.fault_info = None
+
+    def admission_failed(self, plan: RecoveryPlan, step: Step, error: str) -> Fault:
+        """``plan`` (an admission) failed at ``step``: its ranks must report ready again.
+        Returns the failure as a fault (the engine handles it as a member's or a returning
+        rank's fault)."""
+        self.ready -= plan.added
+        self.ft_error = f"{plan.phase.value} failed at {step.action}: {error}"
+        return Fault(FaultKind.RECOVERY_ERROR, info=f"{step.action}: {error}", at=self.clock.now())
 
     def fail(self, plan: RecoveryPlan, step: Step, error: str) -> Fault:
         """``plan``'s ``step`` raised ``error``: record it as a fault of the run's episode and

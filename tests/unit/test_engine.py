@@ -37,6 +37,7 @@ def test_a_new_engine_serves_with_an_empty_status() -> None:
         "last_ft_request_id": None,
         "ft_error": None,
         "removed_ranks": [],
+        "ready_ranks": [],
         "epoch": 0,
         "attempts": 0,
         "timeline": None,
