@@ -186,15 +186,15 @@ class RecoveryEngine:
         else:
             self._state.schedule(decision, now)
 
-    def _fault_while_rejoining(self, fault: Fault) -> None:
+    def _fault_while_rejoining(self, fault: Fault, *, why: str | None = None) -> None:
         """A returning rank is no member yet: no episode, no policy. Joining goes back to
         ready (it may be admitted again); loading or ready ends it (the operator restarts
         it). Lock held."""
         self._state.history.append(fault)
         self._state.fault_info = fault.info or fault.kind.value
-        dest = self._state.fire(Trigger.FAULT, fault_text(fault))
+        dest = self._state.fire(Trigger.FAULT, why or fault_text(fault))
         if dest is Phase.READY:
-            self._state.ft_error = f"admission interrupted: {fault_text(fault)}"
+            self._state.ft_error = why or f"admission interrupted: {fault_text(fault)}"
 
     def _fault_while_unhealthy(self, fault: Fault, phase: Phase, now: float) -> None:
         decision = self._ask(fault, phase, now)
@@ -474,7 +474,7 @@ class RecoveryEngine:
         if plan.fault is None:  # an admission: a member's fault, or back to ready
             fault = self._state.admission_failed(plan, started.step, error)
             if plan.phase is Phase.JOINING:
-                self._fault_while_rejoining(fault)
+                self._fault_while_rejoining(fault, why=self._state.ft_error)
             else:
                 self._state.note_fault(fault, plan.phase, fault.at)
                 self._fault_while_serving(fault, plan.phase, fault.at)
