@@ -91,10 +91,10 @@ def plan_rejoin(
     original = original.to(p2l.device)
     held = p2l[:, slots] != EMPTY
     if bool(held.any()):
-        layer, index = (int(v) for v in held.nonzero()[0])
+        where, index = (int(v) for v in held.nonzero()[0])
         raise PlacementError(
             f"EP rank {int(slots[index]) // placement.local_slots} holds expert "
-            f"{int(p2l[layer, slots[index]])} in layer {layer}: only removed ranks (empty "
+            f"{int(p2l[where, slots[index]])} in layer {where}: only removed ranks (empty "
             "slots) can return"
         )
     with one_intra_op_thread():
