@@ -250,10 +250,7 @@ class RecoveryEngine:
             if self._expire_deadline():
                 return
             pending = self._state.take_due()
-            if pending is None:
-                plan = self._admission_plan()
-            else:
-                plan = self._policy_plan(pending)
+            plan = self._admission_plan() if pending is None else self._policy_plan(pending)
         if plan is not None:
             self._run(plan)
 

@@ -4,10 +4,10 @@ returning rank)."""
 
 from __future__ import annotations
 
-from ftengine.errors import TransitionError
-from ftengine.faults import Phase
 import pytest
 
+from ftengine.errors import TransitionError
+from ftengine.faults import Phase
 from ftengine.fsm import INITIAL, REJOIN_INITIAL, TABLE, RecoveryFSM, Row, Trigger, successors
 
 DEPTH = 6

@@ -4,6 +4,8 @@ and the returning rank's admission sequences, the policy's admit hook, and the f
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 
 from ftengine.backends.fake import Call, FakeBackend
@@ -171,8 +173,6 @@ def test_a_fault_during_the_admission_interrupts_it_into_quarantined() -> None:
     scaled_down(rig)
     rig.engine.note_ready(frozenset({3}))
     hang = rig.backend.hang_on("rebuild_groups")
-    import threading
-
     results: list[tuple[bool, str]] = []
     runner = threading.Thread(target=lambda: results.append(scale_up(rig, {"added_dp_ranks": [3]})))
     runner.start()
@@ -180,7 +180,7 @@ def test_a_fault_during_the_admission_interrupts_it_into_quarantined() -> None:
     assert rig.engine.phase is Phase.SCALING_UP
     assert rig.engine.health.name == "HEALTHY"  # the survivors still count as serving
     rig.engine.report_fault(Fault(FaultKind.TRANSIENT, rank=0, info="RuntimeError"))
-    assert rig.engine.phase is Phase.QUARANTINED
+    assert rig.engine.status().phase is Phase.QUARANTINED
     hang.release()
     runner.join(5)
     assert results and not results[0][0] and "interrupted" in results[0][1]
@@ -301,7 +301,7 @@ def test_a_failed_join_goes_back_to_ready_and_can_be_admitted_again() -> None:
     assert "joining failed at run_dummy_batch" in (engine.status().ft_error or "")
     result = engine.apply("scale_up", {"added_dp_ranks": [3], "epoch": 2}, "j2")
     assert result.success, result.reason
-    assert engine.phase is Phase.HEALTHY and engine.epoch == 3
+    assert engine.status().phase is Phase.HEALTHY and engine.epoch == 3
 
 
 def test_a_fault_before_admission_ends_the_returning_rank() -> None:

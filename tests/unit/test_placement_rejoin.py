@@ -120,7 +120,7 @@ def test_kept_standby_copies_make_the_same_failure_again_reload_nothing() -> Non
     for grown in ("drop", "keep"):
         placement = ExpertPlacement.default(1, 6, 2, 4)  # rank 1's experts 2, 3: no spare
         original = scaled_down(placement, {1})
-        apply_rejoin(placement, plan_rejoin(placement, {1}, original, grown=grown))  # type: ignore[arg-type]
+        apply_rejoin(placement, plan_rejoin(placement, {1}, original, grown=grown))
         placement.validate(require_every_expert=True)
         reloads[grown] = plan_redistribution(placement, {1}).reloads
     assert reloads == {"drop": 2, "keep": 0}
