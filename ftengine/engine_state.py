@@ -55,6 +55,7 @@ class EngineState:
 
     __slots__ = (
         "admission",
+        "admitted",
         "clock",
         "episode",
         "episodes",
@@ -103,6 +104,8 @@ class EngineState:
         # A returning rank: the deployment's (removed, epoch) before its admission, as the
         # host learnt them at ``loaded`` (a scale_up's params may give newer ones).
         self.admission: tuple[frozenset[int], int] | None = None
+        # The last admission this engine took part in (status ``last_admission``).
+        self.admitted: dict[str, object] | None = None
 
     @property
     def phase(self) -> Phase:
@@ -120,6 +123,7 @@ class EngineState:
             ft_error=self.ft_error,
             removed_ranks=self.removed,
             ready_ranks=self.ready & self.removed,
+            last_admission=self.admitted,
             epoch=self.epoch,
             attempts=0 if episode is None else episode.attempts,
             timeline=None if episode is None else episode.log.snapshot(),
@@ -184,6 +188,8 @@ class EngineState:
         source = self.phase
         dest = self.fsm.fire(trigger, continues=continues)
         now = self.clock.now()
+        if source in (Phase.SCALING_UP, Phase.JOINING) and dest is not Phase.HEALTHY:
+            self._end_admission(False)  # interrupted by a fault
         if dest is not Phase.QUARANTINED:
             self.pending = None
         if dest is Phase.DEAD:
@@ -226,6 +232,14 @@ class EngineState:
         self.token += 1
         self.epoch = epoch
         phase = self.fire(Trigger.SCALE_UP, origin)
+        self.admitted = {
+            "added": sorted(added),
+            "started": self.clock.now(),
+            "seconds": None,
+            "ok": None,
+            "reloads": 0,
+            "bytes_reloaded": 0,
+        }
         return RecoveryPlan(
             token=self.token,
             phase=phase,
@@ -255,7 +269,9 @@ class EngineState:
         return started
 
     def _record(self, step: Step, args: StepArgs, attempt: int) -> StartedAction:
-        if self.episode is None:  # a returning rank's admission: no fault episode to write to
+        if self.episode is None or args.fault is None:
+            # An admission answers no fault: its steps go to ``admission``, not to the
+            # last fault episode's timeline.
             return StartedAction(step, args, -1)
         index = self.episode.log.begin_step(step.timeline, attempt, self.clock.now())
         return StartedAction(step, args, index)
@@ -268,12 +284,31 @@ class EngineState:
         self, started: StartedAction, report: RepairReport | None = None, error: str | None = None
     ) -> None:
         """Close ``started``'s timeline step now (failed with ``error``; ``report`` kept)."""
+        if started.args.fault is None and self.admitted is not None:
+            self._note_admission_step(report, error)
         if started.index < 0 or self.episode is None:
             return
         episode = self.episode
         episode.log.end_step(started.index, self.clock.now(), error)
         if report is not None:
             episode.log.set_repair(report)
+
+    def _note_admission_step(self, report: RepairReport | None, error: str | None) -> None:
+        admitted = self.admitted
+        assert admitted is not None
+        if report is not None:
+            admitted["reloads"] = report.reloads
+            admitted["bytes_reloaded"] = report.bytes_reloaded
+        if error is not None:
+            admitted["ok"] = False
+            admitted["error"] = error
+
+    def _end_admission(self, ok: bool) -> None:
+        if self.admitted is not None and self.admitted["ok"] is None:
+            started = self.admitted["started"]
+            assert isinstance(started, float)
+            self.admitted["ok"] = ok
+            self.admitted["seconds"] = self.clock.now() - started
 
     def commit(self, plan: RecoveryPlan) -> None:
         """``plan``'s committing step returned: the backend now serves its removed set."""
@@ -284,6 +319,7 @@ class EngineState:
         """Every step of ``plan`` succeeded: its removed set holds and the engine serves."""
         self.commit(plan)
         if plan.fault is None:
+            self._end_admission(True)
             what = f"ranks {sorted(plan.added)} admitted"
             self.fire(Trigger.RECOVERED, f"{plan.phase.value} succeeded: {what}")
             self.ft_error = None
@@ -296,6 +332,7 @@ class EngineState:
         Returns the failure as a fault (the engine handles it as a member's or a returning
         rank's fault)."""
         self.ready -= plan.added
+        self._end_admission(False)
         self.ft_error = f"{plan.phase.value} failed at {step.action}: {error}"
         return Fault(FaultKind.RECOVERY_ERROR, info=f"{step.action}: {error}", at=self.clock.now())
 

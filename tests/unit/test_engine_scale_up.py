@@ -60,6 +60,12 @@ def test_a_ready_removed_rank_is_admitted_with_a_fresh_epoch_and_nothing_reloade
     assert status.ready_ranks == frozenset() and status.epoch == epoch + 1
     assert rig.phases()[-2:] == [Phase.SCALING_UP, Phase.HEALTHY]
     assert rig.backend.masked == frozenset()
+    admission = status.to_dict()["last_admission"]
+    assert isinstance(admission, dict)
+    assert (admission["added"], admission["ok"], admission["reloads"]) == ([3], True, 0)
+    # The admission is no fault: the scale-down episode's timeline is left as it was.
+    assert status.timeline is not None
+    assert "admit" not in [step.name for step in status.timeline.steps]
 
 
 def test_a_replayed_scale_up_returns_its_first_result_without_acting_again() -> None:
@@ -144,6 +150,7 @@ def test_a_failed_rebuild_quarantines_and_a_retry_restores_the_old_membership() 
     assert status.phase is Phase.QUARANTINED  # never dead: an orchestrator may retry
     assert status.removed_ranks == frozenset({3})  # not committed: 3 still removed
     assert status.ready_ranks == frozenset()  # it must report ready again
+    assert status.to_dict()["last_admission"]["ok"] is False  # type: ignore[index]
     assert rig.engine.apply("retry", {}, "r").success
     assert rig.backend.calls[-2] == Call("rebuild_groups", (frozenset({0, 1, 2}), status.epoch + 1))
     assert rig.engine.phase is Phase.HEALTHY
