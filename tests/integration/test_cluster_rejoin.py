@@ -26,9 +26,7 @@ def engines(cluster: Cluster) -> dict[int, dict[str, Any]]:
 def kill_and_scale_down(cluster: Cluster, rank: int, tag: str) -> None:
     cluster.kill(rank, signal.SIGKILL)
     waited = cluster.wait_for(
-        lambda s: all(
-            e["status"] == 2 for e in s["engines"] if e["id"] != rank and e["alive"]
-        ),
+        lambda s: all(e["status"] == 2 for e in s["engines"] if e["id"] != rank and e["alive"]),
         30.0,
     )
     assert waited is not None, engines(cluster)
@@ -83,8 +81,12 @@ def test_rank_0_rejoins_under_the_auto_policy_without_a_command(
     cluster.kill(0, signal.SIGKILL)
     waited = cluster.wait_for(lambda s: cluster.removed_ranks == frozenset({0}), 30.0)
     assert waited is not None, engines(cluster)
-    assert cluster.wait_for(lambda s: all(
-        e["phase"] == "healthy" for e in s["engines"] if e["id"] != 0), 30.0) is not None
+    assert (
+        cluster.wait_for(
+            lambda s: all(e["phase"] == "healthy" for e in s["engines"] if e["id"] != 0), 30.0
+        )
+        is not None
+    )
     rejoin(cluster, 0, "r0", command=False)
     assert_outputs(cluster, reference)
 

@@ -17,7 +17,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from ftengine.testbed.bench.rejoin import (
+from ftengine.testbed.bench.rejoin_measure import (
     RejoinBenchError,
     RejoinSetup,
     Stream,

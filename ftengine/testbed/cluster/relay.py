@@ -98,9 +98,7 @@ class CommandRelay:
         roster = self._roster
         with roster.lock:
             members = [w for w in roster.workers() if w.member]
-            ready = [
-                w for w in roster.workers() if w.joining and w.engine_phase() is Phase.READY
-            ]
+            ready = [w for w in roster.workers() if w.joining and w.engine_phase() is Phase.READY]
             state = _deployment_state(members)
             seen = {w.rank: len(w.phases) for w in members}
             self._replies[request_id] = {}
