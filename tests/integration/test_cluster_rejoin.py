@@ -91,6 +91,10 @@ def test_rank_0_rejoins_under_the_auto_policy_without_a_command(
     assert_outputs(cluster, reference)
 
 
+def _generate_into(cluster: Cluster, out: list[list[Generation]]) -> None:
+    out.append(cluster.generate_batch(PROMPTS, MAX_TOKENS))
+
+
 def _fds() -> int:
     return len(os.listdir("/proc/self/fd"))
 
@@ -111,14 +115,12 @@ def test_three_kill_scale_down_rejoin_cycles_under_traffic_leak_nothing(
         kill_and_scale_down(cluster, 3, f"c{cycle}")
         assert_outputs(cluster, reference)  # the survivors serve
         # The survivors keep serving while rank 3 loads (a batch runs during the restart).
-        during: list[BaseException | list[Generation]] = []
-        runner = threading.Thread(
-            target=lambda: during.append(cluster.generate_batch(PROMPTS, MAX_TOKENS))
-        )
+        during: list[list[Generation]] = []
+        runner = threading.Thread(target=_generate_into, args=(cluster, during))
         runner.start()
         rejoin(cluster, 3, f"c{cycle}")
         runner.join(60)
-        assert during and compare_outputs(during[0], reference).match  # type: ignore[arg-type]
+        assert during and compare_outputs(during[0], reference).match
         assert_outputs(cluster, reference)
         pids = {r: p for r, p in cluster.pids().items() if r != 3 and p is not None}
         survivors_rss.append({r: psutil.Process(p).memory_info().rss for r, p in pids.items()})

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from pathlib import Path
-
 from typing import Literal
 
 import attrs

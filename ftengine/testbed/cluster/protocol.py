@@ -1,10 +1,10 @@
 """Messages between the supervisor and its workers (pickled over a multiprocessing Pipe).
 
 Supervisor -> worker: :class:`StepRequest`, :class:`FtCommand`, :class:`PeerFault`,
-:class:`Shutdown`, :class:`Inject`, :class:`RankReady`. Worker -> supervisor: :class:`Ready`, :class:`Heartbeat`,
-:class:`StatusUpdate`, :class:`PhaseEvent`, :class:`StepReply` (with :class:`ItemRejected`),
-:class:`FtReply`, :class:`WorkerFailed`. All are frozen attrs values; tensors travel as lists
-of floats.
+:class:`Shutdown`, :class:`Inject`, :class:`RankReady`. Worker -> supervisor: :class:`Ready`,
+:class:`Heartbeat`, :class:`StatusUpdate`, :class:`PhaseEvent`, :class:`StepReply` (with
+:class:`ItemRejected`), :class:`FtReply`, :class:`WorkerFailed`. All are frozen attrs
+values; tensors travel as lists of floats.
 :class:`Link` is the worker's end of the pipe.
 """
 
