@@ -111,6 +111,7 @@ def test_three_kill_scale_down_rejoin_cycles_under_traffic_leak_nothing(
     assert_outputs(cluster, reference)
     before = {"fds": _fds(), "threads": _threads(), "rss": me.memory_info().rss}
     survivors_rss: list[dict[int, int]] = []
+    survivors_fds: list[dict[int, int]] = []
     for cycle in range(3):
         kill_and_scale_down(cluster, 3, f"c{cycle}")
         assert_outputs(cluster, reference)  # the survivors serve
@@ -124,6 +125,7 @@ def test_three_kill_scale_down_rejoin_cycles_under_traffic_leak_nothing(
         assert_outputs(cluster, reference)
         pids = {r: p for r, p in cluster.pids().items() if r != 3 and p is not None}
         survivors_rss.append({r: psutil.Process(p).memory_info().rss for r, p in pids.items()})
+        survivors_fds.append({r: psutil.Process(p).num_fds() for r, p in pids.items()})
     time.sleep(1.0)  # group teardown threads finish off the caller's thread
     after = {"fds": _fds(), "threads": _threads(), "rss": me.memory_info().rss}
     assert after["fds"] <= before["fds"] + 2, (before, after)
@@ -131,3 +133,5 @@ def test_three_kill_scale_down_rejoin_cycles_under_traffic_leak_nothing(
     for rank in survivors_rss[0]:
         first, last = survivors_rss[0][rank], survivors_rss[-1][rank]
         assert last <= first * 1.10, (rank, survivors_rss)
+        # Each admission builds a new gloo group and tears the old one down: no fd piles up.
+        assert survivors_fds[-1][rank] <= survivors_fds[0][rank] + 2, (rank, survivors_fds)
