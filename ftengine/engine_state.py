@@ -142,8 +142,9 @@ class EngineState:
     # -- faults and decisions ----------------------------------------------------------------
 
     def note_fault(self, fault: Fault, phase: Phase, now: float) -> None:
-        """Record ``fault``, which arrived in ``phase``: a fault while serving opens an episode."""
-        if phase.serving:
+        """Record ``fault``, which arrived in ``phase``: a fault of a member (serving, or
+        admitting a rank) opens an episode."""
+        if phase.member:
             self.episodes += 1
             self.episode = Episode(self.episodes, fault, now)
             self.ft_error = None
