@@ -8,11 +8,13 @@ import os
 import signal
 import threading
 import time
+from pathlib import Path
 from typing import Any
 
 import psutil
 import pytest
 
+from ftengine.testbed.bench.rejoin import RejoinSetup, run_target
 from ftengine.testbed.cluster import Cluster, Generation, compare_outputs
 from tests.integration.conftest import MAX_TOKENS, PROMPTS, Launcher
 
@@ -135,3 +137,28 @@ def test_three_kill_scale_down_rejoin_cycles_under_traffic_leak_nothing(
         assert last <= first * 1.10, (rank, survivors_rss)
         # Each admission builds a new gloo group and tears the old one down: no fd piles up.
         assert survivors_fds[-1][rank] <= survivors_fds[0][rank] + 2, (rank, survivors_fds)
+
+
+def test_streams_in_flight_through_a_rejoin_end_whole_and_the_bench_reports_it(
+    checkpoint: Path,
+) -> None:
+    # The bench's own run (a fresh cluster behind its serving loop): streams started on
+    # the survivors run through the restart and the admission; none lost, none repeated
+    # (each is the reference token for token), no survivor reloads. Speed is not judged.
+    result = run_target(
+        "cluster",
+        RejoinSetup(streams=4, stream_tokens=240, trials=1, batch_requests=4, batch_tokens=8),
+        {"checkpoint": checkpoint},
+    )
+    assert result["streams_in_flight_at_admission"] == 4
+    assert result["requests_lost"] == 0 and result["outputs_match"] is True
+    assert result["survivor_reloads"] == 0 and result["returning_rank_reloads_at_admission"] == 0
+    assert result["all_healthy"] is True and result["removed_ranks_after"] == []
+    assert set(result) >= {
+        "rejoin_pause_s",
+        "rejoin_total_s",
+        "throughput_after_over_before",
+        "requests_lost",
+        "outputs_match",
+        "survivor_reloads",
+    }
