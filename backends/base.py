@@ -63,3 +63,23 @@ class Backend(Protocol):
 
     def synchronize(self) -> None:
         """Wait for all queued device work to finish."""
+
+
+@runtime_checkable
+class RankAdmitter(Protocol):
+    """A backend that can take removed ranks back (``scale_up``); a capability apart from
+    ``Backend`` so a backend without it keeps working and a scale-up to it is refused."""
+
+    def admit_ranks(self, added: frozenset[int], removed: frozenset[int]) -> RepairReport:
+        """Admit ``added`` (original DP ranks) back, ``removed`` being the cumulative set
+        after the admission; runs after ``rebuild_groups`` spanned the new membership.
+
+        On a survivor: un-mask ``added`` in place (``elastic_info``, DP-sync columns,
+        physical width restored), give the returning ranks their original experts back in
+        the maps and drop (or keep as standby) the copies grown for them; reload nothing.
+        On a returning rank (``added`` holds its own rank): adopt the survivors' maps and
+        reload only the slots it must hold that it did not load at start-up (normally
+        none). Atomic locally: it raises before changing anything or not at all, once
+        the survivors' maps are known. The report counts this worker's reloads.
+        """
+        ...

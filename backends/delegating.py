@@ -9,7 +9,8 @@ purpose: a method the protocol gains would then be inherited as a silent no-op, 
 
 from __future__ import annotations
 
-from ftengine.backends.base import Backend, RepairReport
+from ftengine.backends.base import Backend, RankAdmitter, RepairReport
+from ftengine.errors import BackendError
 from ftengine.faults import Fault
 
 
@@ -38,8 +39,26 @@ class DelegatingBackend:
     def repair_experts(self, dead_ranks: frozenset[int]) -> RepairReport:
         return self.inner.repair_experts(dead_ranks)
 
+    def admit_ranks(self, added: frozenset[int], removed: frozenset[int]) -> RepairReport:
+        return admit_ranks(self.inner, added, removed)
+
     def run_dummy_batch(self) -> None:
         self.inner.run_dummy_batch()
 
     def synchronize(self) -> None:
         self.inner.synchronize()
+
+
+def can_admit(backend: object) -> bool:
+    """Whether ``backend`` (through any ``DelegatingBackend`` wrappers) can admit ranks."""
+    while isinstance(backend, DelegatingBackend):
+        backend = backend.inner
+    return isinstance(backend, RankAdmitter)
+
+
+def admit_ranks(backend: object, added: frozenset[int], removed: frozenset[int]) -> RepairReport:
+    """``backend.admit_ranks(added, removed)``; ``BackendError`` if it cannot admit ranks."""
+    if not can_admit(backend) or not isinstance(backend, RankAdmitter):
+        name = getattr(backend, "name", type(backend).__name__)
+        raise BackendError(f"backend {name!r} cannot admit ranks (no admit_ranks)")
+    return backend.admit_ranks(added, removed)

@@ -85,6 +85,7 @@ class FakeBackend:
         self.alive: frozenset[int] | None = None
         self.masked: frozenset[int] = frozenset()
         self.repaired: frozenset[int] = frozenset()
+        self.admitted: frozenset[int] = frozenset()
         self.quarantined = False
         self._lock = threading.Lock()
         self._calls: list[Call] = []
@@ -198,6 +199,29 @@ class FakeBackend:
             bytes_reloaded=reloads * 1024,
             reloaded=reloaded,
         )
+
+    def admit_ranks(self, added: frozenset[int], removed: frozenset[int]) -> RepairReport:
+        self._enter("admit_ranks", added, removed)
+        added, removed = frozenset(added), frozenset(removed)
+        if not added or added & removed:
+            raise PreconditionFailed(
+                f"admit_ranks needs ranks to add outside the removed set, got added "
+                f"{sorted(added)}, removed {sorted(removed)}"
+            )
+        if self.alive is not None and not added <= self.alive:
+            raise PreconditionFailed(
+                f"admit_ranks runs after rebuild_groups spanned the added ranks "
+                f"{sorted(added)}; the groups span {sorted(self.alive)}"
+            )
+        if self.rank not in added and not added <= self.masked:
+            raise PreconditionFailed(
+                f"only masked ranks can be admitted: {sorted(added - self.masked)} are not "
+                f"masked (masked: {sorted(self.masked)})"
+            )
+        self.masked = removed
+        self.repaired -= added
+        self.admitted |= added
+        return RepairReport()
 
     def run_dummy_batch(self) -> None:
         self._enter("run_dummy_batch")

@@ -36,6 +36,7 @@ from ftengine.placement.elastic import ElasticInfo
 from ftengine.placement.maps import ExpertPlacement
 from ftengine.placement.planner import apply_plan, plan_redistribution
 from ftengine.placement.ranks import check_ep_ranks, dp_to_ep_ranks, neutralize_dead_columns
+from ftengine.placement.rejoin import apply_rejoin, grown_copies_for, plan_rejoin
 
 if TYPE_CHECKING:  # typing.Unpack is 3.11+; annotations are never evaluated at run time
     from typing import Unpack
@@ -140,6 +141,8 @@ class NpuBackend:
             moe_expert_num=placement.num_physical,
         )
         self._reloader = NpuExpertReloader(self.runtime, self.device)
+        # The slot map at start-up: what a returning rank gets back, and what it loaded.
+        self._original = placement.physical_to_logical_map.detach().to("cpu").clone()
         self._dead_dp: frozenset[int] = frozenset()
         self._epoch = 0
 
@@ -275,6 +278,88 @@ class NpuBackend:
             reload_lower_bound=plan.lower_bound,
             bytes_reloaded=stats.bytes_read,
             reloaded=tuple((layer, expert) for layer, _, expert in mine),
+        )
+
+    def admit_ranks(self, added: frozenset[int], removed: frozenset[int]) -> RepairReport:
+        """Take ``added`` back: un-mask ``elastic_info`` in place to the cumulative ``removed``
+        (all zeros, the full physical width, once none is removed), give the returning
+        ranks their original experts in the maps (survivors drop the copies grown for them,
+        or keep them as standby under failure-aware placement; nothing reloaded), then
+        rebuild the host's routing tables in place.
+
+        On the returning rank (``added`` holds its rank) the host's maps must already be
+        the survivors' (its own slots empty: the host copies them from a survivor before
+        the admission); it reloads only the slots it must hold that differ from what it
+        loaded at start-up. Checks everything before changing anything.
+        """
+        self._require_scale_down()
+        added, removed = frozenset(added), frozenset(removed)
+        me, topology = self.topology.dp_rank, self.topology
+        joining = me in added
+        problems = []
+        if not added or added & removed:
+            problems.append(
+                f"added ranks {sorted(added)} must be non-empty and outside the removed set "
+                f"{sorted(removed)}"
+            )
+        if me in removed:
+            problems.append(f"rank {me} admits ranks only as a member (it is in {sorted(removed)})")
+        if not joining and not added <= self._dead_dp:
+            problems.append(
+                f"ranks {sorted(added - self._dead_dp)} are not masked here (masked: "
+                f"{sorted(self._dead_dp)}); only removed ranks can be admitted"
+            )
+        if not joining and removed != self._dead_dp - added:
+            problems.append(
+                f"the removed set after admitting {sorted(added)} must be "
+                f"{sorted(self._dead_dp - added)}, got {sorted(removed)}"
+            )
+        if problems:
+            raise PreconditionFailed("admit_ranks refused: " + "; ".join(problems), tuple(problems))
+        dead_ep = check_ep_ranks(dp_to_ep_ranks(removed, topology.tp_size), topology.ep_size)
+        added_ep = dp_to_ep_ranks(added, topology.tp_size)
+        placement = self.host.placement()
+        if joining:
+            own = placement.rank_slots(dp_to_ep_ranks(frozenset({me}), topology.tp_size))
+            if bool(
+                (placement.physical_to_logical_map[:, own.to(self._original.device)] >= 0).any()
+            ):
+                raise PreconditionFailed(
+                    f"returning rank {me}: the host's expert maps must be the survivors' "
+                    "(this rank's slots empty) before admit_ranks; copy them from a survivor"
+                )
+        plan = plan_rejoin(
+            placement, added_ep, self._original, grown=grown_copies_for(self.config.placement)
+        )
+        todo: tuple[tuple[int, int, int], ...] = ()
+        if joining:
+            first = topology.ep_rank * placement.local_slots
+            loaded = self._original[:, first : first + placement.local_slots]
+            todo = tuple(
+                move
+                for move in plan.local_assignments(topology.ep_rank, placement.local_slots)
+                if int(loaded[move[0], move[1]]) != move[2]
+            )
+        # Weights first, maps second: the router never points at a slot still being written.
+        stats = (
+            self._reloader.reload(self.host.checkpoint(), self.host.slot_storage(), todo)
+            if todo
+            else NO_RELOAD
+        )
+        apply_rejoin(placement, plan)
+        if self.elastic.dead_ep_ranks:
+            self.runtime.synchronize()  # the last non-blocking copy may still read the buffer
+        self.elastic.update(dead_ep)
+        self._dead_dp = removed
+        self.host.refresh_routing(self.elastic.table1())
+        logger.info(
+            "npu ranks admitted",
+            extra={"rank": me, "epoch": self._epoch, "added": sorted(added)},
+        )
+        return RepairReport(
+            reloads=stats.experts,
+            bytes_reloaded=stats.bytes_read,
+            reloaded=tuple((layer, expert) for layer, _, expert in todo),
         )
 
     def run_dummy_batch(self) -> None:

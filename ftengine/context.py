@@ -1,4 +1,5 @@
-"""What a policy sees: one immutable ``RecoveryContext`` per decision, and ``RedundancyFacts``.
+"""What a policy sees: one immutable ``RecoveryContext`` per decision about a fault, one
+``AdmissionContext`` per question about ready removed ranks, and ``RedundancyFacts``.
 
 Policies read only this object; the engine builds a fresh one for every decision
 (derive variants with ``attrs.evolve``).
@@ -93,3 +94,21 @@ class RecoveryContext:
     def faults_of(self, rank: int | None, *, since: float) -> tuple[Fault, ...]:
         """Faults in the history that point at ``rank`` and happened at or after ``since``."""
         return tuple(f for f in self.faults if f.rank == rank and f.at >= since)
+
+
+@attrs.frozen
+class AdmissionContext:
+    """What a policy's ``admit`` may read: removed ranks that reported ready to come back.
+
+    ``ready_ranks`` are removed ranks whose returning worker loaded its weights and waits
+    (as the host reported them); ``removed_ranks`` the cumulative removed set; ``now``
+    the engine clock (monotonic s).
+    """
+
+    ready_ranks: frozenset[int] = attrs.field(converter=to_ranks, validator=rank_set())
+    removed_ranks: frozenset[int] = attrs.field(converter=to_ranks, validator=rank_set())
+    now: float = attrs.field(validator=finite_float())
+    rank: int = attrs.field(default=0, validator=int_at_least(0))
+    world_size: int = attrs.field(default=1, validator=int_at_least(1))
+    epoch: int = attrs.field(default=0, validator=int_at_least(0))
+    redundancy: RedundancyFacts | None = None

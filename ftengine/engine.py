@@ -9,7 +9,13 @@ the sequences are read from the same table):
 - on a fault while serving: ``quarantine(fault)``, then the policy decides;
 - retry: ``reset_device`` -> ``rebuild_groups(alive, epoch + 1)`` -> ``run_dummy_batch``;
 - scale down: ``mask_ranks(dead)`` -> ``rebuild_groups(alive, epoch + 1)`` ->
-  ``repair_experts(dead)`` -> ``run_dummy_batch`` (``dead`` cumulative).
+  ``repair_experts(dead)`` -> ``run_dummy_batch`` (``dead`` cumulative);
+- scale up (a ``scale_up`` command, or the policy's ``admit`` at ``poll`` once the host
+  reported ranks ready with ``note_ready``), on every survivor (healthy -> scaling_up) and
+  on the returning rank (ready -> joining) alike: ``rebuild_groups(alive + added, epoch +
+  1)`` -> ``admit_ranks(added, removed - added)`` (commits the removed set) ->
+  ``run_dummy_batch``. A returning rank's engine is built with ``rejoining=True`` (phase
+  loading) and told ``loaded(...)`` once its weights are in (phase ready).
 
 Thread model: faults arrive from watchdog threads (``report_fault``), commands from the
 control plane (``apply``), time from the host (``poll``). One lock guards the state
@@ -29,6 +35,7 @@ from collections.abc import Callable, Mapping
 import attrs
 
 from ftengine.backends.base import Backend, RepairReport
+from ftengine.backends.delegating import can_admit
 from ftengine.clock import Clock, MonotonicClock
 from ftengine.commands import (
     Command,
@@ -36,19 +43,23 @@ from ftengine.commands import (
     CommandResult,
     check_instruction,
     check_phase,
+    check_scale_up_phase,
+    join_problems,
     parse_command,
     scale_down_problems,
+    scale_up_problems,
 )
-from ftengine.context import RedundancyFacts
+from ftengine.context import AdmissionContext, RedundancyFacts
 from ftengine.engine_state import EngineState, StartedAction
 from ftengine.errors import CommandRejected, ConfigError
 from ftengine.faults import Fault, HealthStatus, Phase, fault_text
 from ftengine.fsm import Trigger
-from ftengine.policies import Decision, GiveUp, Policy, decide, describe
+from ftengine.policies import Decision, GiveUp, Policy, decide, decide_admission, describe
 from ftengine.recovery import (
     ALLOWED_ACTIONS,
     RETRY_ACTIONS,
     SCALE_DOWN_ACTIONS,
+    SCALE_UP_ACTIONS,
     Deadline,
     PendingRetry,
     PendingScaleDown,
@@ -60,6 +71,7 @@ __all__ = [
     "ALLOWED_ACTIONS",
     "RETRY_ACTIONS",
     "SCALE_DOWN_ACTIONS",
+    "SCALE_UP_ACTIONS",
     "CommandResult",
     "EngineStatus",
     "PhaseChange",
@@ -82,6 +94,7 @@ class RecoveryEngine:
         clock: Clock | None = None,
         redundancy: RedundancyFacts | None = None,
         history: int = 256,
+        rejoining: bool = False,
     ) -> None:
         if not callable(policy):
             raise ConfigError(f"policy must be callable (ctx -> Decision | None), got {policy!r}")
@@ -95,7 +108,8 @@ class RecoveryEngine:
         self.redundancy = redundancy
         self._lock = threading.RLock()
         self._commands = CommandLog(threading.Condition(self._lock))
-        self._state = EngineState(rank, world_size, self.clock, history)
+        initial = Phase.LOADING if rejoining else Phase.RUNNING
+        self._state = EngineState(rank, world_size, self.clock, history, initial)
 
     # -- read-only views -------------------------------------------------------------------
 
@@ -122,6 +136,12 @@ class RecoveryEngine:
         with self._lock:
             return self._state.removed
 
+    @property
+    def ready_ranks(self) -> frozenset[int]:
+        """Removed ranks the host reported ready to be admitted (``note_ready``)."""
+        with self._lock:
+            return self._state.ready & self._state.removed
+
     def status(self) -> EngineStatus:
         """A consistent snapshot of the engine."""
         with self._lock:
@@ -147,8 +167,11 @@ class RecoveryEngine:
             now = self.clock.now()
             if not 0 < fault.at <= now:
                 fault = attrs.evolve(fault, at=now)
+            if phase.rejoining:
+                self._fault_while_rejoining(fault)
+                return
             self._state.note_fault(fault, phase, now)
-            if phase.serving:
+            if phase.member:
                 self._fault_while_serving(fault, phase, now)
             else:
                 self._fault_while_unhealthy(fault, phase, now)
@@ -162,6 +185,16 @@ class RecoveryEngine:
             self._state.fire(Trigger.GIVE_UP, decision.reason)
         else:
             self._state.schedule(decision, now)
+
+    def _fault_while_rejoining(self, fault: Fault, *, why: str | None = None) -> None:
+        """A returning rank is no member yet: no episode, no policy. Joining goes back to
+        ready (it may be admitted again); loading or ready ends it (the operator restarts
+        it). Lock held."""
+        self._state.history.append(fault)
+        self._state.fault_info = fault.info or fault.kind.value
+        dest = self._state.fire(Trigger.FAULT, why or fault_text(fault))
+        if dest is Phase.READY:
+            self._state.ft_error = why or f"admission interrupted: {fault_text(fault)}"
 
     def _fault_while_unhealthy(self, fault: Fault, phase: Phase, now: float) -> None:
         decision = self._ask(fault, phase, now)
@@ -217,11 +250,53 @@ class RecoveryEngine:
             if self._expire_deadline():
                 return
             pending = self._state.take_due()
-            if pending is None:
-                return
-            plan = self._policy_plan(pending)
+            plan = self._admission_plan() if pending is None else self._policy_plan(pending)
         if plan is not None:
             self._run(plan)
+
+    # -- rejoin ----------------------------------------------------------------------------
+
+    def note_ready(self, ranks: frozenset[int]) -> None:
+        """The host's word on which removed ranks have a returning worker that loaded its
+        weights and waits to be admitted (the whole set, replacing the last one). A
+        ``scale_up`` is accepted only for these; the policy's ``admit`` sees them at ``poll``,
+        which the host must call at a step boundary (an admission rebuilds the groups)."""
+        with self._lock:
+            self._state.ready = frozenset(ranks)
+
+    def loaded(self, removed: frozenset[int] | None = None, epoch: int | None = None) -> None:
+        """A returning rank (built with ``rejoining=True``) loaded its weights: loading ->
+        ready. ``removed`` / ``epoch``, when the host knows them, are the deployment's
+        removed set and epoch (read from a survivor's status); a ``scale_up`` to this rank
+        must otherwise carry them in its params."""
+        with self._lock:
+            if removed is not None and epoch is not None:
+                self._state.admission = (frozenset(removed), epoch)
+            self._state.fire(Trigger.LOADED, "weights loaded; waiting to be admitted")
+
+    def _admission_plan(self) -> RecoveryPlan | None:
+        """If healthy with ready removed ranks, ask the policy's ``admit``. Lock held."""
+        state = self._state
+        ready = state.ready & state.removed
+        if state.phase is not Phase.HEALTHY or not ready or state.in_flight is not None:
+            return None
+        if not can_admit(self.backend):
+            return None
+        ctx = AdmissionContext(
+            ready_ranks=ready,
+            removed_ranks=state.removed,
+            now=self.clock.now(),
+            rank=self.rank,
+            world_size=self.world_size,
+            epoch=state.epoch,
+            redundancy=self.redundancy,
+        )
+        decision = decide_admission(self.policy, ctx)
+        if decision is None:
+            return None
+        logger.info("engine %d: policy decided to %s", self.rank, describe(decision))
+        command = Command("scale_up", added=tuple(sorted(decision.ranks)))
+        return self._start(command, f"policy {describe(decision)}")
 
     def _expire_deadline(self) -> bool:
         """Die if the orchestrator deadline has passed; True if it did. Every entry point
@@ -283,12 +358,40 @@ class RecoveryEngine:
         # Phase before params: a dead or serving engine answers with its status, whatever
         # the params were.
         state = self._state
-        check_phase(state.phase, check_instruction(instruction), self.rank, state.in_flight)
+        checked = check_instruction(instruction)
+        if checked == "scale_up":
+            return self._validate_scale_up(params)
+        check_phase(state.phase, checked, self.rank, state.in_flight)
         command = parse_command(instruction, params)
         if command.instruction == "scale_down":
             problems = self._scale_down_problems(command.removed)
             if problems:
                 raise CommandRejected("scale_down rejected: " + "; ".join(problems))
+        return command
+
+    def _validate_scale_up(self, params: object) -> Command:
+        state = self._state
+        check_scale_up_phase(state.phase, self.rank, state.removed)
+        command = parse_command("scale_up", params)
+        if state.phase is Phase.READY:
+            if state.admission is not None and command.known_removed is None:
+                command = attrs.evolve(command, known_removed=state.admission[0])
+            if state.admission is not None and command.epoch is None:
+                command = attrs.evolve(command, epoch=state.admission[1])
+            problems = join_problems(command, rank=self.rank, world_size=self.world_size)
+        else:
+            problems = scale_up_problems(
+                command,
+                rank=self.rank,
+                world_size=self.world_size,
+                removed=state.removed,
+                ready=state.ready,
+                epoch=state.epoch,
+            )
+        if not can_admit(self.backend):
+            problems.append(f"backend {self.backend.name!r} cannot admit ranks")
+        if problems:
+            raise CommandRejected("scale_up rejected: " + "; ".join(problems))
         return command
 
     def _scale_down_problems(self, removed: frozenset[int]) -> list[str]:
@@ -303,7 +406,16 @@ class RecoveryEngine:
     # -- recovery --------------------------------------------------------------------------
 
     def _start(self, command: Command, origin: str) -> RecoveryPlan:
-        """Enter ``retrying`` / ``scaling_down`` and plan the run. Lock held."""
+        """Enter ``retrying`` / ``scaling_down`` / ``scaling_up`` / ``joining`` and plan the
+        run. Lock held."""
+        state = self._state
+        if command.instruction == "scale_up":
+            added = frozenset(command.added)
+            if state.phase is Phase.READY:  # the returning rank: the deployment's books
+                known = command.known_removed if command.known_removed is not None else added
+                epoch = command.epoch if command.epoch is not None else state.epoch
+                return state.begin_admission(added, known - added, epoch, origin)
+            return state.begin_admission(added, state.removed - added, state.epoch, origin)
         if command.instruction == "retry":
             return self._state.begin(Trigger.RETRY, self._state.removed, origin)
         return self._state.begin(Trigger.SCALE_DOWN, command.removed, origin)
@@ -324,6 +436,8 @@ class RecoveryEngine:
                     return False, self._action_failed(plan, started, exc)
             with self._lock:
                 state.action_finished(started, report)
+                if started.step.commits and state.owns(plan):
+                    state.commit(plan)
         with self._lock:
             if not state.owns(plan):
                 return False, self._interrupted()
@@ -354,6 +468,14 @@ class RecoveryEngine:
         logger.warning("engine %d: %s failed: %s", self.rank, action, error, exc_info=exc)
         if not self._state.owns(plan):
             return self._interrupted()
+        if plan.fault is None:  # an admission: a member's fault, or back to ready
+            fault = self._state.admission_failed(plan, started.step, error)
+            if plan.phase is Phase.JOINING:
+                self._fault_while_rejoining(fault, why=self._state.ft_error)
+            else:
+                self._state.note_fault(fault, plan.phase, fault.at)
+                self._fault_while_serving(fault, plan.phase, fault.at)
+            return f"{action} failed ({error}); " + self._health_text()
         fault = self._state.fail(plan, started.step, error)
         self._fault_while_unhealthy(fault, plan.phase, fault.at)
         return f"{action} failed ({error}); " + self._health_text()

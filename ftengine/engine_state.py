@@ -54,6 +54,8 @@ class EngineState:
     """
 
     __slots__ = (
+        "admission",
+        "admitted",
         "clock",
         "episode",
         "episodes",
@@ -68,15 +70,23 @@ class EngineState:
         "listeners",
         "pending",
         "rank",
+        "ready",
         "removed",
         "token",
     )
 
-    def __init__(self, rank: int, world_size: int, clock: Clock, history: int) -> None:
+    def __init__(
+        self,
+        rank: int,
+        world_size: int,
+        clock: Clock,
+        history: int,
+        initial: Phase = Phase.RUNNING,
+    ) -> None:
         self.rank = rank
         self.everyone = frozenset(range(world_size))
         self.clock = clock
-        self.fsm = RecoveryFSM()
+        self.fsm = RecoveryFSM(initial)
         self.listeners = Listeners()
         self.history: deque[Fault] = deque(maxlen=history)
         self.epoch = 0
@@ -89,6 +99,13 @@ class EngineState:
         self.fault_info: str | None = None
         self.ft_error: str | None = None
         self.last_request_id: str | None = None
+        # Removed ranks whose returning worker reported ready (the host says so).
+        self.ready: frozenset[int] = frozenset()
+        # A returning rank: the deployment's (removed, epoch) before its admission, as the
+        # host learnt them at ``loaded`` (a scale_up's params may give newer ones).
+        self.admission: tuple[frozenset[int], int] | None = None
+        # The last admission this engine took part in (status ``last_admission``).
+        self.admitted: dict[str, object] | None = None
 
     @property
     def phase(self) -> Phase:
@@ -105,6 +122,8 @@ class EngineState:
             last_ft_request_id=self.last_request_id,
             ft_error=self.ft_error,
             removed_ranks=self.removed,
+            ready_ranks=self.ready & self.removed,
+            last_admission=self.admitted,
             epoch=self.epoch,
             attempts=0 if episode is None else episode.attempts,
             timeline=None if episode is None else episode.log.snapshot(),
@@ -123,8 +142,9 @@ class EngineState:
     # -- faults and decisions ----------------------------------------------------------------
 
     def note_fault(self, fault: Fault, phase: Phase, now: float) -> None:
-        """Record ``fault``, which arrived in ``phase``: a fault while serving opens an episode."""
-        if phase.serving:
+        """Record ``fault``, which arrived in ``phase``: a fault of a member (serving, or
+        admitting a rank) opens an episode."""
+        if phase.member:
             self.episodes += 1
             self.episode = Episode(self.episodes, fault, now)
             self.ft_error = None
@@ -169,6 +189,8 @@ class EngineState:
         source = self.phase
         dest = self.fsm.fire(trigger, continues=continues)
         now = self.clock.now()
+        if source in (Phase.SCALING_UP, Phase.JOINING) and dest is not Phase.HEALTHY:
+            self._end_admission(False)  # interrupted by a fault
         if dest is not Phase.QUARANTINED:
             self.pending = None
         if dest is Phase.DEAD:
@@ -200,6 +222,36 @@ class EngineState:
             steps=sequence(phase),
         )
 
+    def begin_admission(
+        self, added: frozenset[int], removed: frozenset[int], epoch: int, origin: str
+    ) -> RecoveryPlan:
+        """Start admitting ``added`` (``removed`` is the cumulative set after it; ``epoch``
+        the deployment's epoch before it, which a returning rank adopts): take a new token,
+        fire ``scale_up`` (healthy -> scaling_up, or ready -> joining) and return the plan.
+        An admission answers no fault and counts no recovery attempt; its steps are written
+        to the last fault episode's timeline when there is one."""
+        self.token += 1
+        self.epoch = epoch
+        phase = self.fire(Trigger.SCALE_UP, origin)
+        self.admitted = {
+            "added": sorted(added),
+            "started": self.clock.now(),
+            "seconds": None,
+            "ok": None,
+            "reloads": 0,
+            "bytes_reloaded": 0,
+        }
+        return RecoveryPlan(
+            token=self.token,
+            phase=phase,
+            attempt=0,
+            removed=removed,
+            alive=self.everyone - removed,
+            fault=None,
+            steps=sequence(phase),
+            added=added,
+        )
+
     def quarantine_started(self, fault: Fault) -> StartedAction:
         """Start quarantining ``fault``. It runs with the lock held, so it is
         never ``in_flight``: that names an interrupted run's action, which it may overlap."""
@@ -218,7 +270,11 @@ class EngineState:
         return started
 
     def _record(self, step: Step, args: StepArgs, attempt: int) -> StartedAction:
-        index = self.current().log.begin_step(step.timeline, attempt, self.clock.now())
+        if self.episode is None or args.fault is None:
+            # An admission answers no fault: its steps go to ``admission``, not to the
+            # last fault episode's timeline.
+            return StartedAction(step, args, -1)
+        index = self.episode.log.begin_step(step.timeline, attempt, self.clock.now())
         return StartedAction(step, args, index)
 
     def action_returned(self) -> None:
@@ -229,16 +285,57 @@ class EngineState:
         self, started: StartedAction, report: RepairReport | None = None, error: str | None = None
     ) -> None:
         """Close ``started``'s timeline step now (failed with ``error``; ``report`` kept)."""
-        episode = self.current()
+        if started.args.fault is None and self.admitted is not None:
+            self._note_admission_step(report, error)
+        if started.index < 0 or self.episode is None:
+            return
+        episode = self.episode
         episode.log.end_step(started.index, self.clock.now(), error)
         if report is not None:
             episode.log.set_repair(report)
 
+    def _note_admission_step(self, report: RepairReport | None, error: str | None) -> None:
+        admitted = self.admitted
+        assert admitted is not None
+        if report is not None:
+            admitted["reloads"] = report.reloads
+            admitted["bytes_reloaded"] = report.bytes_reloaded
+        if error is not None:
+            admitted["ok"] = False
+            admitted["error"] = error
+
+    def _end_admission(self, ok: bool) -> None:
+        if self.admitted is not None and self.admitted["ok"] is None:
+            started = self.admitted["started"]
+            assert isinstance(started, float)
+            self.admitted["ok"] = ok
+            self.admitted["seconds"] = self.clock.now() - started
+
+    def commit(self, plan: RecoveryPlan) -> None:
+        """``plan``'s committing step returned: the backend now serves its removed set."""
+        self.removed = plan.removed
+        self.ready -= plan.added
+
     def complete(self, plan: RecoveryPlan) -> None:
         """Every step of ``plan`` succeeded: its removed set holds and the engine serves."""
-        self.removed = plan.removed
-        self.fire(Trigger.RECOVERED, f"{plan.phase.value} succeeded (attempt {plan.attempt})")
+        self.commit(plan)
+        if plan.fault is None:
+            self._end_admission(True)
+            what = f"ranks {sorted(plan.added)} admitted"
+            self.fire(Trigger.RECOVERED, f"{plan.phase.value} succeeded: {what}")
+            self.ft_error = None
+        else:
+            self.fire(Trigger.RECOVERED, f"{plan.phase.value} succeeded (attempt {plan.attempt})")
         self.fault_info = None
+
+    def admission_failed(self, plan: RecoveryPlan, step: Step, error: str) -> Fault:
+        """``plan`` (an admission) failed at ``step``: its ranks must report ready again.
+        Returns the failure as a fault (the engine handles it as a member's or a returning
+        rank's fault)."""
+        self.ready -= plan.added
+        self._end_admission(False)
+        self.ft_error = f"{plan.phase.value} failed at {step.action}: {error}"
+        return Fault(FaultKind.RECOVERY_ERROR, info=f"{step.action}: {error}", at=self.clock.now())
 
     def fail(self, plan: RecoveryPlan, step: Step, error: str) -> Fault:
         """``plan``'s ``step`` raised ``error``: record it as a fault of the run's episode and

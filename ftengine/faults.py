@@ -24,6 +24,12 @@ class Phase(str, enum.Enum):
     SCALING_DOWN = "scaling_down"
     HEALTHY = "healthy"
     DEAD = "dead"
+    # Admitting a removed rank back (``scale_up``): the survivors' phase while they rebuild
+    # their groups with it, and the returning rank's own phases from its start to healthy.
+    SCALING_UP = "scaling_up"
+    LOADING = "loading"
+    READY = "ready"
+    JOINING = "joining"
 
     @property
     def health(self) -> HealthStatus:
@@ -33,7 +39,18 @@ class Phase(str, enum.Enum):
     @property
     def serving(self) -> bool:
         """Running or healthy: the worker may run real steps (vLLM reports it HEALTHY)."""
+        return self in _SERVING
+
+    @property
+    def member(self) -> bool:
+        """A healthy member of the deployment: serving, or admitting a rank (``scaling_up``,
+        still HEALTHY to vLLM). A fault in one of these phases opens a fault episode."""
         return self.health is HealthStatus.HEALTHY
+
+    @property
+    def rejoining(self) -> bool:
+        """A returning rank not yet admitted: loading, ready or joining (not a member)."""
+        return self in _REJOINING
 
     @property
     def recovering(self) -> bool:
@@ -48,8 +65,14 @@ _PHASE_HEALTH = {
     Phase.RETRYING: HealthStatus.UNHEALTHY,
     Phase.SCALING_DOWN: HealthStatus.UNHEALTHY,
     Phase.DEAD: HealthStatus.DEAD,
+    Phase.SCALING_UP: HealthStatus.HEALTHY,
+    Phase.LOADING: HealthStatus.UNHEALTHY,
+    Phase.READY: HealthStatus.UNHEALTHY,
+    Phase.JOINING: HealthStatus.UNHEALTHY,
 }
+_SERVING = frozenset({Phase.RUNNING, Phase.HEALTHY})
 _RECOVERING = frozenset({Phase.RETRYING, Phase.SCALING_DOWN})
+_REJOINING = frozenset({Phase.LOADING, Phase.READY, Phase.JOINING})
 
 
 class FaultKind(str, enum.Enum):

@@ -25,6 +25,8 @@ class Trigger(str, enum.Enum):
     SCALE_DOWN = "scale_down"  # start a scale-down recovery (command or policy)
     RECOVERED = "recovered"  # every recovery step succeeded
     GIVE_UP = "give_up"  # the policy gave up or the orchestrator deadline passed
+    SCALE_UP = "scale_up"  # admit removed ranks (command or policy; on the returning rank too)
+    LOADED = "loaded"  # a returning rank loaded its weights and learnt the deployment's state
 
 
 def policy_continues(*, continues: bool = False, **_: object) -> bool:
@@ -58,6 +60,7 @@ _R, _Q, _T, _S, _H, _D = (
     Phase.HEALTHY,
     Phase.DEAD,
 )
+_U, _L, _Y, _J = Phase.SCALING_UP, Phase.LOADING, Phase.READY, Phase.JOINING
 
 # Rows of one trigger and source are tried in order; the guards of a trigger's rows from
 # one source are mutually exclusive, so the order never matters for the outcome.
@@ -75,9 +78,25 @@ TABLE: tuple[Row, ...] = (
     Row(Trigger.RECOVERED, _T, _H),
     Row(Trigger.RECOVERED, _S, _H),
     Row(Trigger.GIVE_UP, _Q, _D),
+    # Admission on the survivors: healthy -> scaling_up -> healthy. A fault (or a failed
+    # step) in scaling_up is a fault of a member: quarantined, where a retry or a scale-down
+    # can be run and the scale-up sent again, never straight to dead.
+    Row(Trigger.SCALE_UP, _H, _U),
+    Row(Trigger.RECOVERED, _U, _H),
+    Row(Trigger.FAULT, _U, _Q),
+    # The returning rank: loading -> ready -> joining -> healthy. A failed admission sends
+    # it back to ready (still loaded; it may be admitted again); a fault before that ends it.
+    Row(Trigger.LOADED, _L, _Y),
+    Row(Trigger.SCALE_UP, _Y, _J),
+    Row(Trigger.RECOVERED, _J, _H),
+    Row(Trigger.FAULT, _J, _Y),
+    Row(Trigger.FAULT, _L, _D),
+    Row(Trigger.FAULT, _Y, _D),
 )
 
 INITIAL = Phase.RUNNING
+REJOIN_INITIAL = Phase.LOADING
+"""Where a returning rank's engine starts (``RecoveryEngine(..., rejoining=True)``)."""
 TERMINAL = frozenset({Phase.DEAD})
 
 

@@ -86,6 +86,7 @@ class RankSentinel:
         world_size: int = 1,
         clock: Clock | None = None,
         redundancy: RedundancyFacts | None = None,
+        rejoining: bool = False,
     ) -> None:
         self.rank = rank
         self.clock: Clock = clock if clock is not None else MonotonicClock()
@@ -97,6 +98,7 @@ class RankSentinel:
             world_size=world_size,
             clock=self.clock,
             redundancy=redundancy,
+            rejoining=rejoining,
         )
 
     @property
@@ -151,8 +153,17 @@ class RankSentinel:
         return self.engine.apply(instruction, params, request_id)
 
     def poll(self) -> None:
-        """Let the engine run its time-driven decisions (due retries, deadlines)."""
+        """Let the engine run its time-driven decisions (due retries, deadlines) and the
+        policy's admission of ready ranks (call it at a step boundary)."""
         self.engine.poll()
+
+    def note_ready(self, ranks: frozenset[int]) -> None:
+        """The host's word on which removed ranks wait, loaded, to be admitted."""
+        self.engine.note_ready(ranks)
+
+    def loaded(self, removed: frozenset[int] | None = None, epoch: int | None = None) -> None:
+        """A returning worker (``rejoining=True``) loaded its weights: it is ready."""
+        self.engine.loaded(removed, epoch)
 
     def status(self) -> EngineStatus:
         return self.engine.status()

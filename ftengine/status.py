@@ -32,7 +32,9 @@ class EngineStatus:
 
     ``status`` is the vLLM health value; ``fault_info`` the current episode's last fault
     (None while serving); ``ft_error`` why the last recovery failed or why the engine died;
-    ``removed_ranks`` the cumulative original DP ranks scaled away; ``attempts`` the
+    ``removed_ranks`` the cumulative original DP ranks scaled away; ``ready_ranks`` those
+    of them whose returning worker reported ready to be admitted; ``last_admission`` the
+    last scale-up it took part in (ranks added, seconds, ok, reloads); ``attempts`` the
     recoveries started in the current (or last) episode; ``timeline`` that episode's record.
     """
 
@@ -46,6 +48,8 @@ class EngineStatus:
     epoch: int
     attempts: int
     timeline: Timeline | None
+    ready_ranks: frozenset[int] = frozenset()
+    last_admission: dict[str, object] | None = None
 
     def to_dict(self) -> dict[str, object]:
         """JSON-able form (``status`` as its int, ``phase`` as its name, ranks sorted)."""
@@ -57,6 +61,8 @@ class EngineStatus:
             "last_ft_request_id": self.last_ft_request_id,
             "ft_error": self.ft_error,
             "removed_ranks": sorted(self.removed_ranks),
+            "ready_ranks": sorted(self.ready_ranks),
+            "last_admission": None if self.last_admission is None else dict(self.last_admission),
             "epoch": self.epoch,
             "attempts": self.attempts,
             "timeline": None if self.timeline is None else self.timeline.to_dict(),

@@ -14,6 +14,7 @@ if __name__ != "ftengine.policies":
 
 
 from ftengine.policies.algebra import (
+    Admitter,
     AllOf,
     Composable,
     FirstOf,
@@ -22,6 +23,7 @@ from ftengine.policies.algebra import (
     Policy,
     as_policy,
     decide,
+    decide_admission,
 )
 from ftengine.policies.builtin import (
     AutoRecovery,
@@ -36,6 +38,7 @@ from ftengine.policies.decisions import (
     GiveUp,
     Retry,
     ScaleDown,
+    ScaleUp,
     WaitForOrchestrator,
     describe,
     escalation,
@@ -46,6 +49,7 @@ from ftengine.policies.registry import POLICIES, Deployment, by_name
 
 __all__ = [
     "POLICIES",
+    "Admitter",
     "AllOf",
     "AutoRecovery",
     "Composable",
@@ -63,10 +67,12 @@ __all__ = [
     "RecoveryDeadline",
     "Retry",
     "ScaleDown",
+    "ScaleUp",
     "WaitForOrchestrator",
     "as_policy",
     "by_name",
     "decide",
+    "decide_admission",
     "describe",
     "escalation",
     "merge",

@@ -1,5 +1,10 @@
 """The policy protocol and its algebra: ``a | b`` (first opinion wins) and ``a & b`` (all are
 asked, the most escalated decision wins). Both flatten; plain callables are policies too.
+
+A policy may also answer the admission question (``admit(AdmissionContext) -> ScaleUp |
+None``: bring ready removed ranks back without a command). ``a | b`` asks in order and the
+first opinion wins; ``a & b`` admits only what every member with an opinion admits. A
+policy without ``admit`` abstains: the ranks wait for an orchestrator's ``scale_up``.
 """
 
 from __future__ import annotations
@@ -9,9 +14,9 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import attrs
 
-from ftengine.context import RecoveryContext
+from ftengine.context import AdmissionContext, RecoveryContext
 from ftengine.errors import ConfigError
-from ftengine.policies.decisions import DECISION_TYPES, Decision, GiveUp, strictest
+from ftengine.policies.decisions import DECISION_TYPES, Decision, GiveUp, ScaleUp, strictest
 
 logger = logging.getLogger(__name__)
 
@@ -20,6 +25,23 @@ class Policy(Protocol):
     """Anything that maps a context to a decision, or to ``None`` to abstain."""
 
     def __call__(self, ctx: RecoveryContext, /) -> Decision | None: ...
+
+
+class Admitter(Protocol):
+    """A policy that decides about removed ranks that are ready to come back."""
+
+    def admit(self, ctx: AdmissionContext, /) -> ScaleUp | None: ...
+
+
+def ask_admit(policy: object, ctx: AdmissionContext) -> ScaleUp | None:
+    """``policy.admit(ctx)`` if the policy has one, else ``None`` (it abstains)."""
+    admit = getattr(policy, "admit", None)
+    if not callable(admit):
+        return None
+    decision = admit(ctx)
+    if decision is not None and not isinstance(decision, ScaleUp):
+        raise TypeError(f"{policy!r}.admit returned {decision!r}; expected ScaleUp or None")
+    return decision
 
 
 class NotAPolicyError(ConfigError, TypeError):
@@ -86,6 +108,14 @@ class FirstOf(Composable):
                 return decision
         return None
 
+    def admit(self, ctx: AdmissionContext, /) -> ScaleUp | None:
+        """The first member's admission that is not an abstention."""
+        for policy in self.policies:
+            decision = ask_admit(policy, ctx)
+            if decision is not None:
+                return decision
+        return None
+
 
 @attrs.frozen
 class AllOf(Composable):
@@ -101,6 +131,15 @@ class AllOf(Composable):
     def __call__(self, ctx: RecoveryContext, /) -> Decision | None:
         return strictest(policy(ctx) for policy in self.policies)
 
+    def admit(self, ctx: AdmissionContext, /) -> ScaleUp | None:
+        """What every member with an opinion admits (their intersection); None if none
+        has one or they share no rank."""
+        opinions = [d for d in (ask_admit(p, ctx) for p in self.policies) if d is not None]
+        if not opinions:
+            return None
+        ranks = frozenset.intersection(*(d.ranks for d in opinions))
+        return ScaleUp(ranks) if ranks else None
+
 
 @attrs.frozen
 class FromCallable(Composable):
@@ -114,6 +153,10 @@ class FromCallable(Composable):
 
     def __call__(self, ctx: RecoveryContext, /) -> Decision | None:
         return self.func(ctx)
+
+    def admit(self, ctx: AdmissionContext, /) -> ScaleUp | None:
+        """The wrapped callable's ``admit``, if it has one."""
+        return ask_admit(self.func, ctx)
 
 
 def as_policy(policy: Policy) -> Composable:
@@ -141,3 +184,19 @@ def decide(policy: Policy, ctx: RecoveryContext) -> Decision:
     if not isinstance(decision, DECISION_TYPES):
         return GiveUp(f"policy returned {decision!r}; expected a Decision or None")
     return decision
+
+
+def decide_admission(policy: object, ctx: AdmissionContext) -> ScaleUp | None:
+    """Ask ``policy`` whether to admit ready removed ranks; ``None`` means wait for a
+    command. Only ranks in ``ctx.ready_ranks`` are ever admitted (the rest of a decision
+    is dropped). A policy that raises or answers something else is logged and abstains:
+    a policy bug must not take a serving worker down."""
+    try:
+        decision = ask_admit(policy, ctx)
+    except Exception:
+        logger.exception("policy %r raised while deciding on ready ranks %s", policy, ctx)
+        return None
+    if decision is None:
+        return None
+    ranks = decision.ranks & ctx.ready_ranks & ctx.removed_ranks
+    return ScaleUp(ranks) if ranks else None

@@ -10,11 +10,18 @@ from collections.abc import Iterable
 
 import attrs
 
-from ftengine.context import RecoveryContext
+from ftengine.context import AdmissionContext, RecoveryContext
 from ftengine.errors import ConfigError
 from ftengine.faults import FaultKind, fault_text
 from ftengine.policies.algebra import Composable
-from ftengine.policies.decisions import Decision, GiveUp, Retry, ScaleDown, WaitForOrchestrator
+from ftengine.policies.decisions import (
+    Decision,
+    GiveUp,
+    Retry,
+    ScaleDown,
+    ScaleUp,
+    WaitForOrchestrator,
+)
 from ftengine.validators import finite_float, fraction, int_at_least, seconds
 
 DEFAULT_RETRY_KINDS = frozenset({FaultKind.TRANSIENT, FaultKind.HUNG_PEER, FaultKind.DEVICE_ERROR})
@@ -61,6 +68,9 @@ class AutoRecovery(Composable):
     ``retry_during_recovery``, on any fault during a recovery. Abstains when it cannot
     act (dead peers the survivors cannot absorb, unknown dead ranks), so
     ``AutoRecovery() | OrchestratorDriven()`` hands those cases to the orchestrator.
+
+    With ``admit_ready`` (the default) it also admits every removed rank that reported
+    ready (``admit``), so a repaired rank comes back without a ``scale_up`` command.
     """
 
     max_attempts: int = attrs.field(default=3, validator=int_at_least(1))
@@ -69,6 +79,12 @@ class AutoRecovery(Composable):
     retry_kinds: frozenset[FaultKind] = attrs.field(
         default=DEFAULT_RETRY_KINDS, converter=_fault_kinds
     )
+    admit_ready: bool = True
+
+    def admit(self, ctx: AdmissionContext, /) -> ScaleUp | None:
+        """Admit every ready removed rank (``admit_ready``); else abstain."""
+        ready = ctx.ready_ranks & ctx.removed_ranks
+        return ScaleUp(ready) if self.admit_ready and ready else None
 
     def __call__(self, ctx: RecoveryContext, /) -> Decision | None:
         kind = ctx.fault.kind

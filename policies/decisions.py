@@ -1,4 +1,6 @@
-"""The four decisions a policy can return, and how ``&`` merges them (escalation order).
+"""The four decisions a policy can return about a fault, and how ``&`` merges them
+(escalation order); and ``ScaleUp``, the one decision about a removed rank that is ready
+to come back (asked through a policy's ``admit``, never about a fault).
 
 Escalation, least to most: ``Retry`` < ``ScaleDown`` < ``WaitForOrchestrator`` < ``GiveUp``.
 """
@@ -47,6 +49,13 @@ class GiveUp:
     reason: str = attrs.field(validator=_reason)
 
 
+@attrs.frozen
+class ScaleUp:
+    """Admit ``ranks`` (removed original DP ranks that reported ready) back, now."""
+
+    ranks: frozenset[int] = attrs.field(converter=to_ranks, validator=rank_set(non_empty=True))
+
+
 Decision: TypeAlias = Retry | ScaleDown | WaitForOrchestrator | GiveUp
 DECISION_TYPES = (Retry, ScaleDown, WaitForOrchestrator, GiveUp)
 
@@ -83,8 +92,10 @@ def strictest(decisions: Iterable[Decision | None]) -> Decision | None:
     return result
 
 
-def describe(decision: Decision) -> str:
+def describe(decision: Decision | ScaleUp) -> str:
     """A short human text for logs and timelines, e.g. ``retry after 0.5s``."""
+    if isinstance(decision, ScaleUp):
+        return f"scale up ranks {sorted(decision.ranks)}"
     if isinstance(decision, Retry):
         return f"retry after {decision.after:g}s"
     if isinstance(decision, ScaleDown):

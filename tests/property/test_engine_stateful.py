@@ -17,7 +17,7 @@ from hypothesis.stateful import (
 )
 
 from ftengine.backends.fake import Call
-from ftengine.context import RecoveryContext, RedundancyFacts
+from ftengine.context import AdmissionContext, RecoveryContext, RedundancyFacts
 from ftengine.engine import CommandResult
 from ftengine.faults import Fault, FaultKind, Phase
 from ftengine.fsm import successors
@@ -32,6 +32,7 @@ from ftengine.policies import (
     Policy,
     Retry,
     ScaleDown,
+    decide_admission,
 )
 from ftengine.recovery import (
     STEP,
@@ -76,6 +77,7 @@ class Model:
     history: list[Fault] = attrs.Factory(list)
     pending: Pending | None = None
     armed: set[str] = attrs.Factory(set)
+    ready: frozenset[int] = frozenset()
 
     def decide(self, fault: Fault, phase: Phase) -> Decision:
         ctx = RecoveryContext(
@@ -104,12 +106,12 @@ class Model:
         if self.phase is Phase.DEAD:
             return
         source = self.phase
-        if source.serving:
+        if source.member:
             self.attempts, self.dead, self.episode_start = 0, set(), fault.at
         self.history.append(fault)
         if fault.kind is FaultKind.DEAD_PEER and fault.rank is not None:
             self.dead.add(fault.rank)
-        if source.serving:
+        if source.member:
             self.enter(Phase.QUARANTINED)
             if self.quarantine():
                 self.act(self.decide(fault, source))
@@ -145,6 +147,20 @@ class Model:
             self.pending = Deadline(decision.deadline)
 
     def poll(self) -> None:
+        if self.phase is Phase.HEALTHY and self.ready & self.removed:
+            ctx = AdmissionContext(
+                ready_ranks=self.ready & self.removed,
+                removed_ranks=self.removed,
+                now=self.now,
+                rank=RANK,
+                world_size=WORLD,
+                epoch=self.epoch,
+                redundancy=REDUNDANCY,
+            )
+            decision = decide_admission(self.policy, ctx)
+            if decision is not None:
+                self.admit(decision.ranks)
+            return
         if self.phase is not Phase.QUARANTINED or self.pending is None:
             return
         pending = self.pending
@@ -184,9 +200,53 @@ class Model:
         self.enter(Phase.HEALTHY)
         return True
 
+    def admit(self, added: frozenset[int]) -> bool:
+        """The scale-up sequence; a failed step is a member's fault (a new episode)."""
+        self.enter(Phase.SCALING_UP)
+        for step in sequence(Phase.SCALING_UP):
+            if step.new_epoch:
+                self.epoch += 1
+            if step.action in self.armed:
+                self.armed.discard(step.action)
+                self.ready -= added
+                self.fault(Fault(FaultKind.RECOVERY_ERROR, info=step.action, at=self.now))
+                return False
+            if step.commits:
+                self.removed -= added
+                self.ready -= added
+        self.enter(Phase.HEALTHY)
+        return True
+
+    def scale_up(self, params: Any) -> tuple[bool, str]:
+        if self.phase is not Phase.HEALTHY:
+            if self.phase is Phase.RUNNING and not self.removed:
+                return False, "has removed no rank"
+            return False, "only accepted while HEALTHY"
+        keys = {"added_dp_ranks", "removed_dp_ranks", "epoch"}
+        if not isinstance(params, dict):
+            return False, "params must be a mapping"
+        if "added_dp_ranks" not in params or set(params) - keys:
+            return False, "scale_up takes params"
+        added = params["added_dp_ranks"]
+        if not isinstance(added, list) or any(
+            not isinstance(r, int) or isinstance(r, bool) or r < 0 for r in added
+        ):
+            return False, "added_dp_ranks"
+        ranks = frozenset(added)
+        if (
+            not added
+            or len(ranks) != len(added)
+            or not ranks <= self.removed
+            or not ranks <= self.ready
+        ):
+            return False, "scale_up rejected"
+        return (True, "") if self.admit(ranks) else (False, "failed")
+
     def command(self, instruction: str, params: Any) -> tuple[bool, str]:
         """(success, a text the engine's reason must contain; "" for a success)."""
         self.expire()
+        if instruction == "scale_up":
+            return self.scale_up(params)
         if instruction not in ("retry", "scale_down"):
             return False, "unknown instruction"
         if self.phase is not Phase.QUARANTINED:
@@ -279,9 +339,19 @@ class EngineMachine(RuleBasedStateMachine):
     def scale_down(self, removed: list[int]) -> str:
         return self.command("scale_down", {"removed_dp_ranks": removed})
 
+    @rule(ranks=st.sets(st.integers(min_value=0, max_value=WORLD - 1), max_size=2))
+    def report_ready(self, ranks: set[int]) -> None:
+        """The host's word on which returning ranks are loaded and wait."""
+        self.rig.engine.note_ready(frozenset(ranks))
+        self.model.ready = frozenset(ranks)
+
+    @rule(target=requests, added=removed_lists)
+    def scale_up(self, added: list[int]) -> str:
+        return self.command("scale_up", {"added_dp_ranks": added})
+
     @rule(
         target=requests,
-        instruction=st.sampled_from(["retry", "scale_down", "restart", ""]),
+        instruction=st.sampled_from(["retry", "scale_down", "scale_up", "restart", ""]),
         params=st.sampled_from([{"x": 1}, {"removed_dp_ranks": "3"}, {}, [3]]),
     )
     def malformed(self, instruction: str, params: Any) -> str:
@@ -297,7 +367,8 @@ class EngineMachine(RuleBasedStateMachine):
     def command(self, instruction: str, params: Any) -> str:
         self.counter += 1
         request_id = f"req-{self.counter}"
-        serving = self.model.phase is not Phase.QUARANTINED
+        ready = self.model.phase is Phase.HEALTHY and instruction == "scale_up"
+        serving = self.model.phase is not Phase.QUARANTINED and not ready
         before = self.snapshot()
         result = self.rig.engine.apply(instruction, params, request_id)
         success, expected = self.model.command(instruction, params)

@@ -62,6 +62,7 @@ NON_DEFAULT: dict[str, object] = {
     "torch_threads": 2,
     "command_adapter": "pkg.module:factory",
     "fault_tolerance": False,
+    "rejoin_grown": "keep",
     "reinference": False,
     "max_reinference": 5,
     "worker_netns": ("ns0", "ns1", "ns2"),

@@ -87,3 +87,45 @@ def test_repair_refuses_to_finish_with_maps_that_still_route_to_dead_slots(
     monkeypatch.setattr("ftengine.testbed.cpu.experts.apply_plan", lambda placement, plan: None)
     with pytest.raises(PlacementError, match="still name dead or empty slots"):
         experts.repair(frozenset({3}))
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("grown", ["drop", "keep"])
+def test_admit_gives_the_returning_rank_its_experts_and_reloads_nothing(
+    index: CheckpointIndex, grown: str
+) -> None:
+    # 4 logical + 2 redundant on 3 ranks: 0 {0, 1}, 1 {2, 3}, 2 {0, 1}; rank 1 dies, so
+    # experts 2 and 3 are re-hosted on the survivors, then rank 1 comes back.
+    survivors = {r: CpuExperts.load(index, rank=r, world=3, num_redundant=2) for r in (0, 2)}
+    for experts in survivors.values():
+        experts.mask(frozenset({1}))
+        experts.repair(frozenset({1}))
+    during = survivors[0].placement.physical_to_logical_map.clone()
+    returning = CpuExperts.load(index, rank=1, world=3, num_redundant=2)
+    reports = {
+        r: e.admit(frozenset({1}), during.clone(), grown=grown)  # type: ignore[arg-type]
+        for r, e in {**survivors, 1: returning}.items()
+    }
+    assert {r: rep.reloads for r, rep in reports.items()} == {0: 0, 2: 0, 1: 0}
+    maps = [e.placement.physical_to_logical_map for e in (*survivors.values(), returning)]
+    assert all(torch.equal(maps[0], m) for m in maps)  # every rank holds the same maps
+    assert maps[0][:, 2:4].tolist() == [[2, 3], [2, 3]]  # rank 1's original experts
+    for experts in (*survivors.values(), returning):
+        experts.placement.validate(require_every_expert=True)
+        experts.mask(frozenset())
+    assert torch.equal(returning.w13(0, 1), logical_w13(index, 0, 3))
+    grown_slots = (maps[0] != returning.original) & (maps[0] >= 0)
+    if grown == "drop":
+        assert not bool(grown_slots.any())  # copies grown for rank 1 are dropped (empty)
+        assert bool((maps[0] == -1).any())
+    else:
+        assert bool(grown_slots.any())  # kept as standby replicas
+
+
+def test_a_survivor_whose_map_disagrees_refuses_the_admission(index: CheckpointIndex) -> None:
+    survivor = CpuExperts.load(index, rank=0, world=3, num_redundant=2)
+    survivor.mask(frozenset({1}))
+    survivor.repair(frozenset({1}))
+    other = CpuExperts.load(index, rank=2, world=3, num_redundant=2).placement
+    with pytest.raises(PlacementError, match="survivors disagree"):
+        survivor.admit(frozenset({1}), other.physical_to_logical_map.clone())

@@ -128,3 +128,24 @@ def test_vllm_hosted_backend_is_a_hosted_backend_for_quarantine_and_the_dummy_ba
     assert device.names() == ["quarantine"]  # the worker ran the dummy batch
     assert steps.log == ["clean_state", "dummy_batch@epoch0"]
     assert steps.steps == []
+
+
+def test_admit_ranks_is_forwarded_only_to_a_backend_that_can_admit() -> None:
+    from ftengine.backends.base import RepairReport
+    from ftengine.backends.delegating import DelegatingBackend, admit_ranks, can_admit
+    from ftengine.backends.fake import Call, FakeBackend
+    from ftengine.errors import BackendError
+
+    inner = FakeBackend(rank=0)
+    inner.masked = frozenset({3})
+    wrapped = DelegatingBackend(DelegatingBackend(inner))
+    assert can_admit(wrapped)
+    assert wrapped.admit_ranks(frozenset({3}), frozenset()) == RepairReport()
+    assert inner.calls[-1] == Call("admit_ranks", (frozenset({3}), frozenset()))
+
+    class Minimal:
+        name = "minimal"
+
+    assert not can_admit(DelegatingBackend(Minimal()))  # type: ignore[arg-type]
+    with pytest.raises(BackendError, match="'minimal' cannot admit ranks"):
+        admit_ranks(DelegatingBackend(Minimal()), frozenset({3}), frozenset())  # type: ignore[arg-type]

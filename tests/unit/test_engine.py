@@ -37,6 +37,8 @@ def test_a_new_engine_serves_with_an_empty_status() -> None:
         "last_ft_request_id": None,
         "ft_error": None,
         "removed_ranks": [],
+        "ready_ranks": [],
+        "last_admission": None,
         "epoch": 0,
         "attempts": 0,
         "timeline": None,

@@ -35,6 +35,10 @@ def test_health_follows_vllm_values() -> None:
         Phase.RETRYING: HealthStatus.UNHEALTHY,
         Phase.SCALING_DOWN: HealthStatus.UNHEALTHY,
         Phase.DEAD: HealthStatus.DEAD,
+        Phase.SCALING_UP: HealthStatus.HEALTHY,  # the survivors serve around the admission
+        Phase.LOADING: HealthStatus.UNHEALTHY,
+        Phase.READY: HealthStatus.UNHEALTHY,
+        Phase.JOINING: HealthStatus.UNHEALTHY,
     }
     assert (HealthStatus.HEALTHY, HealthStatus.DEAD, HealthStatus.UNHEALTHY) == (0, 1, 2)
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from pathlib import Path
+from typing import Literal
 
 import attrs
 
@@ -108,6 +109,12 @@ class ClusterConfig:
     command. The same in both modes: the model, the MC2-style dispatch (its elastic_info
     lookup is skipped while no rank is masked, being the identity then), the per-step DP
     sync all-reduce and its lockstep check, and fault injection."""
+    rejoin_grown: Literal["drop", "keep"] = attrs.field(
+        default="drop", validator=attrs.validators.in_(("drop", "keep"))
+    )
+    """What survivors do with the expert copies they grew for a rank that rejoins (scale_up):
+    ``drop`` (the original layout comes back) or ``keep`` (standby replicas for the next
+    fault). Either way no survivor reloads anything."""
     reinference: bool = True
     """Token-level re-inference (``ftengine.reinference``): a fault holds the serving loop's
     in-flight requests and resumes them after recovery instead of aborting them. Off (or

@@ -190,7 +190,7 @@ class StepRunner:
                     f"cluster is not serving: engine {down[0]} status is DEAD; "
                     "scale it down (or wait for auto-recovery) first"
                 )
-            live = [w for w in workers if w.alive]
+            live = [w for w in workers if w.member]  # a returning rank serves once admitted
             unhealthy = [w for w in live if not _serving(w.engine_phase())]
             if unhealthy or not live:
                 phases = {w.rank: str(w.status and w.status["phase"]) for w in unhealthy}

@@ -64,8 +64,13 @@ def describe_exit(exitcode: int | None) -> str:
 class WorkerHandle:
     """Supervisor-side state of DP rank ``rank`` (guarded by the roster's lock)."""
 
-    def __init__(self, rank: int, process: BaseProcess, conn: Connection) -> None:
+    def __init__(
+        self, rank: int, process: BaseProcess, conn: Connection, *, joining: bool = False
+    ) -> None:
         self.rank = rank
+        # A removed rank restarted to come back: no member (no steps, no retry or
+        # scale_down) until its engine reports a member phase, i.e. it was admitted.
+        self.joining = joining
         self.process = process
         self.conn = conn
         self.pid: int | None = process.pid
@@ -91,6 +96,11 @@ class WorkerHandle:
     def alive(self) -> bool:
         """Process alive (so not scaled away): the rank takes part in steps and commands."""
         return self._state.alive
+
+    @property
+    def member(self) -> bool:
+        """Alive and a member of the deployment (not a returning rank still waiting)."""
+        return self.alive and not self.joining
 
     @property
     def removed(self) -> bool:
@@ -150,6 +160,8 @@ class WorkerHandle:
     def report(self, status: dict[str, Any]) -> None:
         """File the engine's latest status (and its current episode into the history)."""
         self.status = status
+        if self.joining and Phase(str(status["phase"])).member:
+            self.joining = False  # admitted: a member like any other from now on
         timeline = status.get("timeline")
         if isinstance(timeline, Mapping) and isinstance(timeline.get("episode"), int):
             self.episodes[timeline["episode"]] = dict(timeline)

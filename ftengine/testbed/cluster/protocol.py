@@ -1,10 +1,10 @@
 """Messages between the supervisor and its workers (pickled over a multiprocessing Pipe).
 
 Supervisor -> worker: :class:`StepRequest`, :class:`FtCommand`, :class:`PeerFault`,
-:class:`Shutdown`, :class:`Inject`. Worker -> supervisor: :class:`Ready`, :class:`Heartbeat`,
-:class:`StatusUpdate`, :class:`PhaseEvent`, :class:`StepReply` (with :class:`ItemRejected`),
-:class:`FtReply`, :class:`WorkerFailed`. All are frozen attrs values; tensors travel as lists
-of floats.
+:class:`Shutdown`, :class:`Inject`, :class:`RankReady`. Worker -> supervisor: :class:`Ready`,
+:class:`Heartbeat`, :class:`StatusUpdate`, :class:`PhaseEvent`, :class:`StepReply` (with
+:class:`ItemRejected`), :class:`FtReply`, :class:`WorkerFailed`. All are frozen attrs
+values; tensors travel as lists of floats.
 :class:`Link` is the worker's end of the pipe.
 """
 
@@ -95,6 +95,16 @@ class FtReply:
     request_id: str
     success: bool
     reason: str | None
+
+
+@attrs.frozen
+class RankReady:
+    """Removed ``ranks`` whose returning worker loaded and waits (the whole set); sent to
+    every member at a step boundary. The member notes them, lets its policy admit them at
+    once (its ``poll``), and answers with an :class:`FtReply` for ``request_id``."""
+
+    ranks: tuple[int, ...]
+    request_id: str
 
 
 @attrs.frozen

@@ -8,6 +8,7 @@ whole ``Cluster``, which composes them around it.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import signal
 import threading
@@ -68,6 +69,23 @@ class Roster:
                     f"found {worker.rank}"
                 )
             self._workers.append(worker)
+
+    def replace(self, worker: WorkerHandle) -> WorkerHandle:
+        """Enrol ``worker``, a restarted removed rank, in place of its old handle, whose pipe
+        is closed and process reaped (no fd left behind). Returns the old handle."""
+        with self.lock:
+            old = self.worker(worker.rank)
+            if not old.removed:
+                raise ClusterError(
+                    f"rank {worker.rank} is {old.state.value}: only a removed rank can be "
+                    "restarted to rejoin (scale it down first)"
+                )
+            self._workers[worker.rank] = worker
+        old.conn.close()
+        old.process.join(timeout=EXIT_JOIN_S)
+        with contextlib.suppress(ValueError):  # still running: leave it to the finalizer
+            old.process.close()
+        return old
 
     def workers(self) -> list[WorkerHandle]:
         """Every worker, by rank (a copy of the list; read their fields under ``lock``)."""
@@ -134,7 +152,13 @@ class Roster:
                 return None
             self.record("exit", worker.rank, info)
             expected = self.stopping.is_set() or before is WorkerState.RETIRING
-            survivors = tuple(w for w in self._workers if w.alive)
+            if worker.joining:
+                # A returning rank that died before admission: no member had it; it is
+                # simply removed again (the operator may restart it once more).
+                expected = True
+                worker.remove()
+                self.record("removed", worker.rank, "returning rank exited before admission")
+            survivors = tuple(w for w in self._workers if w.member)
             self.lock.notify_all()
         return Exit(info, before.fenced, expected, survivors)
 
@@ -151,7 +175,7 @@ class Roster:
 
         Called with ``lock`` held, by the reader that filed a status report."""
         with self.lock:
-            live = [w for w in self._workers if w.alive]
+            live = [w for w in self._workers if w.member]
             if not live or any(w.status is None for w in live):
                 return
             agreed = set.intersection(*(set(w.status["removed_ranks"]) for w in live if w.status))

@@ -94,28 +94,38 @@ class Cluster:
         return cluster
 
     def _spawn(self) -> None:
+        for rank in range(self.config.dp_size):
+            self._roster.add(self._start_worker(rank, rejoining=False))
+        self._start_thread("ftengine-exit-watch", self._watch.run)
+
+    def _start_worker(self, rank: int, *, rejoining: bool) -> WorkerHandle:
+        """Start rank ``rank``'s worker process and its reader thread (not yet enrolled)."""
         cfg = self.config
-        index = CheckpointIndex.open(cfg.checkpoint)
         redundant = cfg.num_redundant_experts
         if redundant is None:
-            redundant = index.num_experts
+            redundant = CheckpointIndex.open(cfg.checkpoint).num_experts
         fault = cfg.inject_fault if cfg.inject_fault is not None else FaultSpec.from_env()
+        if rejoining:
+            fault = None  # a fault planned for the first life of a rank is not replayed
         ctx = worker_context(cfg.worker_start)
-        for rank in range(cfg.dp_size):
-            spec = WorkerSpec.from_config(
-                cfg, rank, store_port=self._store.port, num_redundant=redundant, inject_fault=fault
-            )
-            parent, child = ctx.Pipe(duplex=True)
-            target, args = worker_target(cfg.worker_start, spec, child)
-            process = ctx.Process(  # type: ignore[attr-defined]
-                target=target, args=args, name=f"ftengine-worker-{rank}", daemon=True
-            )
-            process.start()
-            child.close()
-            handle = WorkerHandle(rank, process, parent)
-            self._roster.add(handle)
-            self._start_thread(f"ftengine-reader-{rank}", self._read_loop, handle)
-        self._start_thread("ftengine-exit-watch", self._watch.run)
+        spec = WorkerSpec.from_config(
+            cfg,
+            rank,
+            store_port=self._store.port,
+            num_redundant=redundant,
+            inject_fault=fault,
+            rejoining=rejoining,
+        )
+        parent, child = ctx.Pipe(duplex=True)
+        target, args = worker_target(cfg.worker_start, spec, child)
+        process = ctx.Process(  # type: ignore[attr-defined]
+            target=target, args=args, name=f"ftengine-worker-{rank}", daemon=True
+        )
+        process.start()
+        child.close()
+        handle = WorkerHandle(rank, process, parent, joining=rejoining)
+        self._start_thread(f"ftengine-reader-{rank}", self._read_loop, handle)
+        return handle
 
     def _start_thread(self, name: str, target: Callable[..., None], *args: object) -> None:
         thread = threading.Thread(target=target, args=args, name=name, daemon=True)
@@ -309,6 +319,55 @@ class Cluster:
                 "command_done", None, f"{request_id}: {result.success} {result.reason}"
             )
             return result
+
+    # -- rejoin ---------------------------------------------------------------------------
+    def restart(self, rank: int) -> float:
+        """Start removed rank ``rank``'s worker again, with the start-up spec it had; it
+        loads its own experts and waits, ready, while the members keep serving. Returns the
+        seconds until it reported ready; raises ClusterError if it fails or is too slow."""
+        self._check_open()
+        start = time.monotonic()
+        handle = self._start_worker(rank, rejoining=True)
+        try:
+            self._roster.replace(handle)
+        except ClusterError:
+            handle.process.kill()
+            handle.process.join(timeout=5.0)
+            handle.conn.close()
+            raise
+        self._roster.record("restart", rank, f"pid {handle.process.pid}, to rejoin")
+        deadline = start + self.config.start_timeout_s
+        with self._roster.lock:
+            while handle.engine_phase() is not Phase.READY:
+                if handle.failure or not handle.alive:
+                    raise ClusterError(
+                        f"returning rank {rank} failed: {handle.failure or handle.exit_info}"
+                    )
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise ClusterError(
+                        f"returning rank {rank} not ready after {self.config.start_timeout_s}s"
+                    )
+                self._roster.lock.wait(min(left, 0.05))
+        return time.monotonic() - start
+
+    def announce_ready(self, request_id: str) -> CommandResult:
+        """Tell every member, between two steps, which returning ranks are ready; under the
+        ``auto`` policy they admit them at once (the result is then the admission's),
+        otherwise they wait for a ``scale_up`` command (``apply``)."""
+        self._check_open()
+        with self._serial:
+            self._roster.record("announce_ready", None, request_id)
+            result = self._relay.announce_ready(request_id)
+            self._roster.record(
+                "announce_done", None, f"{request_id}: {result.success} {result.reason}"
+            )
+            return result
+
+    def joining_ranks(self) -> frozenset[int]:
+        """Returning ranks restarted and not admitted yet."""
+        with self._roster.lock:
+            return frozenset(w.rank for w in self._roster.workers() if w.joining and w.alive)
 
     def retire(self, rank: int, reason: str) -> None:
         """Fence ``rank`` for a scale-down and wait for its exit (not announced as a fault)."""

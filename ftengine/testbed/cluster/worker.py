@@ -53,6 +53,7 @@ from ftengine.testbed.cluster.protocol import (
     Link,
     PeerFault,
     PhaseEvent,
+    RankReady,
     Ready,
     Shutdown,
     StatusUpdate,
@@ -96,6 +97,7 @@ class WorkerSpec:
     config: ClusterConfig = attrs.field(validator=_resolved)
     rank: int
     store_port: int
+    rejoining: bool = False  # a removed rank restarted: load, report ready, wait to be admitted
 
     @classmethod
     def from_config(
@@ -106,13 +108,15 @@ class WorkerSpec:
         store_port: int,
         num_redundant: int,
         inject_fault: FaultSpec | None,
+        rejoining: bool = False,
     ) -> WorkerSpec:
         """Rank ``rank``'s spec under ``config`` (the store listens on ``store_port``), with
-        ``num_redundant`` EPLB slots and ``inject_fault`` resolved by the supervisor."""
+        ``num_redundant`` EPLB slots and ``inject_fault`` resolved by the supervisor;
+        ``rejoining`` for a removed rank restarted to come back."""
         resolved = attrs.evolve(
             config, num_redundant_experts=num_redundant, inject_fault=inject_fault
         )
-        return cls(resolved, rank, store_port)
+        return cls(resolved, rank, store_port, rejoining)
 
     @property
     def world_size(self) -> int:
@@ -144,6 +148,7 @@ def _cpu_backend(spec: WorkerSpec, index: CheckpointIndex, injector: FaultInject
         op_timeout_s=spec.config.worker_op_timeout_s,
         rendezvous_timeout_s=spec.config.rendezvous_timeout_s,
         reload_fails=injector.reload_due,
+        grown=spec.config.rejoin_grown,
     )
 
 
@@ -164,7 +169,12 @@ class ClusterWorker:
         self.sentinel = self._sentinel()
         self.commands = build_command_adapter(spec.config.command_adapter, self.sentinel, spec.rank)
         self._last_status: dict[str, Any] | None = None
-        self.backend.rebuild_groups(frozenset(range(spec.world_size)), 0)
+        if spec.rejoining:
+            # Loaded its own slots above, alone: it joins the survivors' groups only when
+            # admitted (scale_up); until then it serves nothing.
+            self.sentinel.loaded()
+        else:
+            self.backend.rebuild_groups(frozenset(range(spec.world_size)), 0)
 
     def _sentinel(self) -> RankSentinel:
         spec, experts = self.spec, self.backend.experts
@@ -178,6 +188,7 @@ class ClusterWorker:
                 local_slots=experts.local_slots,
                 num_logical=experts.placement.num_logical,
             ),
+            rejoining=spec.rejoining,
         )
         sentinel.subscribe(self._on_phase)
         return sentinel
@@ -235,6 +246,15 @@ class ClusterWorker:
             # A late notice about a rank this worker already scaled away is old news.
             if message.rank != self.rank and message.rank not in self.backend.dead:
                 self.sentinel.peer_fault(message.kind, message.rank, message.info)
+        elif isinstance(message, RankReady):
+            # At a step boundary (the supervisor holds its steps): the policy may admit them.
+            self.sentinel.note_ready(frozenset(message.ranks))
+            self.sentinel.poll()
+            self.publish_status()
+            status = self.sentinel.status()
+            ok = status.phase.member
+            why = None if ok else f"phase {status.phase.value}: {status.ft_error}"
+            self.link.send(FtReply(self.rank, message.request_id, ok, why))
         elif isinstance(message, Inject):
             self.injector.arm(message.spec)
         else:

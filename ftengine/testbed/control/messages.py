@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 import re
 from collections.abc import Mapping
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, cast, get_args
 
 import attrs
 import msgspec
@@ -28,7 +28,8 @@ from ftengine.testbed.control.errors import (
 
 logger = logging.getLogger(__name__)
 
-INSTRUCTIONS: tuple[str, ...] = ("retry", "scale_down")
+INSTRUCTIONS: tuple[str, ...] = ("retry", "scale_down", "scale_up")
+InstructionName = Literal["retry", "scale_down", "scale_up"]
 MAX_REQUEST_ID_LEN = 128
 ACCEPTED_MESSAGE = "Request accepted; poll /fault_tolerance/status for updates."
 APPLY_PATH = "/fault_tolerance/apply"
@@ -52,12 +53,13 @@ class FaultToleranceRequest(msgspec.Struct, kw_only=True):
 
     ``params`` is ``{}`` for ``retry`` and ``{"removed_dp_ranks": [int, ...]}`` (original
     DP ranks, cumulative) for ``scale_down``, which vLLM 0.33 does not accept yet
-    (upstream PR #46370 adds it). ``request_id`` is ftengine's extension: vLLM ignores it
-    and always makes one; ftengine honours it for idempotent replay. Other fields are
-    ignored, as vLLM ignores them.
+    (upstream PR #46370 adds it); ``{"added_dp_ranks": [int, ...]}`` for ``scale_up``,
+    ftengine's extension (removed ranks that restarted and are ready come back).
+    ``request_id`` is ftengine's extension: vLLM ignores it and always makes one; ftengine
+    honours it for idempotent replay. Other fields are ignored, as vLLM ignores them.
     """
 
-    instruction: Literal["retry", "scale_down"]
+    instruction: InstructionName
     params: dict[str, Any] = msgspec.field(default_factory=dict)
     request_id: RequestId | None = None
 
@@ -159,16 +161,20 @@ SCHEMA_STRUCTS: tuple[type[msgspec.Struct], ...] = (
 
 @attrs.frozen
 class Command:
-    """A validated command: ``removed_dp_ranks`` is sorted, empty for ``retry``."""
+    """A validated command: ``removed_dp_ranks`` (``scale_down``) or ``added_dp_ranks``
+    (``scale_up``) sorted, both empty for ``retry``."""
 
     instruction: str
     request_id: str
     removed_dp_ranks: tuple[int, ...] = ()
+    added_dp_ranks: tuple[int, ...] = ()
 
     def params(self) -> dict[str, object]:
         """The params dict to hand to ``Cluster.apply``."""
         if self.instruction == "scale_down":
             return {"removed_dp_ranks": list(self.removed_dp_ranks)}
+        if self.instruction == "scale_up":
+            return {"added_dp_ranks": list(self.added_dp_ranks)}
         return {}
 
 
@@ -179,7 +185,7 @@ def decode_request(body: bytes) -> FaultToleranceRequest:
     if not isinstance(raw, dict):
         raise InvalidCommand(
             f"Request body must be a JSON object. Found {type(raw).__name__}: send "
-            '{"instruction": "retry"|"scale_down", "params": {...}}'
+            '{"instruction": "retry"|"scale_down"|"scale_up", "params": {...}}'
         )
     instruction = _instruction(raw.get("instruction"))
     params = raw.get("params", {})
@@ -194,13 +200,14 @@ def decode_request(body: bytes) -> FaultToleranceRequest:
     return FaultToleranceRequest(instruction=instruction, params=params, request_id=request_id)
 
 
-def _instruction(value: object) -> Literal["retry", "scale_down"]:
+def _instruction(value: object) -> InstructionName:
     expected = "Expected one of " + ", ".join(repr(name) for name in INSTRUCTIONS)
     if not value:
         found = "" if value is None else f" Found {clip(value)}; {expected}"
         raise InvalidCommand(f"'instruction' is required.{found}", param="instruction")
-    if value in INSTRUCTIONS:
-        return "retry" if value == "retry" else "scale_down"
+    for name in get_args(InstructionName):
+        if value == name:
+            return cast(InstructionName, name)
     shown = shorten(value) if isinstance(value, str) else clip(value)
     raise InvalidCommand(f"Invalid instruction: '{shown}'. {expected}", param="instruction")
 
@@ -223,11 +230,14 @@ def validate_request(
     *,
     world_size: int,
     removed: frozenset[int] = frozenset(),
+    ready: frozenset[int] | None = None,
 ) -> Command:
     """Check params against a cluster of ``world_size`` DP ranks with ``removed`` already gone.
 
     Only shape and range are checked here; state preconditions (survivors UNHEALTHY, a
     newly dead rank) are the engines' to judge, and they answer with a recorded result.
+    ``scale_up`` is also checked against ``removed`` and the ``ready`` ranks when they are
+    given (None: a replay, compared with its record rather than re-judged).
     """
     if request.instruction == "retry":
         if request.params:
@@ -236,6 +246,11 @@ def validate_request(
                 param="params",
             )
         return Command("retry", request_id)
+    if request.instruction == "scale_up":
+        added = _ranks(request.params, world_size, "scale_up", "added_dp_ranks", "removed")
+        if ready is not None:
+            _check_admissible(added, removed, ready)
+        return Command("scale_up", request_id, added_dp_ranks=added)
     ranks = _removed_ranks(request.params, world_size)
     if removed | frozenset(ranks) >= frozenset(range(world_size)):
         raise InvalidCommand(
@@ -247,37 +262,62 @@ def validate_request(
 
 
 RANKS_PARAM = "params.removed_dp_ranks"
+ADDED_PARAM = "params.added_dp_ranks"
+
+
+def _check_admissible(
+    added: tuple[int, ...], removed: frozenset[int], ready: frozenset[int]
+) -> None:
+    not_removed = sorted(set(added) - removed)
+    if not_removed:
+        raise InvalidCommand(
+            f"added_dp_ranks {not_removed} were not removed (removed: {sorted(removed)}); "
+            "only a removed rank that restarted can be admitted",
+            param=ADDED_PARAM,
+        )
+    waiting = sorted(set(added) - ready)
+    if waiting:
+        raise InvalidCommand(
+            f"added_dp_ranks {waiting} are not ready: restart them and wait until they report "
+            f"ready (ready: {sorted(ready)})",
+            param=ADDED_PARAM,
+        )
 
 
 def _removed_ranks(params: Mapping[str, Any], world_size: int) -> tuple[int, ...]:
-    extra = sorted(set(params) - {"removed_dp_ranks"})
+    return _ranks(params, world_size, "scale_down", "removed_dp_ranks", "dead")
+
+
+def _ranks(
+    params: Mapping[str, Any], world_size: int, instruction: str, key: str, which: str
+) -> tuple[int, ...]:
+    param = f"params.{key}"
+    extra = sorted(set(params) - {key})
     if extra:
         raise InvalidCommand(
-            f"scale_down takes only 'removed_dp_ranks'; found unexpected params {clip(extra)}",
+            f"{instruction} takes only {key!r}; found unexpected params {clip(extra)}",
             param="params",
         )
-    value = params.get("removed_dp_ranks")
+    value = params.get(key)
     # bool is an int subclass; JSON true must not pass as rank 1.
     if not isinstance(value, list) or not all(type(rank) is int for rank in value):
         raise InvalidCommand(
-            "scale_down needs params.removed_dp_ranks as a list of integer DP ranks, "
+            f"{instruction} needs params.{key} as a list of integer DP ranks, "
             f"e.g. [3]; found {clip(value)}",
-            param=RANKS_PARAM,
+            param=param,
         )
     if not value:
-        raise InvalidCommand(
-            "removed_dp_ranks is empty: name at least one dead DP rank", param=RANKS_PARAM
-        )
+        raise InvalidCommand(f"{key} is empty: name at least one {which} DP rank", param=param)
     if len(set(value)) != len(value):
         raise InvalidCommand(
-            f"removed_dp_ranks {clip(value)} repeats a rank; list each rank once", param=RANKS_PARAM
+            f"{key} {clip(value)} repeats a rank; list each rank once", param=param
         )
     outside = sorted(rank for rank in value if not 0 <= rank < world_size)
     if outside:
         raise InvalidCommand(
-            f"removed_dp_ranks {clip(outside)} are out of range: this cluster has DP ranks "
+            f"{key} {clip(outside)} are out of range: this cluster has DP ranks "
             f"0..{world_size - 1} (original rank ids)",
-            param=RANKS_PARAM,
+            param=param,
         )
     return tuple(sorted(value))
 

@@ -69,8 +69,9 @@ class ControlPlane:
         known = self.ledger.lookup(request_id) is not None
         # A replay is compared with what was recorded, not re-judged against today's state.
         removed = frozenset() if known else view.removed_ranks
+        ready = None if known else _ready_ranks(view)
         command = validate_request(
-            request, request_id, world_size=view.total_engines, removed=removed
+            request, request_id, world_size=view.total_engines, removed=removed, ready=ready
         )
         submission = self.ledger.submit(command)
         if submission.result is not None:
@@ -154,6 +155,14 @@ class ControlPlane:
         self.metrics.record_command(command.instruction, result.success)
         logger.info("command %s finished: success=%s reason=%s", command.request_id,
                     result.success, result.reason)  # fmt: skip
+
+
+def _ready_ranks(view: ClusterView) -> frozenset[int]:
+    """Removed ranks some member reports ready to be admitted (``ready_ranks``)."""
+    ready: set[int] = set()
+    for engine in view.engines:
+        ready.update(int(rank) for rank in engine.raw.get("ready_ranks") or ())
+    return frozenset(ready)
 
 
 def _record(submission: Submission) -> CommandRecord:

@@ -19,6 +19,7 @@ from ftengine.backends.base import RepairReport
 from ftengine.errors import BackendError, ConfigError
 from ftengine.faults import Fault
 from ftengine.placement.ranks import neutralize_dead_columns
+from ftengine.placement.rejoin import GrownCopies
 from ftengine.testbed.cpu.comm import GlooGroup
 from ftengine.testbed.cpu.experts import CpuExperts
 from ftengine.testbed.cpu.moe import DistributedMoe
@@ -49,6 +50,7 @@ class CpuBackend:
         op_timeout_s: float,
         rendezvous_timeout_s: float,
         reload_fails: Callable[[], bool] | None = None,
+        grown: GrownCopies = "drop",
     ) -> None:
         if not 0 <= rank < world_size:
             raise ConfigError(f"rank must be in [0, {world_size}), found {rank}")
@@ -59,6 +61,7 @@ class CpuBackend:
         self._op_timeout_s = op_timeout_s
         self._rendezvous_timeout_s = rendezvous_timeout_s
         self._reload_fails = reload_fails
+        self.grown: GrownCopies = grown
         self._group: GlooGroup | None = None
         self.alive: frozenset[int] = frozenset(range(world_size))
         self.dead: frozenset[int] = frozenset()
@@ -146,6 +149,31 @@ class CpuBackend:
     def repair_experts(self, dead_ranks: frozenset[int]) -> RepairReport:
         fail = self._reload_fails is not None and self._reload_fails()
         return self.experts.repair(frozenset(dead_ranks), fail=fail)
+
+    def admit_ranks(self, added: frozenset[int], removed: frozenset[int]) -> RepairReport:
+        """Admit ``added`` over the new group: the lowest survivor's slot map reaches every
+        member (one all-reduce; a survivor checks its own agrees), each rank restores the
+        returning ranks' experts locally and reloads only its own slots it lacks (none on
+        a survivor), then ``elastic_info`` and the DP-sync columns are un-masked in place."""
+        group = self.comm()
+        added = frozenset(added)
+        survivors = [r for r in group.members if r not in added]
+        if not survivors or not added <= frozenset(group.members):
+            raise BackendError(
+                f"admit_ranks({sorted(added)}) on rank {self.rank}: the epoch-{self.epoch} "
+                f"group {list(group.members)} must span the added ranks and a survivor"
+            )
+        p2l = self.experts.placement.physical_to_logical_map
+        table = p2l + 1 if self.rank == survivors[0] else torch.zeros_like(p2l)
+        group.all_reduce_sum(table)
+        report = self.experts.admit(added, table - 1, grown=self.grown)
+        self.dead = frozenset(removed)
+        self.experts.mask(self.dead)
+        logger.info(
+            "admitted",
+            extra={"rank": self.rank, "epoch": self.epoch, "added": sorted(added)},
+        )
+        return report
 
     def run_dummy_batch(self) -> None:
         """One model-less MoE pass: DP sync, then one token per rank through every layer."""

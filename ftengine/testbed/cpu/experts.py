@@ -18,9 +18,11 @@ import torch
 from ftengine.backends.base import RepairReport
 from ftengine.errors import PlacementError, WeightLoadError
 from ftengine.placement.elastic import ElasticInfo, densify_routing_ids
+from ftengine.placement.logical import write_logical_rows
 from ftengine.placement.maps import ExpertPlacement
 from ftengine.placement.planner import apply_plan, plan_redistribution
 from ftengine.placement.ranks import dp_to_ep_ranks
+from ftengine.placement.rejoin import GrownCopies, apply_rejoin, plan_rejoin
 from ftengine.weights.index import CheckpointIndex
 from ftengine.weights.reload import load_experts_into_slots
 from ftengine.weights.slots import ExpertSlots
@@ -57,6 +59,10 @@ class CpuExperts:
         self.elastic = ElasticInfo(placement.ep_size, placement.local_slots)
         self._masked = False
         self._float: dict[tuple[int, int], tuple[Tensor, Tensor]] = {}
+        # The slot map at start-up (what a returning rank gets back) and what each of this
+        # rank's (layer, local slot) holds now, so an admission reloads only what differs.
+        self.original = placement.physical_to_logical_map.clone()
+        self.holding: dict[tuple[int, int], int] = {}
 
     @classmethod
     def load(
@@ -156,13 +162,64 @@ class CpuExperts:
                 "replica; the placement update is inconsistent"
             )
 
+    def admit(
+        self,
+        added_dp_ranks: frozenset[int],
+        survivors_map: Tensor,
+        *,
+        grown: GrownCopies = "drop",
+    ) -> RepairReport:
+        """Admit ``added_dp_ranks`` back: adopt ``survivors_map`` (the slot map a survivor
+        holds, the same on every survivor; a survivor checks its own agrees), give the
+        returning ranks their original experts, drop or keep the copies grown for them,
+        and reload only this rank's slots whose target it does not hold (none on a
+        survivor; on a returning rank only what it did not load at start-up)."""
+        p2l = self.placement.physical_to_logical_map
+        joining = self.rank in added_dp_ranks
+        if not joining and not torch.equal(p2l, survivors_map):
+            raise PlacementError(
+                f"rank {self.rank}'s slot map differs from the survivors' map it was sent; "
+                "the survivors disagree on the placement"
+            )
+        target = self.placement.clone()
+        target.physical_to_logical_map.copy_(survivors_map)
+        everything = torch.ones(target.num_layers, target.num_logical, dtype=torch.bool)
+        write_logical_rows(
+            target.physical_to_logical_map,
+            target.logical_to_physical_map,
+            target.logical_replica_count,
+            everything,
+        )
+        dead_ep = dp_to_ep_ranks(added_dp_ranks, 1)
+        apply_rejoin(target, plan_rejoin(target, dead_ep, self.original, grown=grown))
+        start = self.rank * self.local_slots
+        wanted = target.physical_to_logical_map[:, start : start + self.local_slots]
+        todo = [
+            (layer, slot, int(wanted[layer, slot]))
+            for layer in range(target.num_layers)
+            for slot in range(self.local_slots)
+            if int(wanted[layer, slot]) >= 0
+            and self.holding.get((layer, slot)) != int(wanted[layer, slot])
+        ]
+        bytes_read = self._reload(todo)
+        # Weights first, maps second (in place: the model holds views of them).
+        p2l.copy_(target.physical_to_logical_map)
+        self.placement.logical_to_physical_map.copy_(target.logical_to_physical_map)
+        self.placement.logical_replica_count.copy_(target.logical_replica_count)
+        return RepairReport(
+            reloads=len(todo),
+            bytes_reloaded=bytes_read,
+            reloaded=tuple((layer, expert) for layer, _, expert in todo),
+        )
+
     def _reload(self, assignments: Iterable[tuple[int, int, int]]) -> int:
         todo = list(assignments)
         if not todo:
             return 0
         stats = load_experts_into_slots(self.index, self.slots, todo)
-        for layer, slot, _ in todo:
+        for layer, slot, logical in todo:
             self._float.pop((layer, slot), None)
+            self.holding[(layer, slot)] = logical
         return int(stats.bytes_read)
 
     def layers(self) -> tuple[ExpertLayer, ...]:
