@@ -37,7 +37,15 @@ def _fault_kinds(kinds: Iterable[FaultKind]) -> frozenset[FaultKind]:
 
 def _recovery_fault(ctx: RecoveryContext) -> GiveUp:
     return GiveUp(
-        f"{fault_text(ctx.fault)} during {ctx.phase.value}: a fault during recovery is fatal"
+        f"{fault_text(ctx.fault)} during {ctx.phase.value}: a fault during recovery is fatal "
+        "(retry_during_recovery=False)"
+    )
+
+
+def _recovery_attempts_spent(ctx: RecoveryContext, max_attempts: int) -> GiveUp:
+    return GiveUp(
+        f"{fault_text(ctx.fault)} during {ctx.phase.value}, after {ctx.attempts} recovery "
+        f"attempts (max_attempts={max_attempts})"
     )
 
 
@@ -45,16 +53,20 @@ def _recovery_fault(ctx: RecoveryContext) -> GiveUp:
 class OrchestratorDriven(Composable):
     """vLLM's behaviour: wait up to ``recovery_timeout`` s from the first fault for a command.
 
-    A fault during a recovery, or this worker's own death, gives up at once.
+    A fault during a recovery (a step that failed, a peer lost during the rebuild) waits for
+    the next command too, as vLLM keeps an engine whose command failed UNHEALTHY with its
+    ``ft_error``: the orchestrator may retry or scale down again, up to ``max_attempts``
+    recoveries in one episode; after that, or on this worker's own death, it gives up.
     """
 
     recovery_timeout: float = attrs.field(default=120.0, validator=seconds(positive=True))
+    max_attempts: int = attrs.field(default=3, validator=int_at_least(1))
 
     def __call__(self, ctx: RecoveryContext, /) -> Decision | None:
         if ctx.fault.kind is FaultKind.SELF_DEAD:
             return GiveUp(f"{fault_text(ctx.fault)}: this worker's process is gone")
-        if ctx.in_recovery:
-            return _recovery_fault(ctx)
+        if ctx.in_recovery and ctx.attempts >= self.max_attempts:
+            return _recovery_attempts_spent(ctx, self.max_attempts)
         return WaitForOrchestrator(ctx.episode_start + self.recovery_timeout)
 
 
@@ -63,9 +75,10 @@ class AutoRecovery(Composable):
     """Recover without an orchestrator.
 
     Confirmed dead peers (``ctx.dead_ranks``) are scaled down when redundancy allows (or
-    is unknown); faults of ``retry_kinds`` are retried after ``retry_delay`` s. Gives up
-    after ``max_attempts`` recoveries in one episode and, unless
-    ``retry_during_recovery``, on any fault during a recovery. Abstains when it cannot
+    is unknown); faults of ``retry_kinds`` are retried after ``retry_delay`` s, and so is a
+    fault during a recovery (a failed step: the recovery runs again, bounded). Gives up
+    after ``max_attempts`` recoveries in one episode and, with
+    ``retry_during_recovery=False``, on any fault during a recovery. Abstains when it cannot
     act (dead peers the survivors cannot absorb, unknown dead ranks), so
     ``AutoRecovery() | OrchestratorDriven()`` hands those cases to the orchestrator.
 
@@ -75,7 +88,7 @@ class AutoRecovery(Composable):
 
     max_attempts: int = attrs.field(default=3, validator=int_at_least(1))
     retry_delay: float = attrs.field(default=0.0, validator=seconds())
-    retry_during_recovery: bool = False
+    retry_during_recovery: bool = True
     retry_kinds: frozenset[FaultKind] = attrs.field(
         default=DEFAULT_RETRY_KINDS, converter=_fault_kinds
     )

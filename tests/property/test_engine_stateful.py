@@ -49,7 +49,7 @@ WORLD, RANK = 4, 0
 REDUNDANCY = RedundancyFacts(ep_size=4, local_slots=4, num_logical=8)  # survives two dead ranks
 # name -> (policy, the most recovery attempts one episode may start)
 POLICIES: dict[str, tuple[Policy, int]] = {
-    "orchestrator": (OrchestratorDriven(recovery_timeout=10.0), 1),
+    "orchestrator": (OrchestratorDriven(recovery_timeout=10.0), 3),
     "auto": (
         MaxAttempts(3)
         | (
@@ -406,10 +406,14 @@ class EngineMachine(RuleBasedStateMachine):
         assert not self.misplaced, self.misplaced
 
     def teardown(self) -> None:
-        """Every episode ends, healthy or dead, within a bounded number of polls."""
+        """Every episode ends, healthy or dead, within a bounded number of polls: each
+        poll runs at most one recovery or admission, an episode starts at most ``bound``
+        recoveries, and an admission that fails (each armed failure fires once) opens one
+        more episode, so one episode's polls per armed failure, plus the admission's own."""
         if not hasattr(self, "rig"):
             return
-        for _ in range(self.bound + 1):
+        armed_at_most = len(STEPS)
+        for _ in range((self.bound + 1) * (armed_at_most + 2)):
             self.rig.clock.advance(100.0)
             self.rig.engine.poll()
         phase = self.rig.engine.phase

@@ -6,6 +6,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from ftengine.context import RecoveryContext
+from ftengine.faults import FaultKind
 from ftengine.policies import (
     AllOf,
     AutoRecovery,
@@ -122,6 +123,15 @@ def test_built_ins_decide_any_context_without_raising(ctx: RecoveryContext) -> N
 
 
 @given(contexts())
-def test_faults_during_recovery_are_fatal_by_default(ctx: RecoveryContext) -> None:
+def test_faults_during_recovery_are_fatal_only_once_the_attempts_are_spent(
+    ctx: RecoveryContext,
+) -> None:
     for policy in (OrchestratorDriven(), AutoRecovery()):
-        assert isinstance(policy(ctx), GiveUp) or not ctx.in_recovery
+        if ctx.in_recovery and ctx.fault.kind is not FaultKind.SELF_DEAD:
+            spent = ctx.attempts >= 3
+            dead_self = ctx.rank in ctx.dead_ranks and isinstance(policy, AutoRecovery)
+            assert isinstance(policy(ctx), GiveUp) == (spent or dead_self), (policy, ctx)
+    told = AutoRecovery(retry_during_recovery=False)
+    assert isinstance(told(ctx), GiveUp) or not ctx.in_recovery
+    once = OrchestratorDriven(max_attempts=1)
+    assert isinstance(once(ctx), GiveUp) or not ctx.in_recovery or ctx.attempts < 1

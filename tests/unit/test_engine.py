@@ -195,8 +195,22 @@ def test_auto_recovery_without_enough_redundancy_dies_with_the_reason() -> None:
     assert "no policy decision for a dead_peer fault" in (status.ft_error or "")
 
 
-def test_a_failed_recovery_step_is_fatal_by_default() -> None:
+def test_a_failed_recovery_step_waits_for_the_next_command_then_the_retry_recovers() -> None:
+    # vLLM keeps an engine whose command failed UNHEALTHY, with its ft_error
     rig = make_rig()
+    rig.engine.report_fault(transient())
+    rig.backend.fail_on("rebuild_groups", DeviceError("stream poisoned"))
+    result = rig.engine.apply("retry", {}, "r1")
+    assert not result.success
+    assert "rebuild_groups failed (DeviceError: stream poisoned)" in (result.reason or "")
+    status = rig.engine.status()
+    assert status.phase is Q and "retrying failed at rebuild_groups" in (status.ft_error or "")
+    assert rig.engine.apply("retry", {}, "r2").success
+    assert rig.engine.status().phase is H
+
+
+def test_a_failed_recovery_step_is_fatal_once_the_attempts_are_spent() -> None:
+    rig = make_rig(OrchestratorDriven(recovery_timeout=10.0, max_attempts=1))
     rig.engine.report_fault(transient())
     rig.backend.fail_on("rebuild_groups", DeviceError("stream poisoned"))
     result = rig.engine.apply("retry", {}, "r1")

@@ -10,7 +10,7 @@ from collections.abc import Callable
 from ftengine.engine import CommandResult
 from ftengine.faults import Phase
 from ftengine.fsm import successors
-from ftengine.policies import AutoRecovery
+from ftengine.policies import AutoRecovery, OrchestratorDriven
 from tests.engine_support import dead_peer, make_rig, transient
 
 JOIN_S = 10.0
@@ -24,7 +24,7 @@ def _in_thread(target: Callable[[], CommandResult]) -> tuple[threading.Thread, l
 
 
 def test_a_fault_while_an_action_hangs_ends_the_recovery_at_once() -> None:
-    rig = make_rig()
+    rig = make_rig(OrchestratorDriven(recovery_timeout=10.0, max_attempts=1))
     rig.engine.report_fault(transient())
     hang = rig.backend.hang_on("rebuild_groups", timeout=JOIN_S)
     thread, results = _in_thread(lambda: rig.engine.apply("retry", {}, "r"))

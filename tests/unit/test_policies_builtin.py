@@ -52,11 +52,16 @@ class TestOrchestratorDriven:
         assert OrchestratorDriven()(ctx(phase=Phase.QUARANTINED)) == WaitForOrchestrator(160.0)
 
     @pytest.mark.parametrize("phase", [Phase.RETRYING, Phase.SCALING_DOWN])
-    def test_a_fault_during_recovery_is_fatal(self, phase: Phase) -> None:
-        reason = _reason(OrchestratorDriven()(ctx(phase=phase)))
-        assert reason == f"transient fault on rank 1 (X) during {phase.value}: " + (
-            "a fault during recovery is fatal"
+    def test_a_fault_during_recovery_waits_for_the_next_command_bounded(self, phase: Phase) -> None:
+        # vLLM keeps an engine whose command failed UNHEALTHY: the orchestrator may try again
+        failed = ctx(FaultKind.RECOVERY_ERROR, None, phase=phase, attempts=1)
+        assert OrchestratorDriven(30.0)(failed) == WaitForOrchestrator(70.0)
+        spent = attrs.evolve(failed, attempts=3)
+        reason = _reason(OrchestratorDriven()(spent))
+        assert reason == f"recovery_error fault (X) during {phase.value}, after 3 recovery " + (
+            "attempts (max_attempts=3)"
         )
+        assert OrchestratorDriven(max_attempts=4)(spent) == WaitForOrchestrator(160.0)
 
     def test_a_dead_worker_gives_up(self) -> None:
         assert "process is gone" in _reason(OrchestratorDriven()(ctx(FaultKind.SELF_DEAD)))
@@ -100,10 +105,13 @@ class TestAutoRecovery:
         assert AutoRecovery(max_attempts=2)(ctx(attempts=1)) == Retry(0.0)
         assert "after 2 recovery attempts" in _reason(AutoRecovery(max_attempts=2)(ctx(attempts=2)))
 
-    def test_a_fault_during_recovery_is_fatal_unless_asked(self) -> None:
+    def test_a_fault_during_recovery_is_retried_unless_told_not_to(self) -> None:
         during = ctx(FaultKind.RECOVERY_ERROR, None, phase=Phase.RETRYING, attempts=1)
-        assert "during retrying" in _reason(AutoRecovery()(during))
-        assert AutoRecovery(retry_during_recovery=True)(during) == Retry(0.0)
+        assert AutoRecovery()(during) == Retry(0.0)
+        assert "after 3 recovery attempts" in _reason(
+            AutoRecovery()(attrs.evolve(during, attempts=3))
+        )
+        assert "during retrying" in _reason(AutoRecovery(retry_during_recovery=False)(during))
 
     def test_retry_kinds_are_configurable(self) -> None:
         only_transient = AutoRecovery(retry_kinds=[FaultKind.TRANSIENT])

@@ -60,7 +60,7 @@ def test_ftengine_keys_win_over_vllms_flags_but_never_disagree_on_the_recovery_w
 def test_auto_policy_falls_back_to_waiting_for_the_orchestrator() -> None:
     s = settings({"ftengine": {"policy": "auto"}}, recovery=45)
     assert s.policy == "auto"
-    assert "OrchestratorDriven(recovery_timeout=45.0)" in repr(s.build_policy())
+    assert "OrchestratorDriven(recovery_timeout=45.0, max_attempts=3)" in repr(s.build_policy())
     local = frozenset({FaultKind.TRANSIENT, FaultKind.DEVICE_ERROR})
     assert s.build_policy() == AutoRecovery(retry_kinds=local) | OrchestratorDriven(45.0)
     assert s.build_policy() == by_name("auto", deployment=Deployment(recovery_timeout=45.0))
