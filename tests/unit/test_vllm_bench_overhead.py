@@ -43,8 +43,10 @@ def test_ratio_of_medians_and_same_mode_noise_of_even_over_odd_rounds() -> None:
 @pytest.mark.parametrize(
     ("ratio", "noise", "expected"),
     [
-        (1.005, [1.5, 1.0], "met"),
+        (1.005, [1.005, 1.0], "met: <= 1.01 (same-mode noise 0.5%)"),
         (0.9, [1.0, 1.0], "met"),
+        (1.005, [1.5, 1.0], "not shown: <= 1.01, but the same-mode noise is 50.0% (> 1 %)"),
+        (0.68, [0.94, 0.70], "not shown"),
         (1.04, [0.95, 1.0], "within measured noise"),
         (1.04, [1.01, 1.02], "not met"),
     ],

@@ -43,6 +43,7 @@ class Campaign:
         self.found = Findings()
         self.reference: list[list[int]] = []
         self.rebuild_s: list[float] = []
+        self.rejoin_s: list[float] = []  # restart to every rank admitted, per heal
         self.unplanned = 0  # faults nobody injected, recovered before the next planned one
         self.skipped: list[str] = []  # planned faults not even a fresh deployment could take
         self.error: str | None = None  # what ended the campaign early, if anything did
@@ -189,9 +190,26 @@ class Campaign:
             self._judge(shot, final)
         after = position + len(shots)
         why = rebuild_after(final.state)
+        if why is None and after < len(self.plan):
+            why = self._heal(fault.index)
         if why is not None and after < len(self.plan):
             self._rebuild(why)
         return after
+
+    def _heal(self, index: int) -> str | None:
+        """Rejoin the ranks fault ``index``'s recovery removed (where the target can);
+        why the deployment must be rebuilt instead, if the rejoin failed."""
+        began = time.monotonic()
+        try:
+            ranks = self.target.heal(index)
+        except Exception as exc:  # a failed rejoin: say why, then rebuild
+            self.history.add("rejoin_failed", index, error=f"{type(exc).__name__}: {exc}")
+            return f"rejoin after #{index} failed: {exc}"
+        if ranks:
+            self.rejoin_s.append(time.monotonic() - began)
+            self.history.add("rejoined", index, ranks=ranks, s=round(self.rejoin_s[-1], 3))
+            self.progress(f"rejoined ranks {ranks} in {self.rejoin_s[-1]:.2f} s")
+        return None
 
     def _after_follows(self, index: int, followed: Sequence[Injected], outcome: Outcome) -> Outcome:
         """The outcome once every fault injected during ``outcome``'s recovery has shown,

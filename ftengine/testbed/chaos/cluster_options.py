@@ -34,6 +34,9 @@ class ClusterCampaignOptions:
     netns: bool = False
     """Each worker in its own network namespace (``ftengine.testbed.cluster.netns``), which adds
     the network cut to the kinds."""
+    rejoin: bool = True
+    """After a fault settles with ranks removed, restart them and admit them back
+    (``scale_up``), so the cluster keeps its size instead of shrinking to a rebuild."""
     only: tuple[int, ...] | None = None
     """Run only these fault numbers of the ``faults``-fault plan (``--only``), each as it is
     planned there: replays a reported fault without the ones before it."""

@@ -26,12 +26,13 @@ from ftengine.testbed.chaos.catalogue import (
 from ftengine.testbed.chaos.census import Census, listening_here
 from ftengine.testbed.chaos.cluster_options import ClusterCampaignOptions
 from ftengine.testbed.chaos.deployment import Deployment
+from ftengine.testbed.chaos.findings import spread
 from ftengine.testbed.chaos.invariants import FaultResult, check_fault, detection_bound
 from ftengine.testbed.chaos.orchestrate import ClusterChannel, ClusterRules, settled_state
-from ftengine.testbed.chaos.recovery import During, Orchestrator, Outcome
+from ftengine.testbed.chaos.recovery import Decision, During, Orchestrator, Outcome
 from ftengine.testbed.chaos.target import Bench, Ran
 from ftengine.testbed.chaos.traffic import PROMPTS, StreamRecord
-from ftengine.testbed.cluster import ClusterConfig, reference_generate
+from ftengine.testbed.cluster import ClusterConfig, ClusterError, reference_generate
 from ftengine.testbed.cluster.netns import Hosts
 from ftengine.weights.index import CheckpointIndex
 
@@ -229,6 +230,43 @@ class ClusterTarget:
         for shot in reversed(shots):
             shot.repair()  # newest first: each puts back what was there before it
 
+    def heal(self, fault: int | None) -> list[int]:
+        """Restart every removed rank's worker (it loads its experts while the others
+        serve), tell the members they are ready, and admit them: ``scale_up`` over the HTTP
+        API under the orchestrator policy, by the members' own policy under ``auto``; until
+        every engine is healthy with nothing removed."""
+        if not self.options.rejoin:
+            return []
+        deployment = self._deployment()
+        cluster = deployment.cluster
+        removed = sorted(cluster.removed_ranks)
+        if not removed:
+            return []
+        history = self.bench.history
+        for rank in removed:
+            loaded_s = cluster.restart(rank)
+            history.add("restart", fault, rank=rank, loaded_s=round(loaded_s, 3))
+        pids = cluster.pids()
+        self.bench.census.note([pid for r in removed if (pid := pids.get(r)) is not None], [])
+        deployment.worker_pids.update({r: p for r in removed if (p := pids.get(r)) is not None})
+        announced = cluster.announce_ready(f"chaos-ready-{fault}-{time.monotonic_ns()}")
+        if not announced.success:
+            raise ClusterError(f"announcing ranks {removed} ready failed: {announced.reason}")
+        if self.options.policy == "orchestrator":
+            params = {"added_dp_ranks": removed}
+            decision = Decision("command", (), "scale_up", params)
+            channel = self._orchestrator().channel
+            handle = channel.send(fault, decision, channel.read())
+            channel.finish(fault, handle, time.monotonic() + self.options.recover_deadline_s)
+        deadline = time.monotonic() + self.options.recover_deadline_s
+        while True:
+            engines = [dict(e) for e in self._orchestrator().read().values()]
+            if settled_state(engines) == "settled" and not cluster.removed_ranks:
+                return removed
+            if time.monotonic() > deadline:
+                raise ClusterError(f"ranks {removed} not admitted back: {engines}")
+            time.sleep(0.02)
+
     def judge(self, shot: Injected, outcome: Outcome) -> tuple[FaultResult, list[str]]:
         fault = shot.fault
         result = FaultResult(
@@ -266,6 +304,9 @@ class ClusterTarget:
             "unplanned_faults": campaign.unplanned,
             "not_covered": {} if o.netns else NOT_COVERED,
             "netns": o.netns,
+            "rejoin": o.rejoin,
+            "rejoins": len(campaign.rejoin_s),
+            "rejoin_s": spread(campaign.rejoin_s),
             "seed": o.seed,
             "policy": o.policy,
             "dp_size": o.dp_size,

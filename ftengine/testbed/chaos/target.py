@@ -81,6 +81,7 @@ class Ran(Protocol):
     unplanned: int
     skipped: list[str]
     rebuild_s: list[float]
+    rejoin_s: list[float]
     reference: list[list[int]]
 
     def records(self) -> list[StreamRecord]: ...
@@ -161,6 +162,11 @@ class Target(Protocol):
 
     def repair(self, shots: Sequence[Injected]) -> None:
         """Undo what ``shots`` left broken outside the deployment, once recovered."""
+
+    def heal(self, fault: int | None) -> list[int]:
+        """Bring the ranks the settled recovery of ``fault`` removed back by rejoin
+        (restart, then ``scale_up``); the ranks that rejoined (empty: none was removed, or
+        this world does not rejoin). Raises when a rejoin fails: the loop rebuilds."""
 
     def judge(self, shot: Injected, outcome: Outcome) -> tuple[FaultResult, list[str]]:
         """``shot``'s result as measured, and the invariants it violated."""

@@ -239,6 +239,11 @@ class VllmTarget:
     def repair(self, shots: Sequence[Injected]) -> None:
         self._fault_file.unlink(missing_ok=True)  # never consumed: no step ran on the victim
 
+    def heal(self, fault: int | None) -> list[int]:
+        """Nothing yet: a removed vLLM rank cannot be admitted back (its backend refuses
+        ``scale_up``), so the deployment shrinks until a rebuild."""
+        return []
+
     def judge(self, shot: Injected, outcome: Outcome) -> tuple[FaultResult, list[str]]:
         fault = shot.fault
         engines = tuple(as_dead(e) for e in outcome.engines)
@@ -281,6 +286,9 @@ class VllmTarget:
             "deployment_start_s": spread(self.start_s),
             "rebuild_s": spread(campaign.rebuild_s),
             "rebuild_total_s": round(sum(campaign.rebuild_s), 1),
+            "rejoins": len(campaign.rejoin_s),
+            "rejoin": "not available: a removed vLLM rank is not admitted back yet (its "
+            "backend refuses scale_up), so the deployment shrinks until a rebuild",
         }
 
 

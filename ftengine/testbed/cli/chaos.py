@@ -56,6 +56,12 @@ def register(parser: argparse.ArgumentParser) -> None:
         "adds the network cut to the faults",
     )
     group.add_argument("--op-timeout", type=float, default=2.0, help="per-op timeout, seconds")
+    group.add_argument(
+        "--no-rejoin",
+        action="store_true",
+        help="leave removed ranks out (the cluster shrinks until a rebuild) instead of "
+        "restarting them and admitting them back with scale_up after each fault",
+    )
     parser.set_defaults(func=run)
 
 
@@ -82,7 +88,7 @@ def run(args: argparse.Namespace) -> int:
     options = ClusterCampaignOptions(
         faults=args.faults, seed=args.seed, policy=args.policy, dp_size=args.dp_size,
         clients=args.clients, max_tokens=args.max_tokens, op_timeout_s=args.op_timeout,
-        netns=args.netns, only=args.only,
+        netns=args.netns, only=args.only, rejoin=not args.no_rejoin,
     )  # fmt: skip
 
     def progress(line: str) -> None:
