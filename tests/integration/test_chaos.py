@@ -3,7 +3,8 @@ every kind at least once (the network cut too: each worker in its own network na
 we run as root here, which namespaces need), on DP=3 under six concurrent streaming
 clients, with every invariant holding: no hang, nothing stuck unhealthy, no split brain,
 no wrong token, no gap or repeat, no lost request, no orphan process, port, namespace or
-link. The campaign runs in a child process (the CLI, as an operator runs it) under a hard
+link; every rank removed by a scale-down restarted and admitted back (``scale_up``), no
+fault ending with the deployment DEAD. The campaign runs in a child process (the CLI, as an operator runs it) under a hard
 timeout, stopped by pid if it overruns."""
 
 from __future__ import annotations
@@ -67,6 +68,9 @@ def _campaign(tmp_path: Path) -> None:
     assert report["stream_gaps_or_repeats"] == 0 and report["requests_lost"] == 0, report
     assert report["orphans"] == 0, report["orphan_detail"]
     assert report["requests_completed"] > 0
+    # Removed ranks come back (restart + scale_up): the cluster keeps its size, no rebuild.
+    assert report["rejoin"] and report["rejoins"] >= 1, report["rejoins"]
+    assert report["outcomes"].get("dead", 0) == 0, report["outcomes"]
     assert report["violations"] == [], report["violations"]
     assert child.returncode == 0, log
     # Every namespace, bridge and veth the run made is gone.
