@@ -53,6 +53,13 @@ from ftengine.integrations.vllm.engine_core.dp_board import (
 )
 from ftengine.integrations.vllm.engine_core.fault_books import FaultBooks
 from ftengine.integrations.vllm.engine_core.poison import own_fault
+from ftengine.integrations.vllm.engine_core.quorum import (
+    SILENT_S,
+    Reachability,
+    explain,
+    keeps_serving,
+    sight,
+)
 from ftengine.integrations.vllm.engine_core.scale_down import REMOVED_ATTR, problems
 from ftengine.integrations.vllm.engine_core.worker_exit import worker_dying
 from ftengine.integrations.vllm.messages import import_vllm
@@ -113,6 +120,10 @@ class EngineCoreAgent:
         self._store_failures = 0
         self.board, self.doorbell = StatusBoard(self.rank, self.world), Doorbell()
         self.board.doorbell = self.doorbell.address
+        self.reach = Reachability(self.rank, self.doorbell.address[0])
+        self.board.probe = self.reach.address
+        self.gone: frozenset[int] = frozenset()  # peers the probes say are dead or cut off
+        self.fenced: str | None = None  # why this engine is on a minority side (quorum)
         self._timed_group: object = None
         self._healthy_since = 0.0
         self.peers: dict[int, str] = {}  # current-epoch peers' statuses ("dead" if stale)
@@ -138,9 +149,12 @@ class EngineCoreAgent:
                 "[FT] removed %d status files of engine cores that no longer run", len(removed)
             )
         self.thread.start()
+        if self.world > 1:
+            self.reach.start()
 
     def stop(self) -> None:
         self._stop.set()
+        self.reach.stop()
 
     # -- called from the patched EngineCoreSentinel ------------------------------------
 
@@ -239,12 +253,45 @@ class EngineCoreAgent:
         ``PEER_READ_S`` has passed, a peer ``rung`` the doorbell, or at once when this
         engine has news of its own (its worker began to exit, its status or epoch changed)."""
         self._keep_dp_timeout()
+        self._check_quorum()
         was_dying = self._dying
         self._dying = was_dying or worker_dying(self.engine.model_executor)
         news = rung or self._dying != was_dying or self._mine() != self.board.published
         if news or time.monotonic() - self._read_at >= PEER_READ_S:
             self._watch_peers(exit_checked=True)
             self._maybe_recover()
+
+    def _check_quorum(self) -> None:
+        """The probes' news (no I/O, every tick, so a DP store across a cut cannot delay
+        it): a peer whose port is closed is dead; on a side that keeps the majority
+        (``quorum.keeps_serving``) a silent peer is cut off, so gone as well; on the other
+        side this engine faults and, once unhealthy, stops (:meth:`_maybe_recover`)."""
+        if self.world <= 1:
+            return
+        self.reach.know(self.board.probes)
+        removed = self._removed()
+        published_dead = {
+            rank for rank, (_, seen) in self.board.decoded.items() if seen.entry.status == "dead"
+        }
+        seen = sight(self.rank, self.world, removed, self.reach, published_dead)
+        refused = self.reach.refused() - removed
+        silent = seen.live - seen.side
+        if keeps_serving(seen):
+            self.fenced = None
+            gone = refused | silent
+            for rank in sorted(gone - self.gone):
+                why = "closed its port" if rank in refused else f"silent {SILENT_S:.0f} s"
+                self.peers[rank] = "dead"
+                self.views[rank] = PeerView("dead", None)
+                self._inject(rank, f"engine {rank} {why}: gone (this side holds a majority)",
+                             early=True)  # fmt: skip
+            self.gone = frozenset(gone)
+            return
+        self.gone = frozenset(refused)
+        if self.fenced is None:
+            self.fenced = explain(seen)
+            logger.warning("[FT] engine %d: %s", self.rank, self.fenced)
+        self._inject(min(silent, default=self.rank), self.fenced, early=True)
 
     def _keep_dp_timeout(self) -> None:
         """A retry replaces the engine's DP group: give the new one the timeout too."""
@@ -309,7 +356,7 @@ class EngineCoreAgent:
             if last is None or last[0] != beat:
                 self._seen[rank] = (beat, now)
             stale = last is not None and now - self._seen[rank][1] > STALE_S
-            self.peers[rank] = "dead" if stale else status
+            self.peers[rank] = "dead" if stale or rank in self.gone else status
             self.views[rank] = PeerView(self.peers[rank], seen.entry.proposal)
             self.blames[rank] = seen.entry.blame
             # Only from a beat that began healthy: one that began faulted has not started
@@ -396,6 +443,9 @@ class EngineCoreAgent:
             return
         if self._recovering.is_set():
             return  # the proposal stays published: the other members may still start
+        if self.fenced is not None:  # a minority side stops: never both sides serve
+            self.give_up(self.fenced)
+            return
         ctx = self.context(time.monotonic())
         if ctx is None:
             return

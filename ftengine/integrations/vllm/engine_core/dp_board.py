@@ -54,7 +54,7 @@ class Doorbell:
         self.sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
         self.sock.bind(("0.0.0.0", 0))  # any interface: a ring carries nothing but "read now"
         self.sock.setblocking(False)
-        self.address = (_host_ip(), int(self.sock.getsockname()[1]))
+        self.address = (host_ip(), int(self.sock.getsockname()[1]))
 
     def wait(self, seconds: float) -> bool:
         """Sleep up to ``seconds``; whether a peer rang meanwhile (every ring is taken)."""
@@ -71,7 +71,7 @@ class Doorbell:
                 self.sock.sendto(b"!", address)
 
 
-def _host_ip() -> str:
+def host_ip() -> str:
     """This host's address for the peers (vLLM's ``get_ip``; IPv4 only, else loopback)."""
     from ftengine.integrations.vllm.messages import VllmUnavailable, import_vllm
 
@@ -115,6 +115,8 @@ class StatusBoard:
         self.decoded: dict[int, tuple[bytes, PeerStatus]] = {}
         self.doorbell: tuple[str, int] | None = None  # this engine's, published with it
         self.doorbells: dict[int, tuple[str, int]] = {}  # the peers', as last read
+        self.probe: tuple[str, int] | None = None  # this engine's quorum.Reachability
+        self.probes: dict[int, tuple[str, int]] = {}  # the peers', as last read
 
     def publish(self, store: Any, mine: Entry, beat: int, now: float) -> bool:
         """Write this engine's entry when it changes, else every ``PUBLISH_S`` (the beat
@@ -128,6 +130,7 @@ class StatusBoard:
             "beat": beat,
             "epoch": mine.epoch,
             "doorbell": self.doorbell,
+            "probe": self.probe,
             "proposal": None if mine.proposal is None else mine.proposal.to_json(),
             "blame": mine.blame,
         }
@@ -168,5 +171,8 @@ class StatusBoard:
         doorbell = value.get("doorbell")
         if isinstance(doorbell, list) and len(doorbell) == 2:
             self.doorbells[rank] = (str(doorbell[0]), int(doorbell[1]))
+        probe = value.get("probe")
+        if isinstance(probe, list) and len(probe) == 2:
+            self.probes[rank] = (str(probe[0]), int(probe[1]))
         self.decoded[rank] = (raw, decoded)
         return decoded
