@@ -13,9 +13,11 @@ only one holds its lowest rank.
 **Reachability** (:class:`Reachability`) is measured apart from vLLM's DP store (whose host
 may be on the other side): each engine core answers UDP probes on a port of its own and
 probes each peer every ``PROBE_S`` through a connected socket. An answer makes the peer
-reachable for ``SILENT_S``; "connection refused" (the peer's host answered, its port is
-closed: the process is gone) proves it dead at once; silence is a cut (or a host gone
-whole): the peer is unreachable, and whether this side may serve is the rule's to say.
+reachable until ``MISSES`` probes sent over at least ``SILENT_S`` go unanswered (so a
+probing thread starved of CPU takes no one for cut off); "connection refused" (the peer's
+host answered, its port is closed: the process is gone) proves it dead at once; silence is
+a cut (or a host gone whole): the peer is unreachable, and whether this side may serve is
+the rule's to say.
 """
 
 from __future__ import annotations
@@ -36,8 +38,9 @@ from ftengine.validators import rank_set, to_ranks
 logger = logging.getLogger(__name__)
 
 PROBE_S = 0.1  # each peer is probed this often
-SILENT_S = 2.0  # no answer this long: unreachable (GIL-starved threads on a loaded
-# 2-core machine were seen to pause ~1 s, docs/notebook.md)
+SILENT_S = 3.0  # no answer this long to at least MISSES probes: unreachable
+MISSES = 20  # probes this engine actually sent meanwhile: a thread of ours that was starved
+# of CPU (seen for ~1 s, and longer, on a loaded 2-core machine) judges no one silent
 PING, PONG = b"?", b"="
 
 
@@ -102,6 +105,7 @@ class Reachability:
         self.address = (host, int(self.sock.getsockname()[1]))
         self._probes: dict[int, socket.socket] = {}
         self._heard: dict[int, float] = {}
+        self._missed: dict[int, int] = {}  # probes sent since the last answer
         self._refused: set[int] = set()
         self._lock = threading.Lock()
         self._stop = threading.Event()
@@ -125,6 +129,7 @@ class Reachability:
                 probe.connect(address)  # connected: a closed port comes back as ECONNREFUSED
                 self._probes[rank] = probe
                 self._heard[rank] = self.clock()  # reachable until shown otherwise
+                self._missed[rank] = 0
 
     @property
     def known(self) -> frozenset[int]:
@@ -132,13 +137,14 @@ class Reachability:
             return frozenset(self._probes)
 
     def reaches(self) -> frozenset[int]:
-        """The peers that answered within ``SILENT_S`` (never one proven dead)."""
+        """The peers not silent (never one proven dead): silent is ``MISSES`` probes
+        unanswered over at least ``SILENT_S``."""
         now = self.clock()
         with self._lock:
             return frozenset(
                 r
                 for r, at in self._heard.items()
-                if now - at <= SILENT_S and r not in self._refused
+                if (now - at <= SILENT_S or self._missed[r] < MISSES) and r not in self._refused
             )
 
     def refused(self) -> frozenset[int]:
@@ -149,7 +155,7 @@ class Reachability:
     def _run(self) -> None:
         next_probe = 0.0
         while not self._stop.is_set():
-            now = self.clock()
+            now = time.monotonic()  # pacing; ``clock`` dates what was heard
             if now >= next_probe:
                 self._send()
                 next_probe = now + PROBE_S
@@ -172,6 +178,8 @@ class Reachability:
         for rank, probe in probes:
             try:
                 probe.send(PING)
+                with self._lock:
+                    self._missed[rank] += 1
             except OSError as exc:
                 self._failed(rank, exc)
 
@@ -187,6 +195,7 @@ class Reachability:
             while probe.recv(16):
                 with self._lock:
                     self._heard[rank] = self.clock()
+                    self._missed[rank] = 0
         except BlockingIOError:
             return
         except OSError as exc:
