@@ -140,6 +140,7 @@ class EngineCoreAgent:
         self._idle.set()
         self._lock = threading.Lock()
         self.thread = threading.Thread(target=self._run, name="ftengine-agent", daemon=True)
+        self.guard = threading.Thread(target=self._guard, name="ftengine-quorum", daemon=True)
 
     def start(self) -> None:
         logger.info("[FT] engine %d: policy %r", self.rank, self.policy)
@@ -151,6 +152,7 @@ class EngineCoreAgent:
         self.thread.start()
         if self.world > 1:
             self.reach.start()
+            self.guard.start()
 
     def stop(self) -> None:
         self._stop.set()
@@ -253,7 +255,8 @@ class EngineCoreAgent:
         ``PEER_READ_S`` has passed, a peer ``rung`` the doorbell, or at once when this
         engine has news of its own (its worker began to exit, its status or epoch changed)."""
         self._keep_dp_timeout()
-        self._check_quorum()
+        if self.fenced is not None:
+            return  # a minority engine reads no DP store: its host may be across the cut
         was_dying = self._dying
         self._dying = was_dying or worker_dying(self.engine.model_executor)
         news = rung or self._dying != was_dying or self._mine() != self.board.published
@@ -261,18 +264,30 @@ class EngineCoreAgent:
             self._watch_peers(exit_checked=True)
             self._maybe_recover()
 
+    def _guard(self) -> None:
+        """The quorum's own thread: the agent thread may wait in a DP-store call for the
+        store's timeout (vLLM's per-op timeout, 30 min by default) when the store's host is
+        across a cut, and a minority must stop within a bound regardless."""
+        while not self._stop.wait(self.beat_s):
+            try:
+                self._check_quorum()
+                if self.fenced is not None and self._own_status() == "unhealthy":
+                    if not self._recovering.is_set():
+                        self.give_up(self.fenced)
+            except Exception:  # the guard must outlive any one failure
+                logger.exception("[FT] engine %d quorum check failed", self.rank)
+
     def _check_quorum(self) -> None:
-        """The probes' news (no I/O, every tick, so a DP store across a cut cannot delay
-        it): a peer whose port is closed is dead; on a side that keeps the majority
+        """The probes' news (no I/O; on the guard thread, so a DP store across a cut cannot
+        delay it): a peer whose port is closed is dead; on a side that keeps the majority
         (``quorum.keeps_serving``) a silent peer is cut off, so gone as well; on the other
-        side this engine faults and, once unhealthy, stops (:meth:`_maybe_recover`)."""
+        side this engine faults and, once unhealthy, stops (:meth:`_guard`)."""
         if self.world <= 1:
             return
         self.reach.know(self.board.probes)
         removed = self._removed()
-        published_dead = {
-            rank for rank, (_, seen) in self.board.decoded.items() if seen.entry.status == "dead"
-        }
+        decoded = list(self.board.decoded.items())  # (the agent thread writes it)
+        published_dead = {rank for rank, (_, seen) in decoded if seen.entry.status == "dead"}
         seen = sight(self.rank, self.world, removed, self.reach, published_dead)
         refused = self.reach.refused() - removed
         silent = seen.live - seen.side
