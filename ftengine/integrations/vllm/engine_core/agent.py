@@ -271,9 +271,9 @@ class EngineCoreAgent:
         while not self._stop.wait(self.beat_s):
             try:
                 self._check_quorum()
-                if self.fenced is not None and self._own_status() == "unhealthy":
-                    if not self._recovering.is_set():
-                        self.give_up(self.fenced)
+                fenced, recovering = self.fenced, self._recovering.is_set()
+                if fenced is not None and self._own_status() == "unhealthy" and not recovering:
+                    self.give_up(fenced)
             except Exception:  # the guard must outlive any one failure
                 logger.exception("[FT] engine %d quorum check failed", self.rank)
 
