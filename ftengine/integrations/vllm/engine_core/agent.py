@@ -270,12 +270,16 @@ class EngineCoreAgent:
         across a cut, and a minority must stop within a bound regardless."""
         while not self._stop.wait(self.beat_s):
             try:
-                self._check_quorum()
-                fenced, recovering = self.fenced, self._recovering.is_set()
-                if fenced is not None and self._own_status() == "unhealthy" and not recovering:
-                    self.give_up(fenced)
+                self.guard_step()
             except Exception:  # the guard must outlive any one failure
                 logger.exception("[FT] engine %d quorum check failed", self.rank)
+
+    def guard_step(self) -> None:
+        """One look at the quorum; a minority engine that vLLM has made unhealthy stops."""
+        self._check_quorum()
+        fenced, recovering = self.fenced, self._recovering.is_set()
+        if fenced is not None and self._own_status() == "unhealthy" and not recovering:
+            self.give_up(fenced)
 
     def _check_quorum(self) -> None:
         """The probes' news (no I/O; on the guard thread, so a DP store across a cut cannot
