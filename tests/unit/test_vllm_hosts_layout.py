@@ -54,3 +54,18 @@ def test_each_rank_binds_its_host_and_names_rank_zeros_host(tmp_path: Path) -> N
     assert config.url(2, placement) == f"http://{hosts.address(1)}:8102"
     plain = config.argv(2, 4321)  # no placement: the single-host deployment, unchanged
     assert plain[plain.index("--data-parallel-address") + 1] == "127.0.0.1"
+
+
+def test_vllm_up_refuses_a_bad_layout_before_starting_anything(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from ftengine.cli import main
+
+    (tmp_path / "config.json").write_text("{}")
+    base = ["vllm", "up", "--checkpoint", str(tmp_path), "--log-dir", str(tmp_path / "logs")]
+    assert main([*base, "--dp", "2", "--layout", "two"]) == 1
+    assert "ranks per host" in capsys.readouterr().err
+    assert main([*base, "--dp", "2", "--layout", "1,2"]) == 1
+    assert "the layout places 3 ranks, the config has dp_size 2" in capsys.readouterr().err
+    assert main([*base, "--dp", "2", "--hosts", "3"]) == 1
+    assert "hosts <= dp_size" in capsys.readouterr().err
