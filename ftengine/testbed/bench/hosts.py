@@ -33,7 +33,7 @@ import attrs
 import httpx
 
 from ftengine.testbed.vllm.hosts import HostLayout, MultiHostDeployment, leftovers
-from ftengine.testbed.vllm.launcher import DeploymentConfig
+from ftengine.testbed.vllm.launcher import DeploymentConfig, _tree
 
 LAYOUT = HostLayout((1, 2, 1))
 MAJORITY_HOSTS, MINORITY_HOSTS = (0, 1), (2,)
@@ -142,14 +142,18 @@ def _trial(config: HostsBenchConfig, trial: int) -> dict[str, Any]:
         extra_args=("--cpu-distributed-timeout-seconds", str(int(config.op_timeout_s))),
     )
     model, n = str(config.checkpoint), config.stream_tokens
+    begun = time.monotonic()
     spread = MultiHostDeployment.start(deployment, LAYOUT)
+    startup_s = time.monotonic() - begun
     tag = spread.hosts.tag
     try:
         urls = spread.urls
+        rss = sum(p.memory_info().rss for p in _tree([r.process.pid for r in spread.started.ranks]))
         reference = [
             s.tokens for s in _done(started([Stream(urls[0], model, p, n) for p in PROMPTS]))
         ]
-        out = _partition(spread, model, n, reference)
+        out: dict[str, Any] = {"startup_s": round(startup_s, 1), "rss_gb": round(rss / 2**30, 2)}
+        out.update(_partition(spread, model, n, reference))
         out.update(_host_loss(spread, model, n, reference))
     finally:
         spread.stop()
@@ -231,8 +235,8 @@ def _host_loss(
 SUMMED = ("split_brain_answers", "requests_lost_majority", "requests_lost_host_loss",
           "minority_requests", "minority_requests_ended_with_reason", "majority_requests",
           "leftovers")  # fmt: skip
-TIMED = ("host_loss_detect_s", "host_loss_interruption_s", "partition_detect_s",
-         "minority_stop_s", "partition_recovery_s")  # fmt: skip
+TIMED = ("startup_s", "rss_gb", "host_loss_detect_s", "host_loss_interruption_s",
+         "partition_detect_s", "minority_stop_s", "partition_recovery_s")  # fmt: skip
 
 
 def run(config: HostsBenchConfig) -> dict[str, Any]:
