@@ -50,6 +50,8 @@ def test_a_minority_engine_faults_then_stops_naming_the_partition() -> None:
     assert sentinel.status_type == Status.DEAD
     assert "network partition" in str(sentinel.fault_info)
     assert "[3] of [0, 1, 2, 3]" in str(sentinel.fault_info)
+    assert agent._refusing is not None  # requests already queued end with the reason too
+    agent.stop()
 
 
 def test_a_majority_engine_takes_a_silent_peer_for_dead_and_faults() -> None:

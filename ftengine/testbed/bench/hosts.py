@@ -161,9 +161,12 @@ def _trial(config: HostsBenchConfig, trial: int) -> dict[str, Any]:
     return out
 
 
-def _done(streams: list[Stream]) -> list[Stream]:
+def _done(streams: list[Stream], timeout_s: float = WAIT_S) -> list[Stream]:
+    """Each stream ended, or the shared ``timeout_s`` passed (a stream still running then
+    is counted as hung by the caller)."""
+    deadline = time.monotonic() + timeout_s
     for stream in streams:
-        stream.join(300)
+        stream.join(max(0.0, deadline - time.monotonic()))
     return streams
 
 
@@ -206,6 +209,7 @@ def _partition(
         "majority_requests": len(majority),
         "minority_requests": len(of_minority),
         "minority_requests_ended_with_reason": sum(s.says("partition") for s in of_minority),
+        "minority_requests_hung": sum(s.is_alive() for s in of_minority),
         "minority_fault_info": status(urls[MINORITY], MINORITY).get("fault_info"),
     }
 
@@ -233,8 +237,8 @@ def _host_loss(
 
 
 SUMMED = ("split_brain_answers", "requests_lost_majority", "requests_lost_host_loss",
-          "minority_requests", "minority_requests_ended_with_reason", "majority_requests",
-          "leftovers")  # fmt: skip
+          "minority_requests", "minority_requests_ended_with_reason", "minority_requests_hung",
+          "majority_requests", "leftovers")  # fmt: skip
 TIMED = ("startup_s", "rss_gb", "host_loss_detect_s", "host_loss_interruption_s",
          "partition_detect_s", "minority_stop_s", "partition_recovery_s")  # fmt: skip
 

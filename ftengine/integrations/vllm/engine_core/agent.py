@@ -124,6 +124,7 @@ class EngineCoreAgent:
         self.board.probe = self.reach.address
         self.gone: frozenset[int] = frozenset()  # peers the probes say are dead or cut off
         self.fenced: str | None = None  # why this engine is on a minority side (quorum)
+        self._refusing: threading.Event | None = None  # set: stop refusing late arrivals
         self._timed_group: object = None
         self._healthy_since = 0.0
         self.peers: dict[int, str] = {}  # current-epoch peers' statuses ("dead" if stale)
@@ -157,6 +158,8 @@ class EngineCoreAgent:
     def stop(self) -> None:
         self._stop.set()
         self.reach.stop()
+        if self._refusing is not None:
+            self._refusing.set()
 
     # -- called from the patched EngineCoreSentinel ------------------------------------
 
@@ -280,6 +283,14 @@ class EngineCoreAgent:
         fenced, recovering = self.fenced, self._recovering.is_set()
         if fenced is not None and self._own_status() == "unhealthy" and not recovering:
             self.give_up(fenced)
+            from ftengine.integrations.vllm.engine_core.minority import start_refusing
+
+            # requests already in the input queue end too, with the same reason
+            self._refusing = start_refusing(
+                self.engine,
+                f"engine {self.rank} stopped: {fenced}",
+                self.settings.recovery_timeout_s,
+            )
 
     def _check_quorum(self) -> None:
         """The probes' news (no I/O; on the guard thread, so a DP store across a cut cannot
