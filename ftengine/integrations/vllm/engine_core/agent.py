@@ -21,6 +21,12 @@
   every survivor proposes the same (``agreement``), else the orchestrator's command is
   awaited; ``WaitForOrchestrator`` waits (to a deadline earlier than vLLM's own, then gives
   up); ``GiveUp`` makes the engine DEAD, its held requests aborted with the reason.
+- **Quorum.** On a thread of its own (``guard_step``, no DP-store I/O), each engine core
+  applies the majority rule (``quorum``, docs/design-partitions.md) to what its UDP probes
+  reach: on the majority side a peer whose port is closed or that fell silent is taken for
+  dead at once (one scale-down past a whole host); on the minority side the engine faults
+  and, once unhealthy, is DEAD naming the partition, its held and queued requests ended
+  with that reason.
 - **Status.** ftengine's phase, epoch and removed ranks, written by the worker's FSM to
   :class:`StatusFile`, are added to each status the engine core pushes.
 """
@@ -473,9 +479,8 @@ class EngineCoreAgent:
             return
         if self._recovering.is_set():
             return  # the proposal stays published: the other members may still start
-        if self.fenced is not None:  # a minority side stops: never both sides serve
-            self.give_up(self.fenced)
-            return
+        if self.fenced is not None:
+            return  # a minority side proposes nothing: the guard stops it (never both serve)
         ctx = self.context(time.monotonic())
         if ctx is None:
             return

@@ -54,7 +54,7 @@ class Doorbell:
         self.sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
         self.sock.bind(("0.0.0.0", 0))  # any interface: a ring carries nothing but "read now"
         self.sock.setblocking(False)
-        self.address = (host_ip(), int(self.sock.getsockname()[1]))
+        self.address = (_host_ip(), int(self.sock.getsockname()[1]))
 
     def wait(self, seconds: float) -> bool:
         """Sleep up to ``seconds``; whether a peer rang meanwhile (every ring is taken)."""
@@ -71,7 +71,7 @@ class Doorbell:
                 self.sock.sendto(b"!", address)
 
 
-def host_ip() -> str:
+def _host_ip() -> str:
     """This host's address for the peers (vLLM's ``get_ip``; IPv4 only, else loopback)."""
     from ftengine.integrations.vllm.messages import VllmUnavailable, import_vllm
 
