@@ -131,6 +131,12 @@ def until_streaming(running: list[OpenAIStream]) -> None:
 
 
 @pytest.fixture(scope="module")
+def expected(checkpoint: Path) -> list[list[int]]:
+    """transformers' greedy token ids of ``PROMPTS`` on the same checkpoint."""
+    return transformers_greedy(checkpoint, PROMPTS, MAX_TOKENS)
+
+
+@pytest.fixture(scope="module")
 def reference(spread: MultiHostDeployment, checkpoint: Path) -> list[list[int]]:
     """Every ``STREAMED`` prompt's fault-free stream, on rank 0."""
     done = streams([spread.urls[0]], str(checkpoint))
@@ -142,9 +148,8 @@ def reference(spread: MultiHostDeployment, checkpoint: Path) -> list[list[int]]:
 
 @pytest.mark.timeout(900)
 def test_greedy_answers_on_every_host_equal_transformers(
-    spread: MultiHostDeployment, checkpoint: Path
+    spread: MultiHostDeployment, checkpoint: Path, expected: list[list[int]]
 ) -> None:
-    expected = transformers_greedy(checkpoint, PROMPTS, MAX_TOKENS)
     for rank, url in enumerate(spread.urls):
         assert complete(url, checkpoint) == expected, f"rank {rank} on {url}"
     assert [statuses(url)[r]["status"] for r, url in enumerate(spread.urls)] == ["healthy"] * 4
@@ -152,7 +157,10 @@ def test_greedy_answers_on_every_host_equal_transformers(
 
 @pytest.mark.timeout(600)
 def test_partition_majority_serves_minority_stops_with_a_reason(
-    spread: MultiHostDeployment, checkpoint: Path, reference: list[list[int]]
+    spread: MultiHostDeployment,
+    checkpoint: Path,
+    reference: list[list[int]],
+    expected: list[list[int]],
 ) -> None:
     urls, model = spread.urls, str(checkpoint)
     majority = [0, 1, 2]
@@ -181,13 +189,16 @@ def test_partition_majority_serves_minority_stops_with_a_reason(
         assert stream.finish_reason == "length", (i, stream.stop_reason)
         assert stream.tokens == reference[i % len(STREAMED)], i
     for rank in majority:
-        assert complete(urls[rank], checkpoint) == complete(urls[0], checkpoint), rank
+        assert complete(urls[rank], checkpoint) == expected, rank
     print(f"minority stopped {stop_s:.2f} s after the cut")
 
 
 @pytest.mark.timeout(600)
 def test_host_loss_one_scale_down_past_both_ranks_streams_exact(
-    spread: MultiHostDeployment, checkpoint: Path, reference: list[list[int]]
+    spread: MultiHostDeployment,
+    checkpoint: Path,
+    reference: list[list[int]],
+    expected: list[list[int]],
 ) -> None:
     urls = spread.urls
     before = statuses(urls[0])[0]
@@ -205,4 +216,4 @@ def test_host_loss_one_scale_down_past_both_ranks_streams_exact(
     log = spread.started.ranks[0].log_path.read_text(errors="replace")
     agreed = [line for line in log.splitlines() if "survivors agree: scale down" in line]
     assert agreed and f"DP ranks {removed}" in agreed[-1], agreed
-    assert complete(urls[0], checkpoint) == transformers_greedy(checkpoint, PROMPTS, MAX_TOKENS)
+    assert complete(urls[0], checkpoint) == expected
