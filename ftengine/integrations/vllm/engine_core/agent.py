@@ -317,6 +317,7 @@ class EngineCoreAgent:
             gone = refused | silent
             for rank in sorted(gone - self.gone):
                 why = "closed its port" if rank in refused else f"silent {SILENT_S:.0f} s"
+                logger.warning("[FT] engine %d: engine %d %s: taken for dead", self.rank, rank, why)
                 self.peers[rank] = "dead"
                 self.views[rank] = PeerView("dead", None)
                 self._inject(rank, f"engine {rank} {why}: gone (this side holds a majority)",

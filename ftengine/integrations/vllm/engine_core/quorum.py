@@ -155,22 +155,31 @@ class Reachability:
     def _run(self) -> None:
         next_probe = 0.0
         while not self._stop.is_set():
-            now = time.monotonic()  # pacing; ``clock`` dates what was heard
-            if now >= next_probe:
-                self._send()
-                next_probe = now + PROBE_S
-            with self._lock:
-                probes = dict(self._probes)
-            ready = select.select([self.sock, *probes.values()], [], [], PROBE_S / 2)[0]
-            for sock in ready:
-                if sock is self.sock:
-                    self._answer()
-                else:
-                    rank = next(r for r, s in probes.items() if s is sock)
-                    self._hear(rank, sock)
+            try:
+                next_probe = self._round(next_probe)
+            except Exception:  # a prober that died would make this engine look cut off
+                logger.exception("[FT] engine %d: probe round failed", self.rank)
+                time.sleep(PROBE_S)
         self.sock.close()
         for probe in self._probes.values():
             probe.close()
+
+    def _round(self, next_probe: float) -> float:
+        """Probe when due, answer and hear for up to half a probe interval; the next due."""
+        now = time.monotonic()  # pacing; ``clock`` dates what was heard
+        if now >= next_probe:
+            self._send()
+            next_probe = now + PROBE_S
+        with self._lock:
+            probes = dict(self._probes)
+        ready = select.select([self.sock, *probes.values()], [], [], PROBE_S / 2)[0]
+        for sock in ready:
+            if sock is self.sock:
+                self._answer()
+            else:
+                rank = next(r for r, s in probes.items() if s is sock)
+                self._hear(rank, sock)
+        return next_probe
 
     def _send(self) -> None:
         with self._lock:
