@@ -157,3 +157,24 @@ def test_the_engine_client_start_exports_the_url_first(
     export_url(flags(host="127.0.0.1", api_key=["sk-1", "sk-2"]))
     assert os.environ[API_URL_ENV] == "http://public.example:80"
     assert os.environ[API_KEY_ENV] == "sk-1"  # the survivors ask for it
+
+
+class ReasonedEngineClient(EngineClient):
+    """Engines that are DEAD with ``fault_info`` (ftengine's reason in the status)."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__("dead")
+        self.reason = reason
+
+    async def get_status(self) -> dict[str, Any]:
+        status = await super().get_status()
+        for engine in status["engines"]:
+            engine["fault_info"] = self.reason
+        return status
+
+
+def test_a_refusal_names_why_the_engine_is_dead() -> None:
+    why = "policy gave up: network partition: engine 3 reaches live DP ranks [3] of [0, 1, 2, 3]"
+    reply = server(ReasonedEngineClient(why)).post("/v1/completions", json={})
+    assert reply.status_code == 503
+    assert why in reply.json()["error"]["message"]

@@ -10,9 +10,13 @@ import sys
 import threading
 from pathlib import Path
 from types import FrameType
+from typing import TYPE_CHECKING
 
 from ftengine.backends.npu_config import PLACEMENTS
 from ftengine.errors import ConfigError
+
+if TYPE_CHECKING:
+    from ftengine.testbed.vllm.launcher import DeploymentConfig
 
 COMMAND = "vllm"
 
@@ -25,6 +29,18 @@ def register(parser: argparse.ArgumentParser) -> None:
     up.add_argument("--checkpoint", type=Path, required=True, help="HF checkpoint directory")
     up.add_argument("--port", type=int, default=8000, help="rank r serves on PORT + r")
     up.add_argument("--host", default="127.0.0.1", help="bind address of every server")
+    up.add_argument(
+        "--hosts",
+        type=int,
+        default=None,
+        help="spread the ranks evenly over N network-namespace hosts on a bridge (root; "
+        "each rank's server binds its host's address; --host is then unused)",
+    )
+    up.add_argument(
+        "--layout",
+        default=None,
+        help="ranks per namespace host, e.g. 1,2,1 (sums to --dp; instead of --hosts)",
+    )
     up.add_argument(
         "--policy", default=None, help="ftengine policy: orchestrator, auto or module:factory"
     )
@@ -120,11 +136,37 @@ def run_up(args: argparse.Namespace) -> int:
         print(f"ftengine vllm up: {exc}", file=sys.stderr)
         return 2
     signal.signal(signal.SIGTERM, _stop)
+    if args.hosts is not None or args.layout is not None:
+        return _run_hosts(args, config)
     try:
         with VllmDeployment.start(config) as deployment:
             for line in format_ranks(deployment):
                 print(line, flush=True)
             print("serving; Ctrl-C stops every process above", flush=True)
+            threading.Event().wait()
+    except (ConfigError, DeploymentFailed) as exc:
+        print(f"ftengine vllm up: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130
+    return 0
+
+
+def _run_hosts(args: argparse.Namespace, config: DeploymentConfig) -> int:
+    """``vllm up --hosts N`` / ``--layout``: the same deployment over namespace hosts."""
+    from ftengine.testbed.vllm.hosts import HostLayout, MultiHostDeployment
+    from ftengine.testbed.vllm.launcher import DeploymentFailed
+
+    try:
+        layout = (
+            HostLayout.parse(args.layout)
+            if args.layout is not None
+            else HostLayout.even(args.dp, args.hosts)
+        )
+        with MultiHostDeployment.start(config, layout) as spread:
+            for line in spread.describe():
+                print(line, flush=True)
+            print("serving; Ctrl-C stops every process and removes every host above", flush=True)
             threading.Event().wait()
     except (ConfigError, DeploymentFailed) as exc:
         print(f"ftengine vllm up: {exc}", file=sys.stderr)

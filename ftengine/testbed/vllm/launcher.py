@@ -26,7 +26,7 @@ import time
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from types import TracebackType
-from typing import IO
+from typing import IO, Protocol
 
 import attrs
 import httpx
@@ -133,8 +133,9 @@ class DeploymentConfig:
         except ConfigError as exc:
             raise ConfigError(f"Invalid --additional-config: {exc}") from exc
 
-    def url(self, rank: int) -> str:
-        return f"http://{self.host}:{self.port + rank}"
+    def url(self, rank: int, placement: Placement | None = None) -> str:
+        host = self.host if placement is None else placement.address(rank)
+        return f"http://{host}:{self.port + rank}"
 
     def additional(self, rank: int) -> dict[str, object]:
         """Rank ``rank``'s ``--additional-config``: ``additional_config``, with the other
@@ -146,12 +147,15 @@ class DeploymentConfig:
             config[FTENGINE_KEY] = {**sub, "handoff_urls": others}
         return config
 
-    def argv(self, rank: int, rpc_port: int) -> list[str]:
-        """The command line of rank ``rank``'s API server."""
+    def argv(self, rank: int, rpc_port: int, placement: Placement | None = None) -> list[str]:
+        """The command line of rank ``rank``'s API server (``placement``: on its host, with
+        rank 0's host as vLLM's ``--data-parallel-address``)."""
+        host = self.host if placement is None else placement.address(rank)
+        dp_address = self.host if placement is None else placement.address(0)
         args = [
             sys.executable, "-m", API_SERVER_MODULE,
             "--model", str(self.checkpoint),
-            "--host", self.host, "--port", str(self.port + rank),
+            "--host", host, "--port", str(self.port + rank),
             "--gpu-memory-utilization", str(self.gpu_memory_utilization),
             "--max-model-len", str(self.max_model_len),
         ]  # fmt: skip
@@ -163,7 +167,7 @@ class DeploymentConfig:
             args += [
                 "--data-parallel-size", str(self.dp_size),
                 "--data-parallel-rank", str(rank),
-                "--data-parallel-address", self.host,
+                "--data-parallel-address", dp_address,
                 "--data-parallel-rpc-port", str(rpc_port),
                 "--enable-expert-parallel",
             ]  # fmt: skip
@@ -174,6 +178,18 @@ class DeploymentConfig:
         if additional:
             args += ["--additional-config", json.dumps(additional)]
         return args + list(self.extra_args)
+
+
+class Placement(Protocol):
+    """Where each rank's server runs (default: every rank on ``DeploymentConfig.host``):
+    the address it binds and is reached at, the command that starts it there (the server's
+    argv wrapped, e.g. in ``ip netns exec``) and the environment it needs there."""
+
+    def address(self, rank: int) -> str: ...
+
+    def command(self, rank: int, argv: list[str]) -> list[str]: ...
+
+    def env(self, rank: int) -> dict[str, str]: ...
 
 
 def _free_port(host: str) -> int:
@@ -209,28 +225,33 @@ class Rank:
 class VllmDeployment:
     """A started deployment (use :meth:`start`, as a context manager)."""
 
-    def __init__(self, config: DeploymentConfig, ranks: list[Rank]) -> None:
+    def __init__(
+        self, config: DeploymentConfig, ranks: list[Rank], placement: Placement | None = None
+    ) -> None:
         self.config = config
         self.ranks = ranks
+        self.placement = placement
         self.started_pids: set[int] = set()  # every pid seen in its tree (status files)
 
     @property
     def urls(self) -> list[str]:
         """Each started rank's base URL, by rank."""
-        return [self.config.url(r.rank) for r in self.ranks]
+        return [self.config.url(r.rank, self.placement) for r in self.ranks]
 
     @classmethod
-    def start(cls, config: DeploymentConfig) -> VllmDeployment:
-        """Start every rank and wait until each answers ``/health``; on any failure stop
-        what was started and raise :class:`DeploymentFailed` with the rank's log tail."""
-        for rank in range(config.dp_size):
-            _check_free(config.host, config.port + rank)
+    def start(cls, config: DeploymentConfig, placement: Placement | None = None) -> VllmDeployment:
+        """Start every rank (where ``placement`` puts it) and wait until each answers
+        ``/health``; on any failure stop what was started and raise
+        :class:`DeploymentFailed` with the rank's log tail."""
+        if placement is None:  # (hosts of a placement are fresh network namespaces)
+            for rank in range(config.dp_size):
+                _check_free(config.host, config.port + rank)
         rpc_port = config.rpc_port or _free_port(config.host)
         config.log_dir.mkdir(parents=True, exist_ok=True)
-        deployment = cls(config, [])
+        deployment = cls(config, [], placement)
         try:
             for rank in range(config.dp_size):
-                deployment.ranks.append(_spawn(config, rank, rpc_port))
+                deployment.ranks.append(_spawn(config, rank, rpc_port, placement))
             deployment.wait_healthy(config.startup_timeout_s)
             deployment.pids()  # remembers the engine cores, should they die before stop()
         except BaseException:
@@ -327,15 +348,22 @@ def rank_env(config: DeploymentConfig, rank: int, base: Mapping[str, str]) -> di
     return env
 
 
-def _spawn(config: DeploymentConfig, rank: int, rpc_port: int) -> Rank:
+def _spawn(
+    config: DeploymentConfig, rank: int, rpc_port: int, placement: Placement | None = None
+) -> Rank:
     log_path = config.log_dir / f"rank{rank}.log"
     log = log_path.open("wb")
+    argv = config.argv(rank, rpc_port, placement)
+    env = rank_env(config, rank, os.environ)
+    if placement is not None:
+        argv = placement.command(rank, argv)
+        env.update(placement.env(rank))
     process = subprocess.Popen(
-        config.argv(rank, rpc_port),
+        argv,
         stdin=subprocess.DEVNULL,
         stdout=log,
         stderr=subprocess.STDOUT,
-        env=rank_env(config, rank, os.environ),
+        env=env,
         start_new_session=True,  # its own process group: stop() signals exactly its tree
     )
     return Rank(rank, process, log_path, log)

@@ -53,6 +53,14 @@ def all_dead(status: object) -> bool:
     return all(isinstance(e, dict) and e.get("status") == "dead" for e in engines)
 
 
+def dead_reasons(status: object) -> list[str]:
+    """The ``fault_info`` of each engine in vLLM's ``get_status()`` answer that has one."""
+    engines = status.get("engines") if isinstance(status, dict) else None
+    if not isinstance(engines, list):
+        return []
+    return [str(e["fault_info"]) for e in engines if isinstance(e, dict) and e.get("fault_info")]
+
+
 def refused_body(message: str) -> bytes:
     """vLLM's error object (``ErrorResponse``) for a 503."""
     error = {"message": message, "type": "ServiceUnavailableError", "param": None, "code": 503}
@@ -66,7 +74,8 @@ class DeadRankGuard:
         self.app = app
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope.get("type") != "http" or not await self._dead(scope):
+        reasons = await self._dead(scope) if scope.get("type") == "http" else None
+        if reasons is None:
             await self.app(scope, receive, send)
             return
         path, method = str(scope.get("path", "")), str(scope.get("method", "GET"))
@@ -76,24 +85,27 @@ class DeadRankGuard:
             await self.app(scope, receive, send)
         else:
             why = (
-                "this rank's engine is DEAD (its worker process died) and will not serve "
-                "again; retry through the load balancer, which reaches a surviving rank"
+                f"this rank's engine is DEAD ({'; '.join(reasons) or 'its worker process died'})"
+                " and will not serve again; retry through the load balancer, which reaches a "
+                "surviving rank"
             )
             headers = [(b"content-type", b"application/json"),
                        (b"retry-after", str(RETRY_AFTER_S).encode())]  # fmt: skip
             await _answer(send, refused_body(why), headers)
 
-    async def _dead(self, scope: Scope) -> bool:
+    async def _dead(self, scope: Scope) -> list[str] | None:
+        """None unless every engine this server feeds is DEAD; then their reasons."""
         app = scope.get("app")
         client = getattr(getattr(app, "state", None), "engine_client", None)
         get_status = getattr(client, "get_status", None)
         if get_status is None:
-            return False
+            return None
         try:
-            return all_dead(await get_status())
+            status = await get_status()
         except Exception:  # a status that cannot be read is vLLM's to report, not ours
             logger.debug("[FT] could not read the engines' status", exc_info=True)
-            return False
+            return None
+        return dead_reasons(status) if all_dead(status) else None
 
 
 async def _answer(send: Send, body: bytes, headers: list[tuple[bytes, bytes]]) -> None:

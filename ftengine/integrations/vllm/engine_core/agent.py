@@ -21,6 +21,12 @@
   every survivor proposes the same (``agreement``), else the orchestrator's command is
   awaited; ``WaitForOrchestrator`` waits (to a deadline earlier than vLLM's own, then gives
   up); ``GiveUp`` makes the engine DEAD, its held requests aborted with the reason.
+- **Quorum.** On a thread of its own (``guard_step``, no DP-store I/O), each engine core
+  applies the majority rule (``quorum``, docs/design-partitions.md) to what its UDP probes
+  reach: on the majority side a peer whose port is closed or that fell silent is taken for
+  dead at once (one scale-down past a whole host); on the minority side the engine faults
+  and, once unhealthy, is DEAD naming the partition, its held and queued requests ended
+  with that reason.
 - **Status.** ftengine's phase, epoch and removed ranks, written by the worker's FSM to
   :class:`StatusFile`, are added to each status the engine core pushes.
 """
@@ -53,6 +59,13 @@ from ftengine.integrations.vllm.engine_core.dp_board import (
 )
 from ftengine.integrations.vllm.engine_core.fault_books import FaultBooks
 from ftengine.integrations.vllm.engine_core.poison import own_fault
+from ftengine.integrations.vllm.engine_core.quorum import (
+    SILENT_S,
+    Reachability,
+    explain,
+    keeps_serving,
+    sight,
+)
 from ftengine.integrations.vllm.engine_core.scale_down import REMOVED_ATTR, problems
 from ftengine.integrations.vllm.engine_core.worker_exit import worker_dying
 from ftengine.integrations.vllm.messages import import_vllm
@@ -113,6 +126,11 @@ class EngineCoreAgent:
         self._store_failures = 0
         self.board, self.doorbell = StatusBoard(self.rank, self.world), Doorbell()
         self.board.doorbell = self.doorbell.address
+        self.reach = Reachability(self.rank, self.doorbell.address[0])
+        self.board.probe = self.reach.address
+        self.gone: frozenset[int] = frozenset()  # peers the probes say are dead or cut off
+        self.fenced: str | None = None  # why this engine is on a minority side (quorum)
+        self._refusing: threading.Event | None = None  # set: stop refusing late arrivals
         self._timed_group: object = None
         self._healthy_since = 0.0
         self.peers: dict[int, str] = {}  # current-epoch peers' statuses ("dead" if stale)
@@ -129,6 +147,7 @@ class EngineCoreAgent:
         self._idle.set()
         self._lock = threading.Lock()
         self.thread = threading.Thread(target=self._run, name="ftengine-agent", daemon=True)
+        self.guard = threading.Thread(target=self._guard, name="ftengine-quorum", daemon=True)
 
     def start(self) -> None:
         logger.info("[FT] engine %d: policy %r", self.rank, self.policy)
@@ -138,9 +157,15 @@ class EngineCoreAgent:
                 "[FT] removed %d status files of engine cores that no longer run", len(removed)
             )
         self.thread.start()
+        if self.world > 1:
+            self.reach.start()
+            self.guard.start()
 
     def stop(self) -> None:
         self._stop.set()
+        self.reach.stop()
+        if self._refusing is not None:
+            self._refusing.set()
 
     # -- called from the patched EngineCoreSentinel ------------------------------------
 
@@ -239,12 +264,71 @@ class EngineCoreAgent:
         ``PEER_READ_S`` has passed, a peer ``rung`` the doorbell, or at once when this
         engine has news of its own (its worker began to exit, its status or epoch changed)."""
         self._keep_dp_timeout()
+        if self.fenced is not None:
+            return  # a minority engine reads no DP store: its host may be across the cut
         was_dying = self._dying
         self._dying = was_dying or worker_dying(self.engine.model_executor)
         news = rung or self._dying != was_dying or self._mine() != self.board.published
         if news or time.monotonic() - self._read_at >= PEER_READ_S:
             self._watch_peers(exit_checked=True)
             self._maybe_recover()
+
+    def _guard(self) -> None:
+        """The quorum's own thread: the agent thread may wait in a DP-store call for the
+        store's timeout (vLLM's per-op timeout, 30 min by default) when the store's host is
+        across a cut, and a minority must stop within a bound regardless."""
+        while not self._stop.wait(self.beat_s):
+            try:
+                self.guard_step()
+            except Exception:  # the guard must outlive any one failure
+                logger.exception("[FT] engine %d quorum check failed", self.rank)
+
+    def guard_step(self) -> None:
+        """One look at the quorum; a minority engine that vLLM has made unhealthy stops."""
+        self._check_quorum()
+        fenced, recovering = self.fenced, self._recovering.is_set()
+        if fenced is not None and self._own_status() == "unhealthy" and not recovering:
+            self.give_up(fenced)
+            from ftengine.integrations.vllm.engine_core.minority import start_refusing
+
+            # requests already in the input queue end too, with the same reason
+            self._refusing = start_refusing(
+                self.engine,
+                f"engine {self.rank} stopped: {fenced}",
+                self.settings.recovery_timeout_s,
+            )
+
+    def _check_quorum(self) -> None:
+        """The probes' news (no I/O; on the guard thread, so a DP store across a cut cannot
+        delay it): a peer whose port is closed is dead; on a side that keeps the majority
+        (``quorum.keeps_serving``) a silent peer is cut off, so gone as well; on the other
+        side this engine faults and, once unhealthy, stops (:meth:`_guard`)."""
+        if self.world <= 1:
+            return
+        self.reach.know(self.board.probes)
+        removed = self._removed()
+        decoded = list(self.board.decoded.items())  # (the agent thread writes it)
+        published_dead = {rank for rank, (_, seen) in decoded if seen.entry.status == "dead"}
+        seen = sight(self.rank, self.world, removed, self.reach, published_dead)
+        refused = self.reach.refused() - removed
+        silent = seen.live - seen.side
+        if keeps_serving(seen):
+            self.fenced = None
+            gone = refused | silent
+            for rank in sorted(gone - self.gone):
+                why = "closed its port" if rank in refused else f"silent {SILENT_S:.0f} s"
+                logger.warning("[FT] engine %d: engine %d %s: taken for dead", self.rank, rank, why)
+                self.peers[rank] = "dead"
+                self.views[rank] = PeerView("dead", None)
+                self._inject(rank, f"engine {rank} {why}: gone (this side holds a majority)",
+                             early=True)  # fmt: skip
+            self.gone = frozenset(gone)
+            return
+        self.gone = frozenset(refused)
+        if self.fenced is None:
+            self.fenced = explain(seen)
+            logger.warning("[FT] engine %d: %s", self.rank, self.fenced)
+        self._inject(min(silent, default=self.rank), self.fenced, early=True)
 
     def _keep_dp_timeout(self) -> None:
         """A retry replaces the engine's DP group: give the new one the timeout too."""
@@ -309,7 +393,7 @@ class EngineCoreAgent:
             if last is None or last[0] != beat:
                 self._seen[rank] = (beat, now)
             stale = last is not None and now - self._seen[rank][1] > STALE_S
-            self.peers[rank] = "dead" if stale else status
+            self.peers[rank] = "dead" if stale or rank in self.gone else status
             self.views[rank] = PeerView(self.peers[rank], seen.entry.proposal)
             self.blames[rank] = seen.entry.blame
             # Only from a beat that began healthy: one that began faulted has not started
@@ -396,6 +480,8 @@ class EngineCoreAgent:
             return
         if self._recovering.is_set():
             return  # the proposal stays published: the other members may still start
+        if self.fenced is not None:
+            return  # a minority side proposes nothing: the guard stops it (never both serve)
         ctx = self.context(time.monotonic())
         if ctx is None:
             return

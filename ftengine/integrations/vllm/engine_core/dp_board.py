@@ -115,6 +115,8 @@ class StatusBoard:
         self.decoded: dict[int, tuple[bytes, PeerStatus]] = {}
         self.doorbell: tuple[str, int] | None = None  # this engine's, published with it
         self.doorbells: dict[int, tuple[str, int]] = {}  # the peers', as last read
+        self.probe: tuple[str, int] | None = None  # this engine's quorum.Reachability
+        self.probes: dict[int, tuple[str, int]] = {}  # the peers', as last read
 
     def publish(self, store: Any, mine: Entry, beat: int, now: float) -> bool:
         """Write this engine's entry when it changes, else every ``PUBLISH_S`` (the beat
@@ -128,6 +130,7 @@ class StatusBoard:
             "beat": beat,
             "epoch": mine.epoch,
             "doorbell": self.doorbell,
+            "probe": self.probe,
             "proposal": None if mine.proposal is None else mine.proposal.to_json(),
             "blame": mine.blame,
         }
@@ -168,5 +171,8 @@ class StatusBoard:
         doorbell = value.get("doorbell")
         if isinstance(doorbell, list) and len(doorbell) == 2:
             self.doorbells[rank] = (str(doorbell[0]), int(doorbell[1]))
+        probe = value.get("probe")
+        if isinstance(probe, list) and len(probe) == 2:
+            self.probes[rank] = (str(probe[0]), int(probe[1]))
         self.decoded[rank] = (raw, decoded)
         return decoded
