@@ -1,11 +1,11 @@
 """A short chaos campaign (``ftengine chaos``) as ``make test`` runs it: at least 20 faults,
-every kind at least once (the network cut too: each worker in its own network namespace;
-we run as root here, which namespaces need), on DP=3 under six concurrent streaming
-clients, with every invariant holding: no hang, nothing stuck unhealthy, no split brain,
-no wrong token, no gap or repeat, no lost request, no orphan process, port, namespace or
-link; every rank removed by a scale-down restarted and admitted back (``scale_up``), no
-fault ending with the deployment DEAD. The campaign runs in a child process (the CLI, as an operator runs it) under a hard
-timeout, stopped by pid if it overruns."""
+every kind at least once (the network cut too: each worker in its own network namespace; we
+run as root here, which namespaces need), on DP=3 under six concurrent streaming clients,
+with every invariant holding: no hang, nothing stuck unhealthy, no split brain, no wrong
+token, no gap or repeat, no lost request, no orphan process, port, namespace or link; every
+rank removed by a scale-down restarted and admitted back (``scale_up``), no fault ending
+with the deployment DEAD. The campaign runs in a child process (the CLI, as an operator runs
+it) under a hard timeout, stopped by pid if it overruns."""
 
 from __future__ import annotations
 
