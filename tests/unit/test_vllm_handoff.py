@@ -270,7 +270,8 @@ def test_a_survivors_refusal_and_the_deadline_abort_with_the_reason(survivor: Su
     [out] = outputs(engine)["t"]
     assert out.finish_reason == v1.FinishReason.ABORT
     assert "did not finish within the 2.2s recovery deadline" in out.stop_reason
-    assert "answered 503" in out.stop_reason and 2 <= len(survivor.bodies) - 1 <= 4
+    # asked again until the deadline (how often depends on the machine: at least once)
+    assert "answered 503" in out.stop_reason and 1 <= len(survivor.bodies) - 1 <= 4
 
 
 def test_a_dead_engine_with_survivors_hands_its_held_requests_over(survivor: Survivor) -> None:

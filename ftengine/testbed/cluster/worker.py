@@ -28,6 +28,7 @@ import attrs
 import torch
 from torch._C._distributed_c10d import TCPStore
 
+from ftengine.commands import CommandResult
 from ftengine.context import RedundancyFacts
 from ftengine.errors import ConfigError
 from ftengine.sentinel import HostedBackend, RankSentinel
@@ -169,6 +170,12 @@ class ClusterWorker:
         self.sentinel = self._sentinel()
         self.commands = build_command_adapter(spec.config.command_adapter, self.sentinel, spec.rank)
         self._last_status: dict[str, Any] | None = None
+        # A command runs in its own thread, so that a peer's fault reaching this worker
+        # while a recovery step blocks (a group rendezvous waiting for a peer that died
+        # meanwhile) interrupts the recovery at once instead of after the step's timeout;
+        # every other message waits for the command to end, in order.
+        self._command: tuple[threading.Thread, FtCommand, list[CommandResult]] | None = None
+        self._held: list[object] = []
         if spec.rejoining:
             # Loaded its own slots above, alone: it joins the survivors' groups only when
             # admitted (scale_up); until then it serves nothing.
@@ -225,9 +232,17 @@ class ClusterWorker:
                     return
                 if isinstance(message, Shutdown):
                     return
-                self._handle(message)
-            if ft:
+                if self._command is None:
+                    self._handle(message)
+                elif isinstance(message, PeerFault):
+                    self._handle(message)  # interrupts the running recovery
+                else:
+                    self._held.append(message)
+            if self._command is not None:
+                self._finish_command()
+            if ft and self._command is None:
                 self.sentinel.poll()
+            if ft:
                 self.publish_status()
 
     def _handle(self, message: object) -> None:
@@ -237,11 +252,18 @@ class ClusterWorker:
                 self.publish_status()
             self.link.send(reply)
         elif isinstance(message, FtCommand):
-            result = self.commands.run_command(
-                message.instruction, message.params, message.request_id
+            results: list[CommandResult] = []
+            thread = threading.Thread(
+                target=lambda: results.append(
+                    self.commands.run_command(
+                        message.instruction, message.params, message.request_id
+                    )
+                ),
+                name=f"ftengine-command-{message.request_id}",
+                daemon=True,
             )
-            self.publish_status()
-            self.link.send(FtReply(self.rank, result.request_id, result.success, result.reason))
+            self._command = (thread, message, results)
+            thread.start()
         elif isinstance(message, PeerFault):
             # A late notice about a rank this worker already scaled away is old news.
             if message.rank != self.rank and message.rank not in self.backend.dead:
@@ -259,6 +281,28 @@ class ClusterWorker:
             self.injector.arm(message.spec)
         else:
             logger.error("unknown message %r", message, extra={"rank": self.rank})
+
+    def _finish_command(self) -> None:
+        """Once the running command's thread ended: its status, its reply, then the
+        messages held meanwhile, in order."""
+        assert self._command is not None
+        thread, message, results = self._command
+        if thread.is_alive():
+            return
+        self._command = None
+        if results:
+            result = results[0]
+            self.publish_status()
+            self.link.send(FtReply(self.rank, result.request_id, result.success, result.reason))
+        else:  # the command raised: the thread's traceback is in the log
+            why = f"command {message.instruction} raised in engine {self.rank}"
+            self.link.send(FtReply(self.rank, message.request_id, False, why))
+        held, self._held = self._held, []
+        for index, later in enumerate(held):
+            if self._command is not None:  # a held command started: the rest wait again
+                self._held = held[index:] + self._held
+                return
+            self._handle(later)
 
     def _step(self, request: StepRequest) -> StepReply:
         for request_id in request.release:
