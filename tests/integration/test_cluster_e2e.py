@@ -201,7 +201,12 @@ def test_5b_hung_main_thread_from_env_var_is_fenced_and_scaled_down(
 
 
 @pytest.mark.timeout(120)
-def test_6_fault_during_recovery_is_terminal(launch: Launcher) -> None:
+def test_6_a_failed_recovery_step_waits_for_the_next_command_which_recovers(
+    launch: Launcher, reference: list[Generation]
+) -> None:
+    """One survivor's reload fails once inside the scale-down: the engines stay
+    ``unhealthy`` (as vLLM keeps an engine whose command failed), saying why, and the same
+    command sent again succeeds; only the attempts bound (3 per episode) ends them DEAD."""
     cluster = launch(inject_fault="rank=1,kind=reload_error")
     cluster.kill(3, signal.SIGKILL)
     wait_statuses(cluster, {3: DEAD} | dict.fromkeys((0, 1, 2), UNHEALTHY), 10.0)
@@ -209,13 +214,13 @@ def test_6_fault_during_recovery_is_terminal(launch: Launcher) -> None:
     result = cluster.apply("scale_down", {"removed_dp_ranks": [3]}, "s6-scale-down")
     assert not result.success
     assert result.reason is not None and "reload_error" in result.reason
-    settle = wait_statuses(cluster, dict.fromkeys(range(4), DEAD), 30.0)
+    settle = wait_statuses(cluster, {3: DEAD} | dict.fromkeys((0, 1, 2), UNHEALTHY), 30.0)
     state = engines(cluster)
     assert "WeightLoadError" in state[1]["ft_error"]
-    assert all(state[r]["ft_error"] for r in (0, 2))
-    with pytest.raises(RequestAborted):
-        cluster.generate(list(PROMPTS[0]), 2)
-    TIMINGS["6 reload_error"] = {"command": time.monotonic() - start, "all_dead": settle}
+    again = cluster.apply("scale_down", {"removed_dp_ranks": [3]}, "s6-scale-down-again")
+    assert again.success, again.reason
+    assert_matches(cluster, reference)
+    TIMINGS["6 reload_error"] = {"command": time.monotonic() - start, "unhealthy": settle}
 
 
 @pytest.mark.timeout(120)
