@@ -208,3 +208,24 @@ def test_a_member_that_has_begun_the_recovery_still_counts() -> None:
     sentinel.engine.dp_store.peer(1, "unhealthy", epoch=1, proposal=["retry", [], 0])
     tick(agent)
     wait_until(lambda: bool(sentinel.retries))
+
+
+def test_a_peers_closed_socket_is_no_proof_that_it_died() -> None:
+    """DP=2: rank 1's step raised and it closed its DP group; rank 0's step fails with
+    "Connection closed by peer" (a dead-peer text) while rank 1 publishes ``unhealthy``:
+    the episode holds a transient fault of rank 1, no dead rank, and the policy proposes a
+    retry (it scaled rank 1 down alone before: its own proposal was the only survivor's)."""
+    sentinel = Sentinel(rank=0, world=2)
+    agent = agent_for(sentinel, "auto")
+    sentinel.engine.dp_store.peer(1, "unhealthy", blame=1)
+    agent._watch_peers()
+    agent.note_fault(RuntimeError("[pair.cc:553] Connection closed by peer [127.0.0.1]:18656"))
+    agent.after_fault()
+    sentinel.status_type = Status.UNHEALTHY
+    tick(agent)
+    ctx = agent.context(1e9)
+    assert ctx is not None and ctx.dead_ranks == frozenset(), ctx
+    assert ctx.fault.kind is FaultKind.TRANSIENT and ctx.fault.rank == 1
+    proposal = published(sentinel, 0)["proposal"]
+    assert isinstance(proposal, list) and proposal[0] == "retry", proposal
+    assert sentinel.scale_downs == []

@@ -206,7 +206,11 @@ class EngineCoreAgent:
         rank = self.rank if blamed is None and own_fault(exc, self.peers) else blamed
         fault = Fault(kind=kind, rank=rank, info=type(exc).__name__, at=time.monotonic())
         with self._lock:
-            self.books.open(fault)
+            # As the verdict names it: an error's text ("Connection closed by peer") is no
+            # proof that the peer it points at died, only the peers' statuses are; opened
+            # as a dead peer, the episode would count that rank dead and the policy could
+            # scale a live peer down (alone with DP=2, every survivor agreeing with itself).
+            self.books.open(self.verdict(fault))
 
     @property
     def fault(self) -> Fault | None:
