@@ -229,3 +229,26 @@ def test_a_peers_closed_socket_is_no_proof_that_it_died() -> None:
     proposal = published(sentinel, 0)["proposal"]
     assert isinstance(proposal, list) and proposal[0] == "retry", proposal
     assert sentinel.scale_downs == []
+
+
+def test_the_peer_that_began_it_is_blamed_not_the_first_seen_unhealthy() -> None:
+    """DP=3: rank 1's step raised; rank 0 faulted at once on the closed socket and was seen
+    ``unhealthy`` first by rank 2, whose own step then failed the same way. Rank 1 says the
+    fault is its own (its ``blame``): rank 2 counts it against rank 1 and proposes a retry,
+    not a scale-down of rank 0."""
+    sentinel = Sentinel(rank=2, world=3)
+    agent = agent_for(sentinel, "auto")
+    store = sentinel.engine.dp_store
+    store.peer(0, "unhealthy", blame=None)
+    store.peer(1, "healthy")
+    agent._watch_peers()
+    agent.note_fault(RuntimeError("[pair.cc:553] Connection closed by peer [127.0.0.1]:7044"))
+    agent.after_fault()
+    sentinel.status_type = Status.UNHEALTHY
+    store.peer(1, "unhealthy", beat=2, blame=1)
+    tick(agent)
+    ctx = agent.context(1e9)
+    assert ctx is not None and ctx.dead_ranks == frozenset(), ctx
+    assert ctx.fault.kind is FaultKind.TRANSIENT and ctx.fault.rank == 1
+    proposal = published(sentinel, 2)["proposal"]
+    assert isinstance(proposal, list) and proposal[0] == "retry", proposal

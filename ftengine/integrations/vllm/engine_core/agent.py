@@ -447,15 +447,16 @@ class EngineCoreAgent:
 
     def verdict(self, fault: Fault) -> Fault:
         """The fault as the policy should see it: a dead peer by name when one is known; a
-        fault that names no rank, the rank a peer's own fault names (the peer it began on);
+        peer's fault, the rank whose own fault began it as that peer publishes (the first
+        peer seen unhealthy may be another victim of it);
         a peer-side error (timeout, closed socket) while every peer still beats is a peer's
         transient fault (everyone is alive: a retry can rebuild the groups)."""
         dead = sorted(r for r, s in self.peers.items() if s == "dead")
         if dead:
             return attrs.evolve(fault, kind=FaultKind.DEAD_PEER, rank=dead[0])
-        if fault.rank is None:
+        if fault.rank != self.rank:  # not this engine's own: the peer that says it began it
             began = sorted(r for r, b in self.blames.items() if b == r and self.peers.get(r))
-            if began:
+            if began and fault.rank not in began:
                 fault = attrs.evolve(fault, rank=began[0])
         if fault.kind in (FaultKind.HUNG_PEER, FaultKind.DEAD_PEER) and self.peers:
             return attrs.evolve(fault, kind=FaultKind.TRANSIENT)
