@@ -252,3 +252,16 @@ def test_the_peer_that_began_it_is_blamed_not_the_first_seen_unhealthy() -> None
     assert ctx.fault.kind is FaultKind.TRANSIENT and ctx.fault.rank == 1
     proposal = published(sentinel, 2)["proposal"]
     assert isinstance(proposal, list) and proposal[0] == "retry", proposal
+
+
+def test_an_own_error_stays_own_when_a_victim_was_seen_unhealthy_first() -> None:
+    """Rank 1's step raised its own error; rank 0, a victim of the closed group, published
+    ``unhealthy`` before the error reached rank 1's engine core: still rank 1's fault, so a
+    ``FlapGuard`` on rank 1 counts it against itself."""
+    sentinel = Sentinel(rank=1, world=3)
+    agent = agent_for(sentinel, "auto")
+    sentinel.engine.dp_store.peer(0, "unhealthy")
+    sentinel.engine.dp_store.peer(2, "healthy")
+    agent._watch_peers()  # the marker: rank 0 seen faulted first
+    agent.note_fault(RuntimeError("[FT] fault injected on DP rank 1"))
+    assert agent.fault is not None and agent.fault.rank == 1

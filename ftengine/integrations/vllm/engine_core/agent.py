@@ -202,8 +202,16 @@ class EngineCoreAgent:
             self.pending = None  # this fault is the news; a queued marker is now stale
             blamed, self.blamed = self.blamed, None
         kind = FaultKind.DEAD_PEER if isinstance(exc, PeerDead) else classify_exception(exc)
-        # Its own fault (no peer's was news first): this rank's; else the peer's, if known.
-        rank = self.rank if blamed is None and own_fault(exc, self.peers) else blamed
+        # The agent's marker: the peer it saw faulted. An error of its own kind (not a
+        # collective's timeout or closed socket): this rank's, even if a peer was seen
+        # unhealthy first (a victim of this very fault, whose beat can outrun the error's
+        # way from the worker). Else the peer's, if known.
+        if isinstance(exc, PeerDead):
+            rank = blamed
+        elif own_fault(exc, self.peers):
+            rank = self.rank
+        else:
+            rank = blamed
         fault = Fault(kind=kind, rank=rank, info=type(exc).__name__, at=time.monotonic())
         with self._lock:
             # As the verdict names it: an error's text ("Connection closed by peer") is no
