@@ -267,18 +267,8 @@ class Handoff:
         ``stopped``), each is handed off as a held one is, or aborted saying why. Everything
         else there (aborts, utility calls) goes back, in order, for a busy loop that will
         not run again."""
-        add = import_vllm(ENGINE_MODULE).EngineCoreRequestType.ADD
-        kept: list[Any] = []
-        while not self.stopped.is_set() and time.monotonic() < deadline:
-            try:
-                item = engine.input_queue.get(timeout=LATE_POLL_S)
-            except queue.Empty:
-                continue
-            request_type, payload = item
-            if request_type != add:
-                kept.append(item)
-                continue
-            request = payload[0]  # (vllm.v1.request.Request, wave): preprocessed already
+
+        def arrived(request: Any) -> None:
             why = refusal(request)
             if why is None:
                 logger.warning("[FT] request %s reached DEAD engine core: handing it off",
@@ -287,8 +277,8 @@ class Handoff:
             else:
                 reason = f"{dead_reason}; not handed to a survivor: {why}"
                 emit(engine, request, [], "abort", reason)
-        for item in kept:
-            engine.input_queue.put_nowait(item)
+
+        drain_added(engine, arrived, deadline, self.stopped, LATE_POLL_S)
 
     def resume(self, engine: Any, state: Resume, deadline: float, dead_reason: str) -> None:
         """Ask survivors in turn until the request ends or ``deadline`` (``time.monotonic``)
@@ -420,3 +410,33 @@ def release_dead(
     if handoff is None:
         return None
     return handoff.take(engine, requests, reason)
+
+
+def drain_added(
+    engine: Any,
+    arrived: Callable[[Any], None],
+    until: float,
+    stopped: threading.Event,
+    poll_s: float,
+) -> int:
+    """Until ``until`` (``time.monotonic``) or ``stopped``: take every request added to
+    ``engine``'s input queue (vLLM's ``Request``, preprocessed already) and pass it to
+    ``arrived``; put everything else there (aborts, utility calls) back, in order, at the
+    end. How many requests were taken."""
+    add = import_vllm(ENGINE_MODULE).EngineCoreRequestType.ADD
+    kept: list[Any] = []
+    taken = 0
+    while not stopped.is_set() and time.monotonic() < until:
+        try:
+            item = engine.input_queue.get(timeout=poll_s)
+        except queue.Empty:
+            continue
+        request_type, payload = item
+        if request_type != add:
+            kept.append(item)
+            continue
+        arrived(payload[0])  # (vllm.v1.request.Request, wave)
+        taken += 1
+    for item in kept:
+        engine.input_queue.put_nowait(item)
+    return taken
