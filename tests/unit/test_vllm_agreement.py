@@ -11,7 +11,12 @@ import pytest
 from ftengine.context import RedundancyFacts
 from ftengine.errors import ConfigError
 from ftengine.faults import Fault, FaultKind, Phase
-from ftengine.integrations.vllm.engine_core.agreement import PeerView, Proposal, agreed
+from ftengine.integrations.vllm.engine_core.agreement import (
+    PeerView,
+    Proposal,
+    agreed,
+    holds_majority,
+)
 from ftengine.integrations.vllm.engine_core.fault_books import FaultBooks
 from ftengine.integrations.vllm.status_file import StatusFile, file_fields, redundancy_facts
 from ftengine.policies import Retry, ScaleDown
@@ -93,3 +98,24 @@ def test_the_worker_writes_its_redundancy_facts_for_the_engine_core(tmp_path: Pa
     for bad in ([4, 3, 8], {"ep_size": 4}, {"ep_size": 1, "local_slots": 1, "num_logical": 9}):
         with pytest.raises(ConfigError):
             redundancy_facts({"redundancy": bad})
+
+
+@pytest.mark.parametrize(
+    ("proposal", "rank", "world", "removed", "dead", "holds"),
+    [
+        (Proposal("retry"), 1, 2, set(), set(), True),  # everyone rebuilds together
+        (Proposal("scale_down", {1}), 0, 2, set(), set(), True),  # half, the lowest rank
+        (Proposal("scale_down", {0}), 1, 2, set(), set(), False),  # half, not the lowest
+        (Proposal("scale_down", {0}), 1, 2, set(), {0}, True),  # 0 proven dead
+        (Proposal("scale_down", {2}), 0, 3, set(), set(), True),  # 2 of 3
+        (Proposal("scale_down", {0, 1}), 2, 3, set(), set(), False),  # 1 of 3
+        (Proposal("scale_down", {0, 1}), 2, 3, set(), {0, 1}, True),
+        (Proposal("scale_down", {1, 3}), 0, 4, {3}, set(), True),  # 3 was removed before
+        (Proposal("scale_down", {0, 2, 3}), 1, 4, {3}, set(), False),  # 1 of 3 live: cut off
+        (Proposal("scale_down", {0, 3}), 1, 4, {3}, set(), True),  # 2 of 3 live
+    ],
+)  # fmt: skip
+def test_a_scale_down_needs_its_survivors_to_hold_the_majority_of_the_live_ranks(
+    proposal: Proposal, rank: int, world: int, removed: set[int], dead: set[int], holds: bool
+) -> None:
+    assert holds_majority(proposal, rank, world, frozenset(removed), frozenset(dead)) is holds

@@ -18,7 +18,9 @@
   ranks, the worker's redundancy facts, attempts and elapsed time. Every decision acts:
   ``Retry`` and ``ScaleDown`` are proposed on the DP board and run (the engine core's own
   ``retry`` / ftengine's ``scale_down``, exactly what an orchestrator's command runs) once
-  every survivor proposes the same (``agreement``), else the orchestrator's command is
+  every survivor proposes the same (``agreement``) and, for a ``scale_down``, those
+  survivors hold the majority of the live ranks (``agreement.holds_majority``: a member
+  cut off or starved never removes the others alone), else the orchestrator's command is
   awaited; ``WaitForOrchestrator`` waits (to a deadline earlier than vLLM's own, then gives
   up); ``GiveUp`` makes the engine DEAD, its held requests aborted with the reason.
 - **Quorum.** On a thread of its own (``guard_step``, no DP-store I/O), each engine core
@@ -47,7 +49,12 @@ from ftengine.context import RecoveryContext
 from ftengine.errors import PeerDead
 from ftengine.faults import Fault, FaultKind, Phase
 from ftengine.integrations.vllm.config import VllmFtSettings
-from ftengine.integrations.vllm.engine_core.agreement import PeerView, Proposal, agreed
+from ftengine.integrations.vllm.engine_core.agreement import (
+    PeerView,
+    Proposal,
+    agreed,
+    holds_majority,
+)
 from ftengine.integrations.vllm.engine_core.dp_board import BEAT_ENV as BEAT_ENV
 from ftengine.integrations.vllm.engine_core.dp_board import BEAT_S as BEAT_S
 from ftengine.integrations.vllm.engine_core.dp_board import (
@@ -119,6 +126,7 @@ class EngineCoreAgent:
         self.books = FaultBooks(self.rank, self.world)
         self.proposal: Proposal | None = None  # what this engine's policy proposes now
         self.decided: str | None = None  # the last decision, logged when it changes
+        self.outvoted: Proposal | None = None  # a scale-down the majority rule held back
         self._beat = 0
         self.beat_s = beat_interval()
         self._read_at = -PEER_READ_S  # when the peers were last read (monotonic)
@@ -319,9 +327,7 @@ class EngineCoreAgent:
             return
         self.reach.know(self.board.probes)
         removed = self._removed()
-        decoded = list(self.board.decoded.items())  # (the agent thread writes it)
-        published_dead = {rank for rank, (_, seen) in decoded if seen.entry.status == "dead"}
-        seen = sight(self.rank, self.world, removed, self.reach, published_dead)
+        seen = sight(self.rank, self.world, removed, self.reach, self._published_dead())
         refused = self.reach.refused() - removed
         silent = seen.live - seen.side
         if keeps_serving(seen):
@@ -341,6 +347,11 @@ class EngineCoreAgent:
             self.fenced = explain(seen)
             logger.warning("[FT] engine %d: %s", self.rank, self.fenced)
         self._inject(min(silent, default=self.rank), self.fenced, early=True)
+
+    def _published_dead(self) -> frozenset[int]:
+        """The peers whose last entry on the DP board says ``dead``."""
+        decoded = list(self.board.decoded.items())  # (the agent thread writes it)
+        return frozenset(rank for rank, (_, seen) in decoded if seen.entry.status == "dead")
 
     def _keep_dp_timeout(self) -> None:
         """A retry replaces the engine's DP group: give the new one the timeout too."""
@@ -531,6 +542,17 @@ class EngineCoreAgent:
         if published is None or published.proposal != proposal:
             return  # the peers must see ours before we wait for them in the rendezvous
         if not agreed(proposal, self.rank, self.world, self.views):
+            return
+        dead = self._published_dead() | self.reach.refused()
+        if not holds_majority(proposal, self.rank, self.world, self._removed(), dead):
+            if self.outvoted != proposal:
+                self.outvoted = proposal
+                logger.warning(
+                    "[FT] engine %d: not scaling down to remove DP ranks %s on its own: its "
+                    "survivors are no majority of the live ranks (dead: %s); waiting for the "
+                    "orchestrator",
+                    *(self.rank, sorted(proposal.removed - self._removed()), sorted(dead)),
+                )  # fmt: skip
             return
         # On its own thread: the beats go on while the DP group rendezvous waits.
         self._recovering.set()

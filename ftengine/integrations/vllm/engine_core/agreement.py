@@ -5,6 +5,14 @@ publishes its :class:`Proposal` on the DP board (``dp_board``); while the member
 (one has not seen the dead peer yet, their policies differ) nobody acts, and what never
 agrees waits for an orchestrator, as vLLM PR #46370's ``auto_recovery`` proceeds only when
 the survivors agree on a common mask.
+
+Agreement among the survivors a proposal names is not enough for a ``scale_down``: a member
+cut off from the others, or starved of CPU until their beats look stale, names itself the
+only survivor and agrees with itself (with DP=2 both would, each removing the other). So a
+``scale_down`` also needs its survivors to hold the majority of the ranks live before it
+(:func:`holds_majority`, the partition rule's one definition, ``quorum.keeps_serving``):
+a rank counts as gone only when proven dead (it published ``dead``, or its host answered
+that its port is closed), never for a silence.
 """
 
 from __future__ import annotations
@@ -14,6 +22,7 @@ from typing import Literal
 
 import attrs
 
+from ftengine.integrations.vllm.engine_core.quorum import Sight, keeps_serving
 from ftengine.policies import Retry, ScaleDown
 from ftengine.validators import int_at_least, rank_set, to_ranks
 
@@ -82,3 +91,17 @@ def agreed(proposal: Proposal, rank: int, world_size: int, peers: Mapping[int, P
         and view.proposal == proposal
         for member in others
     )
+
+
+def holds_majority(
+    proposal: Proposal, rank: int, world_size: int, removed: frozenset[int], dead: frozenset[int]
+) -> bool:
+    """Whether engine ``rank`` may run ``proposal`` as far as the majority rule goes: a
+    ``retry`` (every member rebuilds together) always; a ``scale_down`` when its survivors
+    keep serving by ``quorum.keeps_serving`` among the ranks live before it (the original
+    ranks not ``removed`` yet, less the ``dead`` proven)."""
+    if proposal.instruction != "scale_down":
+        return True
+    members = frozenset(range(world_size)) - removed
+    survivors = proposal.members(world_size)
+    return keeps_serving(Sight(rank, members, survivors & members, dead & members))
