@@ -24,6 +24,7 @@ from ftengine.testbed.chaos.findings import (
 )
 from ftengine.testbed.chaos.history import History
 from ftengine.testbed.chaos.invariants import FaultResult
+from ftengine.testbed.chaos.shares import answered_share, by_kind_shares
 from ftengine.testbed.chaos.traffic import StreamRecord
 
 
@@ -133,6 +134,9 @@ def test_the_shared_summary_counts_streams_faults_and_the_runs_violations() -> N
     assert (found["orphans"], found["rss_growth_ratio"]) == (1, 1.2)
     assert found["detect_s"] == {"sigkill": {"median": 0.5, "p90": 0.5, "max": 0.5}}
     assert found["outcomes"] == {"settled": 1}
+    assert found["requests_answered_share"] == round(2 / 3, 4)  # the wrong one ran to length
+    assert found["per_kind"]["sigkill"]["requests"] == 2  # ended after the fault at 1.0 s
+    assert found["per_kind"]["none"]["requests"] == 1  # the unended one, blamed on its start
     assert sorted((v["invariant"], v["fault"]) for v in found["violations"]) == [
         ("campaign_error", None),
         ("lost", None),  # it started, and so ended as far as blame goes, before the fault
@@ -175,3 +179,40 @@ def test_the_vllm_campaign_loads_nothing_of_the_cpu_clusters_world() -> None:
     )
     assert done.returncode == 0, done.stderr[-3000:]
     assert json.loads(done.stdout.splitlines()[-1]) == []
+
+
+def test_per_kind_the_share_of_faults_left_dead_and_why_and_of_requests_answered() -> None:
+    kill, raised = planned(0, ChaosKind.SIGKILL), planned(1, ChaosKind.RELOAD_ERROR)
+    victim_dead = {"id": 1, "status": "dead", "ft_error": "worker exited"}
+    survivor_dead = {"id": 0, "status": "dead", "fault_info": "scale_down failed: reload\nat x"}
+    results = [
+        FaultResult(
+            index=0, kind=ChaosKind.SIGKILL, when=When.STEADY, step=-1, victims=(1,),
+            detect_s=0.1, recover_s=0.3, outcome="settled",
+            engines=({"id": 0, "status": "healthy"}, victim_dead),
+        ),
+        FaultResult(
+            index=1, kind=ChaosKind.RELOAD_ERROR, when=When.RECOVERY, step=-1, victims=(),
+            detect_s=None, recover_s=1.0, outcome="dead", engines=(survivor_dead,),
+        ),
+    ]  # fmt: skip
+    records = [
+        StreamRecord(0, 0, 0.0, [[5]], finish_reason="length", ended=0.5),  # before any
+        StreamRecord(1, 0, 0.0, [[5]], finish_reason="length", ended=2.0),  # after the kill
+        StreamRecord(2, 0, 0.0, [[5]], finish_reason="abort", stop_reason="x", ended=3.0),
+        StreamRecord(3, 0, 0.0, error="HTTP 503: dead", ended=12.0),  # after the reload error
+        StreamRecord(4, 0, 0.0, [[5]], finish_reason="length", error="reset", ended=13.0),
+    ]
+    shares = by_kind_shares(results, records, [shot(kill, 1.0), shot(raised, 10.0)])
+    assert shares == {
+        "none": {"faults": 0, "dead": 0, "dead_share": None, "dead_reasons": {},
+                 "requests": 1, "answered": 1, "answered_share": 1.0},
+        # the victim of a kill is dead by design: no DEAD outcome of the kind
+        "sigkill": {"faults": 1, "dead": 0, "dead_share": 0.0, "dead_reasons": {},
+                    "requests": 2, "answered": 1, "answered_share": 0.5},
+        "reload_error": {"faults": 1, "dead": 1, "dead_share": 1.0,
+                         "dead_reasons": {"scale_down failed: reload": 1},
+                         "requests": 2, "answered": 0, "answered_share": 0.0},
+    }  # fmt: skip
+    assert answered_share(records) == 0.4
+    assert answered_share([]) is None

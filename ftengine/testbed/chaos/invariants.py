@@ -90,6 +90,11 @@ def refused(record: StreamRecord) -> bool:
     return bool(record.error and record.error.startswith("HTTP 503: ") and not record.chunks)
 
 
+def answered(record: StreamRecord) -> bool:
+    """The request got its whole answer: it ran to its token limit with no error."""
+    return record.finish_reason == "length" and record.error is None
+
+
 @attrs.frozen
 class RequestTally:
     """Every request's verdict, counted."""
@@ -117,7 +122,7 @@ def check_request(record: StreamRecord, reference: Sequence[int], max_tokens: in
     """The invariants one stream violates, each as ``name: detail``."""
     tokens, problems = record.tokens, []
     want = list(reference[:max_tokens])
-    if record.finish_reason == "length" and record.error is None:
+    if answered(record):
         if tokens != want:
             problems.append(f"wrong_tokens: got {tokens}, reference {want}")
         if len(tokens) != len(want) or any(len(c) > 1 for c in record.chunks):
@@ -142,7 +147,7 @@ def tally(records: Sequence[StreamRecord], verdicts: Sequence[list[str]]) -> Req
         gaps += "stream_gaps_or_repeats" in names
         if "lost" in names:
             counts["lost"] += 1
-        elif record.finish_reason == "length" and record.error is None:
+        elif answered(record):
             counts["completed"] += 1
         elif refused(record):
             counts["refused"] += 1

@@ -1,0 +1,85 @@
+"""What each fault kind cost, beside the invariants (issue 30): the share of its faults
+that ended with an engine DEAD, and why, and the share of the requests it touched that were
+answered. A request is counted against the fault injected last before it ended (as its
+problems are blamed); one that ended before the first fault counts under ``"none"``."""
+
+from __future__ import annotations
+
+import collections
+from collections.abc import Sequence
+from typing import Any
+
+from ftengine.testbed.chaos.catalogue import Injected
+from ftengine.testbed.chaos.invariants import FaultResult, answered, fault_at
+from ftengine.testbed.chaos.traffic import StreamRecord
+
+NO_FAULT = "none"
+REASON_CHARS = 120  # a DEAD reason is grouped by its first characters (ids and times vary)
+
+
+def dead_reasons(result: FaultResult) -> list[str]:
+    """Why each engine the fault left ``dead`` is dead (its ``ft_error``, else its
+    ``fault_info``), shortened; the victims of a kill are dead by design and not counted."""
+    reasons = []
+    for engine in result.engines:
+        if engine.get("status") != "dead" or engine.get("id") in result.victims:
+            continue
+        why = str(engine.get("ft_error") or engine.get("fault_info") or "no reason given")
+        reasons.append(why.splitlines()[0][:REASON_CHARS])
+    return reasons
+
+
+def _share(part: int, whole: int) -> float | None:
+    return None if whole == 0 else round(part / whole, 4)
+
+
+def by_kind_shares(
+    results: Sequence[FaultResult],
+    records: Sequence[StreamRecord],
+    injections: Sequence[Injected],
+) -> dict[str, dict[str, Any]]:
+    """Per fault kind: ``faults``, ``dead`` (faults after which a non-victim engine was
+    DEAD), ``dead_share``, ``dead_reasons`` (reason: count), ``requests`` (those counted
+    against a fault of the kind), ``answered`` and ``answered_share``."""
+    shots = sorted(injections, key=lambda shot: shot.at)
+    starts, indices = [s.at for s in shots], [s.fault.index for s in shots]
+    kind_of = {s.fault.index: s.fault.kind.value for s in shots}
+    rows: dict[str, dict[str, Any]] = collections.defaultdict(
+        lambda: {
+            "faults": 0,
+            "dead": 0,
+            "reasons": collections.Counter(),
+            "requests": 0,
+            "answered": 0,
+        }
+    )
+    for result in results:
+        row = rows[result.kind.value]
+        row["faults"] += 1
+        reasons = dead_reasons(result)
+        if reasons:
+            row["dead"] += 1
+            row["reasons"].update(set(reasons))
+    for record in records:
+        ended = record.ended if record.ended is not None else record.started
+        blamed = fault_at(starts, indices, ended)
+        row = rows[NO_FAULT if blamed is None else kind_of[blamed]]
+        row["requests"] += 1
+        row["answered"] += answered(record)
+    return {
+        kind: {
+            "faults": row["faults"],
+            "dead": row["dead"],
+            "dead_share": _share(row["dead"], row["faults"]),
+            "dead_reasons": dict(row["reasons"].most_common()),
+            "requests": row["requests"],
+            "answered": row["answered"],
+            "answered_share": _share(row["answered"], row["requests"]),
+        }
+        for kind, row in sorted(rows.items())
+    }
+
+
+def answered_share(records: Sequence[StreamRecord]) -> float | None:
+    """Requests answered over all requests asked, the whole run."""
+    return _share(sum(answered(r) for r in records), len(records))
