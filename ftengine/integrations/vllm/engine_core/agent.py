@@ -39,6 +39,7 @@ import logging
 import threading
 import time
 import uuid
+import weakref
 from datetime import timedelta
 from typing import Any
 
@@ -64,6 +65,7 @@ from ftengine.integrations.vllm.engine_core.dp_board import (
     StatusBoard,
     beat_interval,
 )
+from ftengine.integrations.vllm.engine_core.dp_group import ClosedDpGroup, close_dp_group
 from ftengine.integrations.vllm.engine_core.fault_books import FaultBooks
 from ftengine.integrations.vllm.engine_core.poison import own_fault
 from ftengine.integrations.vllm.engine_core.quorum import (
@@ -139,7 +141,7 @@ class EngineCoreAgent:
         self.gone: frozenset[int] = frozenset()  # peers the probes say are dead or cut off
         self.fenced: str | None = None  # why this engine is on a minority side (quorum)
         self._refusing: threading.Event | None = None  # set: stop refusing late arrivals
-        self._timed_group: object = None
+        self._timed_group: weakref.ref[Any] | None = None
         self._healthy_since = 0.0
         self.peers: dict[int, str] = {}  # current-epoch peers' statuses ("dead" if stale)
         self.views: dict[int, PeerView] = {}  # the peers' statuses, epochs, proposals
@@ -232,6 +234,12 @@ class EngineCoreAgent:
     def fault(self) -> Fault | None:
         """The fault of the episode under way, as the agent knows it now."""
         return self.books.fault
+
+    def let_go_of_dp_group(self, exc: BaseException) -> None:
+        """After vLLM's ``on_fault`` (busy-loop thread): close the engine cores' DP group
+        (``dp_group.close_dp_group``), this agent's reference to it first."""
+        self._timed_group = None
+        close_dp_group(self.engine, self.rank, exc)
 
     def after_fault(self) -> None:
         """After vLLM's ``on_fault`` (busy-loop thread, so the executor is ours): hand the
@@ -356,9 +364,11 @@ class EngineCoreAgent:
     def _keep_dp_timeout(self) -> None:
         """A retry replaces the engine's DP group: give the new one the timeout too."""
         group = getattr(self.engine, "dp_group", None)
-        if group is not None and group is not self._timed_group:
+        if group is None or isinstance(group, ClosedDpGroup):
+            return
+        if self._timed_group is None or self._timed_group() is not group:
             _time_out_dp_group(self.engine, self.settings.cpu_distributed_timeout_s)
-            self._timed_group = group
+            self._timed_group = weakref.ref(group)  # never what keeps a closed group open
 
     def _own_status(self) -> str:
         return str(self.sentinel.status_type.name).lower()

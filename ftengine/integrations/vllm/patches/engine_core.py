@@ -69,6 +69,7 @@ def _agent_on_fault(on_fault: Callable[..., None]) -> Callable[..., None]:
 
         hold_or_abort(self, exc, on_fault, getattr(agent, "peers", None))
         if agent is not None:
+            agent.let_go_of_dp_group(exc)  # peers in its DP-state all-reduce fail at once
             from ftengine.integrations.vllm.engine_core.coordinator_host import (
                 park_if_coordinator_host,
             )
