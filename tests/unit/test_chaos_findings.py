@@ -184,12 +184,13 @@ def test_the_vllm_campaign_loads_nothing_of_the_cpu_clusters_world() -> None:
 def test_per_kind_the_share_of_faults_left_dead_and_why_and_of_requests_answered() -> None:
     kill, raised = planned(0, ChaosKind.SIGKILL), planned(1, ChaosKind.RELOAD_ERROR)
     victim_dead = {"id": 1, "status": "dead", "ft_error": "worker exited"}
+    removed_before = {"id": 2, "status": "dead", "ft_error": "killed by an earlier fault"}
     survivor_dead = {"id": 0, "status": "dead", "fault_info": "scale_down failed: reload\nat x"}
     results = [
         FaultResult(
             index=0, kind=ChaosKind.SIGKILL, when=When.STEADY, step=-1, victims=(1,),
             detect_s=0.1, recover_s=0.3, outcome="settled",
-            engines=({"id": 0, "status": "healthy"}, victim_dead),
+            engines=({"id": 0, "status": "healthy"}, victim_dead, removed_before),
         ),
         FaultResult(
             index=1, kind=ChaosKind.RELOAD_ERROR, when=When.RECOVERY, step=-1, victims=(),
@@ -207,7 +208,7 @@ def test_per_kind_the_share_of_faults_left_dead_and_why_and_of_requests_answered
     assert shares == {
         "none": {"faults": 0, "dead": 0, "dead_share": None, "dead_reasons": {},
                  "requests": 1, "answered": 1, "answered_share": 1.0},
-        # the victim of a kill is dead by design: no DEAD outcome of the kind
+        # settled: the victim and a rank removed before are dead, but the recovery was not
         "sigkill": {"faults": 1, "dead": 0, "dead_share": 0.0, "dead_reasons": {},
                     "requests": 2, "answered": 1, "answered_share": 0.5},
         "reload_error": {"faults": 1, "dead": 1, "dead_share": 1.0,

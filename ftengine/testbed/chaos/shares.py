@@ -1,7 +1,8 @@
 """What each fault kind cost, beside the invariants (issue 30): the share of its faults
-that ended with an engine DEAD, and why, and the share of the requests it touched that were
-answered. A request is counted against the fault injected last before it ended (as its
-problems are blamed); one that ended before the first fault counts under ``"none"``."""
+whose recovery ended DEAD (the deployment could not recover), and why, and the share of the
+requests it touched that were answered. A request is counted against the fault injected
+last before it ended (as its problems are blamed); one that ended before the first fault
+counts under ``"none"``."""
 
 from __future__ import annotations
 
@@ -18,8 +19,12 @@ REASON_CHARS = 120  # a DEAD reason is grouped by its first characters (ids and 
 
 
 def dead_reasons(result: FaultResult) -> list[str]:
-    """Why each engine the fault left ``dead`` is dead (its ``ft_error``, else its
-    ``fault_info``), shortened; the victims of a kill are dead by design and not counted."""
+    """Why the engines are ``dead`` after a fault whose recovery ended DEAD (their
+    ``ft_error``, else their ``fault_info``), shortened; the victims of a kill are dead by
+    design and not counted. None for a fault that settled (ranks an earlier fault removed
+    are still ``dead`` then: not this fault's doing)."""
+    if result.outcome != "dead":
+        return []
     reasons = []
     for engine in result.engines:
         if engine.get("status") != "dead" or engine.get("id") in result.victims:
@@ -38,8 +43,8 @@ def by_kind_shares(
     records: Sequence[StreamRecord],
     injections: Sequence[Injected],
 ) -> dict[str, dict[str, Any]]:
-    """Per fault kind: ``faults``, ``dead`` (faults after which a non-victim engine was
-    DEAD), ``dead_share``, ``dead_reasons`` (reason: count), ``requests`` (those counted
+    """Per fault kind: ``faults``, ``dead`` (faults whose recovery ended DEAD),
+    ``dead_share``, ``dead_reasons`` (reason: count), ``requests`` (those counted
     against a fault of the kind), ``answered`` and ``answered_share``."""
     shots = sorted(injections, key=lambda shot: shot.at)
     starts, indices = [s.at for s in shots], [s.fault.index for s in shots]
@@ -56,10 +61,9 @@ def by_kind_shares(
     for result in results:
         row = rows[result.kind.value]
         row["faults"] += 1
-        reasons = dead_reasons(result)
-        if reasons:
+        if result.outcome == "dead":
             row["dead"] += 1
-            row["reasons"].update(set(reasons))
+            row["reasons"].update(set(dead_reasons(result)) or {"no engine but the victims"})
     for record in records:
         ended = record.ended if record.ended is not None else record.started
         blamed = fault_at(starts, indices, ended)
