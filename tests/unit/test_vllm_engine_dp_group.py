@@ -79,3 +79,36 @@ def test_what_stands_in_takes_vllms_destroy_and_refuses_collectives() -> None:
 
 def test_an_engine_without_a_dp_group_has_nothing_to_close() -> None:
     assert not close_dp_group(SimpleNamespace(), 0)
+
+
+class Group:
+    """What vLLM's destroy needs of a group (the real one: the test above)."""
+
+    group_name = "test-engine-dp"
+
+    def shutdown(self) -> None:
+        pass
+
+
+def test_the_group_is_let_go_of_before_vllm_makes_the_engine_unhealthy(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Once vLLM's ``on_fault`` has made the engine UNHEALTHY, the agent's recovery may
+    start on its own thread and rebuild the group: closing after that closed the new group
+    (seen: the recovered peers faulted again and rank 0 never recovered)."""
+    from ftengine.integrations.vllm.engine_core import reinference
+    from ftengine.integrations.vllm.patches import engine_core as patches
+    from tests.unit.test_vllm_engine_agent import Sentinel, Status, agent_for
+
+    sentinel = Sentinel(rank=1, world=3)
+    setattr(sentinel, patches.AGENT_ATTR, agent_for(sentinel, "auto"))
+    sentinel.engine.dp_group = Group()
+    seen: list[object] = []
+
+    def vllm_on_fault(self: Sentinel, exc: BaseException) -> None:
+        seen.append(self.engine.dp_group)
+        self.status_type = Status.UNHEALTHY
+
+    monkeypatch.setattr(reinference, "hold_or_abort", lambda s, e, on_fault, _: on_fault(s, e))
+    patches._agent_on_fault(vllm_on_fault)(sentinel, RuntimeError("the step raised"))
+    assert len(seen) == 1 and isinstance(seen[0], ClosedDpGroup)

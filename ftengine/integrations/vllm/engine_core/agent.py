@@ -236,7 +236,8 @@ class EngineCoreAgent:
         return self.books.fault
 
     def let_go_of_dp_group(self, exc: BaseException) -> None:
-        """After vLLM's ``on_fault`` (busy-loop thread): close the engine cores' DP group
+        """On a fault, before vLLM's ``on_fault`` makes the engine UNHEALTHY (busy-loop
+        thread; no recovery can have rebuilt the group yet): close the engine cores' DP group
         (``dp_group.close_dp_group``), this agent's reference to it first."""
         self._timed_group = None
         close_dp_group(self.engine, self.rank, exc)

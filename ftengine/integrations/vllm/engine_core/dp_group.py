@@ -6,7 +6,9 @@ first step of a wave and every ``dp_sync_interval`` steps. A peer that faulted a
 step leaves the others blocked in that all-reduce until the per-op timeout (measured: a
 step error on rank 1 held ranks 0 and 2 for the whole 5 s op timeout, streams waiting 7-18
 s). The worker side closes its DP group on a fault (``worker/hooks.close_dp_group``); this
-is the engine core's half: after vLLM's ``on_fault``, the group is replaced by a
+is the engine core's half: as the fault reaches ``on_fault``, before vLLM makes the engine
+UNHEALTHY (so that no recovery can have rebuilt the group yet: closing the new one would
+fault the recovered peers), the group is replaced by a
 :class:`ClosedDpGroup` and the real one destroyed and let go of (the fault's finished
 frames first release what they held of it), so gloo closes its connections and every peer
 waiting in it fails with "Connection closed by peer", a peer's fault.

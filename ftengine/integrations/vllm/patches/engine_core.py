@@ -63,13 +63,15 @@ def _agent_on_fault(on_fault: Callable[..., None]) -> Callable[..., None]:
         agent = getattr(self, AGENT_ATTR, None)
         if agent is not None:
             agent.note_fault(exc)
+            # Before vLLM makes the engine UNHEALTHY: no recovery (the agent's, or a
+            # command's) can have replaced the group yet, and closing is local, no I/O.
+            agent.let_go_of_dp_group(exc)  # peers in its DP-state all-reduce fail at once
         # vLLM's (requests aborted, status pushed, with no delay of ours), or with
         # re-inference on the same with requests held (engine_core.reinference)
         from ftengine.integrations.vllm.engine_core.reinference import hold_or_abort
 
         hold_or_abort(self, exc, on_fault, getattr(agent, "peers", None))
         if agent is not None:
-            agent.let_go_of_dp_group(exc)  # peers in its DP-state all-reduce fail at once
             from ftengine.integrations.vllm.engine_core.coordinator_host import (
                 park_if_coordinator_host,
             )
