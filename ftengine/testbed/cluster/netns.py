@@ -29,8 +29,10 @@ import logging
 import os
 import random
 import signal
+import socket
 import subprocess
 import threading
+import time
 from collections.abc import Callable
 from types import FrameType
 
@@ -125,8 +127,10 @@ class Hosts:
         _ip("link", "set", self.veth(rank), "down")
 
     def heal(self, rank: int) -> None:
-        """Bring rank ``rank``'s link back up."""
+        """Bring rank ``rank``'s link back up; return once its host answers from the root
+        namespace (right after ``ip link set up`` it may still look silent)."""
         _ip("link", "set", self.veth(rank), "up")
+        wait_reachable(self.address(rank), HEAL_TIMEOUT_S)
 
     def close(self) -> None:
         """Remove everything :meth:`create` made, newest first (idempotent, never raises)."""
@@ -195,3 +199,28 @@ def network_beat(host: str, port: int, rank: int, timeout_s: float) -> Callable[
         return False
 
     return beat
+
+
+HEAL_TIMEOUT_S = 10.0
+PROBE_PORT = 9  # discard: nothing listens there in a host, so an answer is a refusal
+
+
+def wait_reachable(address: str, timeout_s: float) -> None:
+    """Until ``address`` answers from this namespace (a TCP connect refused: the host is
+    there); right after a link comes back up the first packets may go unanswered (neighbour
+    resolution, the bridge port) and a loaded machine makes that visible. ConfigError after
+    ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        with socket.socket() as probe:
+            probe.settimeout(0.2)
+            try:
+                probe.connect((address, PROBE_PORT))
+                return  # something listens: reachable all the same
+            except ConnectionRefusedError:
+                return
+            except OSError:
+                pass
+        if time.monotonic() >= deadline:
+            raise ConfigError(f"{address} still silent {timeout_s:.0f} s after its link came up")
+        time.sleep(0.05)
