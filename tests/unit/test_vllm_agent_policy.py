@@ -211,6 +211,18 @@ def test_a_member_that_has_begun_the_recovery_still_counts() -> None:
     wait_until(lambda: bool(sentinel.retries))
 
 
+def proposes_a_retry_of_a_peers_fault(
+    sentinel: Sentinel, agent: EngineCoreAgent, blamed: int
+) -> None:
+    """The episode holds a transient fault of rank ``blamed``, no dead rank, and the agent
+    publishes a retry."""
+    ctx = agent.context(1e9)
+    assert ctx is not None and ctx.dead_ranks == frozenset(), ctx
+    assert ctx.fault.kind is FaultKind.TRANSIENT and ctx.fault.rank == blamed
+    proposal = published(sentinel, agent.rank)["proposal"]
+    assert isinstance(proposal, list) and proposal[0] == "retry", proposal
+
+
 def test_a_peers_closed_socket_is_no_proof_that_it_died() -> None:
     """DP=2: rank 1's step raised and it closed its DP group; rank 0's step fails with
     "Connection closed by peer" (a dead-peer text) while rank 1 publishes ``unhealthy``:
@@ -224,11 +236,7 @@ def test_a_peers_closed_socket_is_no_proof_that_it_died() -> None:
     agent.after_fault()
     sentinel.status_type = Status.UNHEALTHY
     tick(agent)
-    ctx = agent.context(1e9)
-    assert ctx is not None and ctx.dead_ranks == frozenset(), ctx
-    assert ctx.fault.kind is FaultKind.TRANSIENT and ctx.fault.rank == 1
-    proposal = published(sentinel, 0)["proposal"]
-    assert isinstance(proposal, list) and proposal[0] == "retry", proposal
+    proposes_a_retry_of_a_peers_fault(sentinel, agent, blamed=1)
     assert sentinel.scale_downs == []
 
 
@@ -248,11 +256,7 @@ def test_the_peer_that_began_it_is_blamed_not_the_first_seen_unhealthy() -> None
     sentinel.status_type = Status.UNHEALTHY
     store.peer(1, "unhealthy", beat=2, blame=1)
     tick(agent)
-    ctx = agent.context(1e9)
-    assert ctx is not None and ctx.dead_ranks == frozenset(), ctx
-    assert ctx.fault.kind is FaultKind.TRANSIENT and ctx.fault.rank == 1
-    proposal = published(sentinel, 2)["proposal"]
-    assert isinstance(proposal, list) and proposal[0] == "retry", proposal
+    proposes_a_retry_of_a_peers_fault(sentinel, agent, blamed=1)
 
 
 def test_an_own_error_stays_own_when_a_victim_was_seen_unhealthy_first() -> None:
