@@ -208,3 +208,44 @@ def test_the_overhead_only_bench_refuses_an_unknown_baseline(tmp_path: Any) -> N
     config = BenchConfig(tmp_path, overhead_only=True, baseline="vllm")
     with pytest.raises(ValueError, match=r"baseline: expected one of \('off', 'inert'\)"):
         run_overhead(config)  # before anything is launched
+
+
+def test_the_watch_step_wakes_the_agent_only_on_news_of_its_own(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The one thread that wakes every beat checks the worker and the status; the agent
+    thread sleeps on its doorbell until that news (or a peer's ring, or the read interval)."""
+    sentinel = Sentinel()
+    store = counting(sentinel)
+    store.peer(1, "healthy")
+    agent = agent_for(sentinel)
+    dying = [False]
+    monkeypatch.setattr(engine_agent, "worker_dying", lambda executor: dying[0])
+    agent._tick()  # published: healthy
+    for _ in range(3):
+        agent.watch_step()
+    assert not agent.doorbell.wait(0.0)  # nothing new: the agent sleeps on
+    sentinel.status_type = Status.UNHEALTHY
+    agent.watch_step()
+    assert agent.doorbell.wait(0.0)  # its own doorbell rung
+    agent._tick(rung=True)
+    assert published(store)["status"] == "unhealthy"
+    agent.watch_step()
+    assert not agent.doorbell.wait(0.0)  # said: no ring again
+    dying[0] = True
+    agent.watch_step()
+    assert agent._dying and agent.doorbell.wait(0.0)
+    agent._tick(rung=True)
+    assert published(store)["status"] == "dead"
+    agent.stop()
+
+
+def test_the_watch_step_runs_the_probes_and_the_quorum(monkeypatch: pytest.MonkeyPatch) -> None:
+    agent = agent_for(Sentinel())
+    calls: list[str] = []
+    monkeypatch.setattr(agent.reach, "step", lambda: calls.append("probe"))
+    monkeypatch.setattr(agent, "guard_step", lambda: calls.append("quorum"))
+    agent.watch_step()
+    assert calls == ["probe", "quorum"]
+    agent.stop()
+    agent.reach.close()

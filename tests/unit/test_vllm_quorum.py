@@ -143,6 +143,25 @@ def test_probes_hear_an_answering_peer_and_see_a_closed_port_as_dead() -> None:
         silent.close()
 
 
+def test_stepped_probes_answer_and_hear_what_waited_in_the_sockets() -> None:
+    """Driven by the caller's beat (the agent's watch thread), not a thread of their own:
+    nothing is answered between steps, everything is at the next one."""
+    mine, peer = Reachability(0, "127.0.0.1"), Reachability(1, "127.0.0.1")
+    try:
+        mine.know({1: peer.address})
+        mine.step()  # probe sent; the peer has not stepped, so no answer yet
+        assert mine._missed[1] == 1
+        time.sleep(0.05)
+        peer.step()  # answers the ping that waited in its socket
+        time.sleep(0.05)
+        mine._next_probe = time.monotonic() + 60  # hear only, no new probe
+        mine.step()
+        assert mine._missed[1] == 0 and mine.reaches() == {1}
+    finally:
+        mine.close()
+        peer.close()
+
+
 def test_a_peer_with_no_address_yet_counts_as_reached() -> None:
     reach = Reachability(0, "127.0.0.1")
     try:

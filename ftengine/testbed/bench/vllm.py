@@ -48,7 +48,8 @@ FAULT_FILE_ENV = "FTENGINE_VLLM_FAULT_FILE"
 @attrs.frozen
 class BenchConfig:
     """``trials`` kills of each kind (idle, busy); ``overhead_rounds`` interleaved rounds of
-    the FT-on / FT-off comparison (the FT-off deployment serves on ``port + dp_size``);
+    the FT-on / FT-off comparison (the FT-off deployment serves on ``port + dp_size``), or
+    the completions measured in each launch of the ``alternating`` method;
     ``dtype`` is vLLM's ``--dtype`` (float32: what the tests compare with transformers in)."""
 
     checkpoint: Path
@@ -219,7 +220,6 @@ INERT_BEAT_S = "86400"  # a day: no agent beat while the benchmark runs
 
 
 METHODS = ("alternating", "interleaved")
-OVERHEAD_ROUNDS_PER_LAUNCH = 8
 
 
 def run_overhead(config: BenchConfig) -> dict[str, object]:
@@ -243,7 +243,7 @@ def run_overhead(config: BenchConfig) -> dict[str, object]:
         on, off = alternating(
             launch,
             config.overhead_launches,
-            OVERHEAD_ROUNDS_PER_LAUNCH,
+            config.overhead_rounds,
             progress=lambda line: print(line, file=sys.stderr, flush=True),
         )
         return overhead(on, off, "alternating")

@@ -18,7 +18,11 @@ def register(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dp", type=int, default=2, help="data-parallel ranks (default 2)")
     parser.add_argument("--trials", type=int, default=5, help="SIGKILLs of each kind (>= 5)")
     parser.add_argument(
-        "--overhead-rounds", type=int, default=16, help="FT on/off interleaved rounds (>= 2)"
+        "--overhead-rounds",
+        type=int,
+        default=16,
+        help="FT on/off interleaved rounds, or with --overhead-method alternating the "
+        "completions measured per launch (>= 2)",
     )
     parser.add_argument("--port", type=int, default=8700, help="rank r serves on PORT + r")
     parser.add_argument("--log-dir", type=Path, default=Path("vllm-bench-logs"))

@@ -1,7 +1,8 @@
 """ftengine beside vLLM's engine-core fault-tolerance sentinel (one agent per engine core).
 
-- **Peer watch.** Every ``BEAT_S`` each engine core checks its worker's exit and its own
-  status; every ``PEER_READ_S``, at once when either changed or a peer rang (``dp_board``),
+- **Peer watch.** Every ``BEAT_S`` each engine core's watch thread checks its worker's exit
+  and its own status (and runs the probes and the quorum below: one wake-up per beat, the
+  only one); every ``PEER_READ_S``, at once when either changed or a peer rang (``dp_board``),
   it publishes its status if changed (else every ``PUBLISH_S``) and reads its peers'.
   A peer that is ``dead`` or ``unhealthy`` (or whose beat stops for ``STALE_S``, or a DP
   store that stops answering) makes this engine fault at once through vLLM's own path
@@ -23,7 +24,7 @@
   cut off or starved never removes the others alone), else the orchestrator's command is
   awaited; ``WaitForOrchestrator`` waits (to a deadline earlier than vLLM's own, then gives
   up); ``GiveUp`` makes the engine DEAD, its held requests aborted with the reason.
-- **Quorum.** On a thread of its own (``guard_step``, no DP-store I/O), each engine core
+- **Quorum.** On the watch thread (``guard_step``, no DP-store I/O), each engine core
   applies the majority rule (``quorum``, docs/design-partitions.md) to what its UDP probes
   reach: on the majority side a peer whose port is closed or that fell silent is taken for
   dead at once (one scale-down past a whole host); on the minority side the engine faults
@@ -157,7 +158,7 @@ class EngineCoreAgent:
         self._idle.set()
         self._lock = threading.Lock()
         self.thread = threading.Thread(target=self._run, name="ftengine-agent", daemon=True)
-        self.guard = threading.Thread(target=self._guard, name="ftengine-quorum", daemon=True)
+        self.watch = threading.Thread(target=self._watch, name="ftengine-watch", daemon=True)
 
     def start(self) -> None:
         logger.info("[FT] engine %d: policy %r", self.rank, self.policy)
@@ -167,9 +168,7 @@ class EngineCoreAgent:
                 "[FT] removed %d status files of engine cores that no longer run", len(removed)
             )
         self.thread.start()
-        if self.world > 1:
-            self.reach.start()
-            self.guard.start()
+        self.watch.start()
 
     def stop(self) -> None:
         self._stop.set()
@@ -279,9 +278,10 @@ class EngineCoreAgent:
     # -- the agent thread -------------------------------------------------------------
 
     def _run(self) -> None:
-        # Not Event.wait: a select on the doorbell costs half, and stop() ends it a tick later
+        # Asleep on the doorbell: a peer's ring, the watch thread's news of this engine, or
+        # the next peer read (not Event.wait: a select on the doorbell costs half)
         while not self._stop.is_set():
-            rung = self.doorbell.wait(self.beat_s)
+            rung = self.doorbell.wait(max(PEER_READ_S, self.beat_s))
             try:
                 self._tick(rung)
             except Exception:  # the watch must outlive any one failure
@@ -289,9 +289,10 @@ class EngineCoreAgent:
         self.doorbell.sock.close()
 
     def _tick(self, rung: bool = False) -> None:
-        """The worker-exit check every tick; the peer watch (publish, read, policy) when
-        ``PEER_READ_S`` has passed, a peer ``rung`` the doorbell, or at once when this
-        engine has news of its own (its worker began to exit, its status or epoch changed)."""
+        """The worker-exit check; the peer watch (publish, read, policy) when
+        ``PEER_READ_S`` has passed, a peer or the watch thread ``rung`` the doorbell, or at
+        once when this engine has news of its own (its worker began to exit, its status or
+        epoch changed)."""
         self._keep_dp_timeout()
         if self.fenced is not None:
             return  # a minority engine reads no DP store: its host may be across the cut
@@ -302,15 +303,33 @@ class EngineCoreAgent:
             self._watch_peers(exit_checked=True)
             self._maybe_recover()
 
-    def _guard(self) -> None:
-        """The quorum's own thread: the agent thread may wait in a DP-store call for the
-        store's timeout (vLLM's per-op timeout, 30 min by default) when the store's host is
-        across a cut, and a minority must stop within a bound regardless."""
+    def _watch(self) -> None:
+        """The one thread that wakes every beat (``BEAT_S``): :meth:`watch_step`. Every
+        wake-up of a Python thread takes the engine core's GIL from the busy loop, and on a
+        loaded machine handing it back can wait for the OS to run this thread: the probes,
+        the quorum and the worker-exit check share this one wake-up, and the agent thread
+        sleeps until there is news (measured: docs/results/vllm-bench.md)."""
         while not self._stop.wait(self.beat_s):
+            self.watch_step()
+        self.reach.close()
+
+    def watch_step(self) -> None:
+        """Probes and quorum (:meth:`guard_step`), then this engine's own news (its worker
+        began to exit, its status or epoch changed), which wakes the agent thread. No
+        DP-store I/O here: the store's host may be across a cut, and the agent thread may
+        wait in a store call for the store's timeout."""
+        if self.world > 1:
+            self.reach.step()
             try:
                 self.guard_step()
             except Exception:  # the guard must outlive any one failure
                 logger.exception("[FT] engine %d quorum check failed", self.rank)
+        if self.fenced is not None or self.world <= 1:
+            return  # (with no peers the agent thread has nothing to publish)
+        was_dying = self._dying
+        self._dying = was_dying or worker_dying(self.engine.model_executor)
+        if self._dying != was_dying or self._mine() != self.board.published:
+            self.doorbell.ring([self.doorbell.address])
 
     def guard_step(self) -> None:
         """One look at the quorum; a minority engine that vLLM has made unhealthy stops."""
@@ -328,10 +347,10 @@ class EngineCoreAgent:
             )
 
     def _check_quorum(self) -> None:
-        """The probes' news (no I/O; on the guard thread, so a DP store across a cut cannot
+        """The probes' news (no I/O; on the watch thread, so a DP store across a cut cannot
         delay it): a peer whose port is closed is dead; on a side that keeps the majority
         (``quorum.keeps_serving``) a silent peer is cut off, so gone as well; on the other
-        side this engine faults and, once unhealthy, stops (:meth:`_guard`)."""
+        side this engine faults and, once unhealthy, stops (:meth:`guard_step`)."""
         if self.world <= 1:
             return
         self.reach.know(self.board.probes)

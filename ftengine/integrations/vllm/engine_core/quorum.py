@@ -92,9 +92,10 @@ def explain(sight: Sight) -> str:
 
 
 class Reachability:
-    """Engine ``rank``'s probes of its peers (own thread, own UDP socket on every
-    interface, advertised as ``host``); give it the peers' probe addresses with
-    :meth:`know` as they are learnt."""
+    """Engine ``rank``'s probes of its peers (own UDP socket on every interface, advertised
+    as ``host``), driven by :meth:`step` (the caller's thread) or a thread of its own
+    (:meth:`start`); give it the peers' probe addresses with :meth:`know` as they are
+    learnt."""
 
     def __init__(self, rank: int, host: str, clock: Callable[[], float] = time.monotonic) -> None:
         self.rank = rank
@@ -109,6 +110,7 @@ class Reachability:
         self._refused: set[int] = set()
         self._lock = threading.Lock()
         self._stop = threading.Event()
+        self._next_probe = 0.0  # monotonic
         self.thread = threading.Thread(target=self._run, name="ftengine-reach", daemon=True)
 
     def start(self) -> Reachability:
@@ -153,33 +155,42 @@ class Reachability:
             return frozenset(self._refused)
 
     def _run(self) -> None:
-        next_probe = 0.0
-        while not self._stop.is_set():
-            try:
-                next_probe = self._round(next_probe)
-            except Exception:  # a prober that died would make this engine look cut off
-                logger.exception("[FT] engine %d: probe round failed", self.rank)
-                time.sleep(PROBE_S)
-        self.sock.close()
-        for probe in self._probes.values():
-            probe.close()
+        """Standalone (:meth:`start`): :meth:`step` every half probe interval. The engine-core
+        agent calls :meth:`step` from its watch thread instead (one wake-up for both)."""
+        while not self._stop.wait(PROBE_S / 2):
+            self.step()
+        self.close()
 
-    def _round(self, next_probe: float) -> float:
-        """Probe when due, answer and hear for up to half a probe interval; the next due."""
-        now = time.monotonic()  # pacing; ``clock`` dates what was heard
-        if now >= next_probe:
-            self._send()
-            next_probe = now + PROBE_S
+    def close(self) -> None:
+        self.sock.close()
+        with self._lock:
+            for probe in self._probes.values():
+                probe.close()
+
+    def step(self) -> None:
+        """Take what arrived since the last step (answer pings, hear answers, note closed
+        ports), then probe every peer if ``PROBE_S`` has passed. No blocking call, no wait:
+        what arrives between steps waits in the sockets (an answer heard a step late is
+        well within ``SILENT_S``), so the caller's thread wakes only on its own beat."""
+        try:
+            self._drain()
+            now = time.monotonic()  # pacing; ``clock`` dates what was heard
+            if now >= self._next_probe:
+                self._send()
+                self._next_probe = now + PROBE_S
+        except Exception:  # a prober that died would make this engine look cut off
+            logger.exception("[FT] engine %d: probe round failed", self.rank)
+
+    def _drain(self) -> None:
         with self._lock:
             probes = dict(self._probes)
-        ready = select.select([self.sock, *probes.values()], [], [], PROBE_S / 2)[0]
+        ready = select.select([self.sock, *probes.values()], [], [], 0)[0]
         for sock in ready:
             if sock is self.sock:
                 self._answer()
             else:
                 rank = next(r for r, s in probes.items() if s is sock)
                 self._hear(rank, sock)
-        return next_probe
 
     def _send(self) -> None:
         with self._lock:
