@@ -249,3 +249,19 @@ def test_the_watch_step_runs_the_probes_and_the_quorum(monkeypatch: pytest.Monke
     assert calls == ["probe", "quorum"]
     agent.stop()
     agent.reach.close()
+
+
+def test_a_single_rank_engine_starts_no_watch_thread() -> None:
+    """With no peers nothing is probed or published: DP=1 keeps the agent's own beat."""
+    alone, pair = agent_for(Sentinel(world=1)), agent_for(Sentinel(world=2))
+    for agent in (alone, pair):
+        agent.start()
+    try:
+        assert not alone.watch.is_alive() and alone.thread.is_alive()
+        assert pair.watch.is_alive() and pair.thread.is_alive()
+    finally:
+        for agent in (alone, pair):
+            agent.stop()
+    pair.watch.join(5.0)
+    assert not pair.watch.is_alive()  # it stops at the next beat and closes the probes
+    assert pair.reach.sock.fileno() == -1

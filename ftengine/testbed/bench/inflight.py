@@ -34,7 +34,8 @@ class InflightOptions:
     model step ``fault_step`` (retry; counted from the server's start, one-token warm-up
     request included), the op timeout (seconds), the bound on each stream
     (``stream_timeout`` seconds); the vLLM rows run on ``vllm_checkpoint`` (none: not
-    measured), rank r's server on ``vllm_port + r``."""
+    measured), rank r's server on ``vllm_port + r``, each deployment's rank logs under
+    ``vllm_log_dir`` (kept: a row that lost a request can be read afterwards)."""
 
     dp_size: int = attrs.field(default=4, validator=attrs.validators.ge(2))
     tokens: int = attrs.field(default=40, validator=attrs.validators.ge(4))
@@ -43,6 +44,7 @@ class InflightOptions:
     stream_timeout: float = 150.0
     vllm_checkpoint: Path | None = None
     vllm_port: int = 8720
+    vllm_log_dir: Path = Path("vllm-bench-logs/inflight")
 
     def serve_args(self, mode: str, *extra: str) -> list[str]:
         return [
@@ -176,4 +178,6 @@ def _vllm_run(options: InflightOptions) -> VllmRun | None:
     o = options
     if o.vllm_checkpoint is None:
         return None
-    return VllmRun(o.vllm_checkpoint, o.vllm_port, o.tokens, max(o.stream_timeout, 240.0))
+    return VllmRun(
+        o.vllm_checkpoint, o.vllm_port, o.tokens, max(o.stream_timeout, 240.0), o.vllm_log_dir
+    )

@@ -37,12 +37,14 @@ OP_TIMEOUT_S = 5.0
 @attrs.frozen
 class VllmRun:
     """Where and how: the HF Qwen3-MoE ``checkpoint``, rank r's server on ``port + r``,
-    ``tokens`` per request, ``stream_timeout`` seconds per stream."""
+    ``tokens`` per request, ``stream_timeout`` seconds per stream, the rank logs of each
+    row under ``log_dir`` (``retry-reinference``, ``scale_down-no_reinference``, ...)."""
 
     checkpoint: Path
     port: int
     tokens: int
     stream_timeout: float
+    log_dir: Path = Path("vllm-bench-logs/inflight")
 
 
 def _streams(urls: Sequence[str], run: VllmRun, prompts: Sequence[Sequence[int]]) -> list[Stream]:
@@ -125,8 +127,9 @@ OFF = {"reinference": False}
 
 
 @contextlib.contextmanager
-def _deployed(run: VllmRun, reinference: bool, scratch: Path) -> Iterator[Any]:
-    """DP=2 EP=2 float32, rank 1's fault file at ``scratch/inject``."""
+def _deployed(run: VllmRun, reinference: bool, scratch: Path, row: str) -> Iterator[Any]:
+    """DP=2 EP=2 float32, rank 1's fault file at ``scratch/inject``, the rank logs in
+    ``run.log_dir / row-mode``."""
     from ftengine.integrations.vllm.worker.fault_injection import FAULT_FILE_ENV
     from ftengine.testbed.vllm.launcher import DeploymentConfig, VllmDeployment
 
@@ -139,7 +142,7 @@ def _deployed(run: VllmRun, reinference: bool, scratch: Path) -> Iterator[Any]:
         additional_config={"ftengine": options},
         extra_args=("--dtype", "float32"),
         env={FAULT_FILE_ENV: str(scratch / "inject")},
-        log_dir=scratch / "logs",
+        log_dir=run.log_dir / f"{row}-{'reinference' if reinference else 'no_reinference'}",
         startup_timeout_s=600.0,
     )
     with VllmDeployment.start(config) as deployment:
@@ -162,7 +165,7 @@ def retry_row(run: VllmRun, prompts: Sequence[Sequence[int]], reinference: bool)
     """One deployment: warm-up, a fault-free round (reference and baseline), the fault."""
     with (
         tempfile.TemporaryDirectory(prefix="ftengine-inflight-vllm-") as scratch,
-        _deployed(run, reinference, Path(scratch)) as deployment,
+        _deployed(run, reinference, Path(scratch), "retry") as deployment,
     ):
         clean = _clean(deployment.urls, run, prompts)
         streams, fault_s = _fault_round(deployment.urls, run, prompts, Path(scratch) / "inject")
@@ -177,7 +180,7 @@ def scale_down_row(
     victim's (odd-indexed) also apart."""
     with (
         tempfile.TemporaryDirectory(prefix="ftengine-inflight-vllm-") as scratch,
-        _deployed(run, reinference, Path(scratch)) as deployment,
+        _deployed(run, reinference, Path(scratch), "scale_down") as deployment,
     ):
         clean = _clean(deployment.urls, run, prompts)
         streams, fault_s = _scale_down_round(deployment, run, prompts)

@@ -46,6 +46,12 @@ def register(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--vllm-port", type=int, default=8720, help="vLLM rank r serves on PORT + r"
     )
+    parser.add_argument(
+        "--vllm-log-dir",
+        type=Path,
+        default=Path("vllm-bench-logs/inflight"),
+        help="each vLLM row's rank logs go to DIR/ROW-MODE (kept after the run)",
+    )
     launch.add_checkpoint_args(parser, launch.CheckpointSize())
     parser.set_defaults(func=run)
 

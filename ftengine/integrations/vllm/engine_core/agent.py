@@ -168,7 +168,8 @@ class EngineCoreAgent:
                 "[FT] removed %d status files of engine cores that no longer run", len(removed)
             )
         self.thread.start()
-        self.watch.start()
+        if self.world > 1:
+            self.watch.start()
 
     def stop(self) -> None:
         self._stop.set()
@@ -280,8 +281,10 @@ class EngineCoreAgent:
     def _run(self) -> None:
         # Asleep on the doorbell: a peer's ring, the watch thread's news of this engine, or
         # the next peer read (not Event.wait: a select on the doorbell costs half)
+        # With no peers (DP=1) there is no watch thread: the agent ticks every beat itself
+        sleep_s = max(PEER_READ_S, self.beat_s) if self.world > 1 else self.beat_s
         while not self._stop.is_set():
-            rung = self.doorbell.wait(max(PEER_READ_S, self.beat_s))
+            rung = self.doorbell.wait(sleep_s)
             try:
                 self._tick(rung)
             except Exception:  # the watch must outlive any one failure
@@ -324,8 +327,8 @@ class EngineCoreAgent:
                 self.guard_step()
             except Exception:  # the guard must outlive any one failure
                 logger.exception("[FT] engine %d quorum check failed", self.rank)
-        if self.fenced is not None or self.world <= 1:
-            return  # (with no peers the agent thread has nothing to publish)
+        if self.fenced is not None:
+            return
         was_dying = self._dying
         self._dying = was_dying or worker_dying(self.engine.model_executor)
         if self._dying != was_dying or self._mine() != self.board.published:

@@ -1,0 +1,23 @@
+"""``ftengine bench inflight`` keeps each vLLM row's rank logs (a row that lost a request
+must be readable afterwards): the flag reaches the run."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from ftengine.cli.options import options_from_args
+from ftengine.testbed.bench.inflight import InflightOptions, _vllm_run
+from ftengine.testbed.cli import bench_inflight
+
+
+def test_the_log_dir_flag_reaches_the_vllm_run(tmp_path: Path) -> None:
+    parser = argparse.ArgumentParser()
+    bench_inflight.register(parser)
+    args = parser.parse_args(
+        ["--vllm-checkpoint", str(tmp_path), "--vllm-log-dir", str(tmp_path / "logs")]
+    )
+    run = _vllm_run(options_from_args(InflightOptions, args))
+    assert run is not None and run.log_dir == tmp_path / "logs"
+    default = _vllm_run(InflightOptions(vllm_checkpoint=tmp_path))
+    assert default is not None and default.log_dir == Path("vllm-bench-logs/inflight")
