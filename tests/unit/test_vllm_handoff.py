@@ -448,6 +448,40 @@ def test_a_status_push_on_a_new_store_publishes_the_url_and_a_failing_store_only
     assert "could not publish its API server's URL" in caplog.text
 
 
+def test_a_store_closed_by_the_survivors_scale_down_falls_back_on_the_board(
+    dp_store: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Measured in CI: the survivors scaled rank 2 down 2 s before vLLM made it DEAD, and
+    its store then answered "Broken pipe": its held requests were aborted. The URLs its
+    agent last read on the DP board hand them off instead."""
+
+    class Closed:
+        def check(self, keys: list[str]) -> bool:
+            raise RuntimeError("Broken pipe")  # torch's DistNetworkError is a RuntimeError
+
+    engine = dp_engine(dp_store, 2, 3)
+    engine.dp_store = Closed()
+    board = {0: "http://h0:1", 1: "http://h1:1"}
+    assert SurvivorDirectory(engine, 2, 3, "http://h2:1", last_read=lambda: board)() == (
+        "http://h0:1", "http://h1:1",
+    )  # fmt: skip
+    assert "using the API servers last read on the DP board" in caplog.text
+    with pytest.raises(RuntimeError, match="Broken pipe"):  # nothing read: the store's error
+        SurvivorDirectory(engine, 2, 3, "http://h2:1", last_read=dict)()
+
+
+def test_the_board_carries_each_engines_api_server() -> None:
+    from ftengine.integrations.vllm.engine_core.dp_board import Entry, StatusBoard
+    from tests.unit.test_vllm_engine_agent import Store
+
+    store = Store()
+    zero, one = StatusBoard(0, 2), StatusBoard(1, 2)
+    one.api_url = "http://h1:1"
+    one.publish(store, Entry("healthy", 0), 1, 0.0)
+    zero.read(store)
+    assert zero.api_urls == {1: "http://h1:1"}
+
+
 def test_with_no_survivor_known_a_dead_rank_aborts_saying_why(dp_store: Any) -> None:
     """Nobody published (or the DP store fails): aborted at once with the reason, not left
     to the recovery deadline."""

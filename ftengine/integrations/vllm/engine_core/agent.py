@@ -37,6 +37,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 import uuid
@@ -78,7 +79,7 @@ from ftengine.integrations.vllm.engine_core.quorum import (
 )
 from ftengine.integrations.vllm.engine_core.scale_down import REMOVED_ATTR, problems
 from ftengine.integrations.vllm.engine_core.worker_exit import worker_dying
-from ftengine.integrations.vllm.messages import import_vllm
+from ftengine.integrations.vllm.messages import API_URL_ENV, import_vllm
 from ftengine.integrations.vllm.status_file import (
     StatusFile,
     redundancy_facts,
@@ -139,6 +140,7 @@ class EngineCoreAgent:
         self.board.doorbell = self.doorbell.address
         self.reach = Reachability(self.rank, self.doorbell.address[0])
         self.board.probe = self.reach.address
+        self.board.api_url = os.environ.get(API_URL_ENV) or None  # for a DEAD peer's handoff
         self.gone: frozenset[int] = frozenset()  # peers the probes say are dead or cut off
         self.fenced: str | None = None  # why this engine is on a minority side (quorum)
         self._refusing: threading.Event | None = None  # set: stop refusing late arrivals

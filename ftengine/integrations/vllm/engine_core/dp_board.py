@@ -117,6 +117,9 @@ class StatusBoard:
         self.doorbells: dict[int, tuple[str, int]] = {}  # the peers', as last read
         self.probe: tuple[str, int] | None = None  # this engine's quorum.Reachability
         self.probes: dict[int, tuple[str, int]] = {}  # the peers', as last read
+        self.api_url: str | None = None  # this engine's API server, published with it
+        self.api_urls: dict[int, str] = {}  # the peers', as last read (a DEAD engine's
+        # handoff falls back on them once the survivors' scale-down has closed its store)
 
     def publish(self, store: Any, mine: Entry, beat: int, now: float) -> bool:
         """Write this engine's entry when it changes, else every ``PUBLISH_S`` (the beat
@@ -131,6 +134,7 @@ class StatusBoard:
             "epoch": mine.epoch,
             "doorbell": self.doorbell,
             "probe": self.probe,
+            "api_url": self.api_url,
             "proposal": None if mine.proposal is None else mine.proposal.to_json(),
             "blame": mine.blame,
         }
@@ -174,5 +178,8 @@ class StatusBoard:
         probe = value.get("probe")
         if isinstance(probe, list) and len(probe) == 2:
             self.probes[rank] = (str(probe[0]), int(probe[1]))
+        api_url = value.get("api_url")
+        if isinstance(api_url, str) and api_url:
+            self.api_urls[rank] = api_url
         self.decoded[rank] = (raw, decoded)
         return decoded

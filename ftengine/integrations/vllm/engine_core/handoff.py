@@ -360,10 +360,15 @@ def served_model(vllm_config: Any) -> str:
     return str(names or model.model)
 
 
-def install(sentinel: Any, settings: VllmFtSettings) -> None:
+def install(
+    sentinel: Any,
+    settings: VllmFtSettings,
+    last_read: Callable[[], Mapping[int, str]] | None = None,
+) -> None:
     """Give the ``EngineCoreSentinel`` its :class:`Handoff` (re-inference is on): to the
     ``handoff_urls`` when set, else to the survivors found on the DP store, whose own URL
-    this engine core publishes there now (and on each new store: :func:`publish_url`). A
+    this engine core publishes there now (and on each new store: :func:`publish_url`), or,
+    once that store is gone, to those ``last_read`` gives (the agent's DP board). A
     deployment of one rank has no survivor: nothing is installed."""
     engine = sentinel.engine
     parallel = engine.vllm_config.parallel_config
@@ -373,7 +378,7 @@ def install(sentinel: Any, settings: VllmFtSettings) -> None:
     elif int(parallel.data_parallel_size) > 1:
         own = os.environ.get(API_URL_ENV) or None
         rank, world = int(parallel.data_parallel_rank), int(parallel.data_parallel_size)
-        survivors = SurvivorDirectory(engine, rank, world, own)
+        survivors = SurvivorDirectory(engine, rank, world, own, last_read=last_read)
     else:
         return
     model = served_model(engine.vllm_config)

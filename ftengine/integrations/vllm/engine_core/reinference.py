@@ -183,10 +183,16 @@ class ResumedOrDeadline(threading.Event):
         return recovered
 
 
-def install(sentinel: Any, settings: VllmFtSettings, check_seams: Callable[[], None]) -> None:
+def install(
+    sentinel: Any,
+    settings: VllmFtSettings,
+    check_seams: Callable[[], None],
+    last_read: Callable[[], Mapping[int, str]] | None = None,
+) -> None:
     """Give a new ``EngineCoreSentinel`` its :class:`Hold` when ``settings.reinference``
     (else vLLM's ``on_fault`` aborts as before), once ``check_seams`` (``patches.
-    check_reinference_seams``) found the vLLM names it calls where it expects them."""
+    check_reinference_seams``) found the vLLM names it calls where it expects them; its
+    handoff falls back on ``last_read`` (the peers' API servers on the agent's DP board)."""
     if not settings.reinference:
         return
     check_seams()
@@ -197,7 +203,7 @@ def install(sentinel: Any, settings: VllmFtSettings, check_seams: Callable[[], N
         resumed.set()
     sentinel.resumed = resumed
     setattr(sentinel, HOLD_ATTR, hold)
-    handoff.install(sentinel, settings)
+    handoff.install(sentinel, settings, last_read)
 
 
 def hold_or_abort(

@@ -51,7 +51,12 @@ def _with_agent(init: Callable[..., None]) -> Callable[..., None]:
         if agent is not None:  # with re-inference (the default), faults hold requests
             from ftengine.integrations.vllm.engine_core.reinference import install
 
-            install(self, agent.settings, check_reinference_seams)
+            install(
+                self,
+                agent.settings,
+                check_reinference_seams,
+                last_read=lambda: dict(agent.board.api_urls),
+            )
 
     setattr(init_then_agent, PATCHED_MARK, init)
     return init_then_agent
