@@ -4,10 +4,11 @@ must be readable afterwards): the flag reaches the run."""
 from __future__ import annotations
 
 import argparse
+import json
 from pathlib import Path
 
 from ftengine.cli.options import options_from_args
-from ftengine.testbed.bench.inflight import InflightOptions, _vllm_run
+from ftengine.testbed.bench.inflight import InflightOptions, _vllm_run, setup
 from ftengine.testbed.cli import bench_inflight
 
 
@@ -21,3 +22,12 @@ def test_the_log_dir_flag_reaches_the_vllm_run(tmp_path: Path) -> None:
     assert run is not None and run.log_dir == tmp_path / "logs"
     default = _vllm_run(InflightOptions(vllm_checkpoint=tmp_path))
     assert default is not None and default.log_dir == Path("vllm-bench-logs/inflight")
+
+
+def test_the_setup_in_the_json_has_the_paths_as_strings(tmp_path: Path) -> None:
+    """What broke ``bench inflight`` once: a ``Path`` option in ``json.dumps``."""
+    options = InflightOptions(vllm_checkpoint=tmp_path)
+    written = json.loads(json.dumps(setup(options)))
+    assert written["vllm_checkpoint"] == str(tmp_path)
+    assert written["vllm_log_dir"] == "vllm-bench-logs/inflight"
+    assert json.loads(json.dumps(setup(InflightOptions())))["vllm_checkpoint"] is None

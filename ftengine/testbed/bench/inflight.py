@@ -145,6 +145,15 @@ def cluster_rows(bench: Bench, launch: Launch) -> dict[str, dict[str, Any]]:
     return rows
 
 
+def setup(options: InflightOptions) -> dict[str, Any]:
+    """The run's options as JSON values (paths as strings), with the number of prompts."""
+
+    def plain(_instance: object, _field: object, value: object) -> object:
+        return str(value) if isinstance(value, Path) else value
+
+    return {**attrs.asdict(options, value_serializer=plain), "prompts": len(PROMPTS)}
+
+
 def run_inflight(options: InflightOptions, checkpoint: Path) -> dict[str, Any]:
     """Run every measured scenario on ``checkpoint``; the benchmark's JSON object."""
     from ftengine.testbed.cluster import reference_generate
@@ -161,13 +170,9 @@ def run_inflight(options: InflightOptions, checkpoint: Path) -> dict[str, Any]:
     # The targets are re-inference's; the rows without it show what it saves.
     measured = [rows["reinference"] for rows in (*cluster.values(), *vllm.values())
                 if isinstance(rows, dict)]  # fmt: skip
-    setup = {**attrs.asdict(options), "prompts": len(PROMPTS)}
-    setup["vllm_checkpoint"] = (
-        None if options.vllm_checkpoint is None else str(options.vllm_checkpoint)
-    )
     return {
         "benchmark": "inflight",
-        "setup": setup,
+        "setup": setup(options),
         "cluster": cluster,
         "vllm": vllm,
         "targets_met": all(row["targets_met"] for row in measured),
