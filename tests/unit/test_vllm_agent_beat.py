@@ -4,6 +4,7 @@ every ``PUBLISH_S`` as a sign of life) and reads every peer in one DP-store roun
 from __future__ import annotations
 
 import json
+import time
 from typing import Any
 
 import pytest
@@ -265,3 +266,22 @@ def test_a_single_rank_engine_starts_no_watch_thread() -> None:
     pair.watch.join(5.0)
     assert not pair.watch.is_alive()  # it stops at the next beat and closes the probes
     assert pair.reach.sock.fileno() == -1
+
+
+def test_the_watch_thread_outlives_a_failing_step(monkeypatch: pytest.MonkeyPatch) -> None:
+    agent = agent_for(Sentinel(world=2))
+    steps: list[int] = []
+
+    def failing() -> None:
+        steps.append(1)
+        raise RuntimeError("one bad step")
+
+    monkeypatch.setattr(agent, "watch_step", failing)
+    agent.beat_s = 0.01
+    agent.watch.start()
+    deadline = time.monotonic() + 5.0
+    while len(steps) < 3 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    agent.stop()
+    agent.watch.join(5.0)
+    assert len(steps) >= 3 and not agent.watch.is_alive()

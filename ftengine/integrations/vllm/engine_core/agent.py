@@ -315,7 +315,10 @@ class EngineCoreAgent:
         the quorum and the worker-exit check share this one wake-up, and the agent thread
         sleeps until there is news (measured: docs/results/vllm-bench.md)."""
         while not self._stop.wait(self.beat_s):
-            self.watch_step()
+            try:
+                self.watch_step()
+            except Exception:  # the watch must outlive any one failure
+                logger.exception("[FT] engine %d watch step failed", self.rank)
         self.reach.close()
 
     def watch_step(self) -> None:
