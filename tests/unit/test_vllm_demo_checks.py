@@ -88,6 +88,19 @@ def test_the_watcher_reports_each_change_once_and_skips_a_silent_server() -> Non
     assert out.getvalue().count("engine 1: healthy -> dead") == 1
 
 
+def test_a_state_the_scenario_saw_between_two_polls_is_recorded() -> None:
+    """CI: the survivor was unhealthy only while the watcher's poll waited on the dying
+    rank's server; the scenario's own wait had seen it."""
+    states = iter([{0: "healthy", 1: "healthy"}, {0: "healthy", 1: "dead"}])
+    watcher = StatusWatcher(lambda: next(states), PlainReporter(io.StringIO(), 0.0))
+    watcher.poll()
+    watcher.saw({0: "unhealthy", 1: "dead"})  # what the scenario's wait read
+    watcher.poll()  # the survivor is healthy again by now
+    assert [(c.engine, c.dest) for c in watcher.changes] == [
+        (0, "healthy"), (1, "healthy"), (0, "unhealthy"), (1, "dead"), (0, "healthy"),
+    ]  # fmt: skip
+
+
 def test_the_tally_splits_at_the_kill_and_tells_wrong_from_failed() -> None:
     samples = [
         Sample(1.0, 2.0, 0, 1, True),

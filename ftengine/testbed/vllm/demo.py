@@ -178,7 +178,7 @@ def _run_on(
         client = Client(deployment, str(checkpoint))
         watcher = StatusWatcher(client.statuses, reporter).start()
         try:
-            outcome, streams = _scenario(options, client, reporter)
+            outcome, streams = _scenario(options, client, reporter, watcher)
         finally:
             watcher.stop()
         outcome = attrs.evolve(outcome, changes=tuple(watcher.changes))
@@ -186,7 +186,7 @@ def _run_on(
 
 
 def _scenario(
-    options: VllmDemoOptions, client: Client, reporter: Reporter
+    options: VllmDemoOptions, client: Client, reporter: Reporter, watcher: StatusWatcher
 ) -> tuple[Outcome, _Streams]:
     """Answers before, traffic, kill, wait, scale_down, wait, answers after."""
     victim = options.victim
@@ -202,9 +202,14 @@ def _scenario(
         killed_at = time.monotonic()
         os.kill(worker, signal.SIGKILL)
         reporter.note(killed_at, f"SIGKILL rank {victim}'s worker (pid {worker})")
-        client.wait(lambda s: all(s.get(r) == "unhealthy" for r in survivors), 60)
+
+        def seen(s: dict[int, str], want: str) -> bool:
+            watcher.saw(s)  # what the waits read counts too
+            return all(s.get(r) == want for r in survivors)
+
+        client.wait(lambda s: seen(s, "unhealthy"), 60)
         applied = _scale_down(client, survivors, victim, reporter)
-        client.wait(lambda s: all(s.get(r) == "healthy" for r in survivors), 120)
+        client.wait(lambda s: seen(s, "healthy"), 120)
         after = {r: str(client.complete(r)["text"]) for r in survivors}
         reporter.note(time.monotonic(), f"answers after the scale-down: {after}")
         time.sleep(SETTLE_S)  # the recovered throughput, for the plot

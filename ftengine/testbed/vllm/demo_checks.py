@@ -40,6 +40,7 @@ class StatusWatcher:
         self._last: dict[int, str] = {}
         self.changes: list[Change] = []
         self._stop = threading.Event()
+        self._lock = threading.Lock()
         self._thread = threading.Thread(target=self._loop, name="ftengine-vllm-watch", daemon=True)
 
     def start(self) -> StatusWatcher:
@@ -54,8 +55,14 @@ class StatusWatcher:
         """Report what changed since the last poll (a server that does not answer is skipped:
         the victim's may be busy dying)."""
         with contextlib.suppress(httpx.HTTPError, KeyError, ValueError):
-            now = self._statuses()
-            at = time.monotonic()
+            self.saw(self._statuses())
+
+    def saw(self, now: Mapping[int, str]) -> None:
+        """Record the statuses someone else read just now (the scenario's own waits): a
+        poll that waits on a dying rank's server can miss a survivor's short ``unhealthy``
+        (seen in CI: the survivor was healthy again before the next poll answered)."""
+        at = time.monotonic()
+        with self._lock:
             for engine, status in sorted(now.items()):
                 before = self._last.get(engine, "")
                 if status != before:
