@@ -137,15 +137,23 @@ def test_the_board_works_on_a_real_tcpstore() -> None:
     assert zero.read(store, skip=frozenset({2})) == {1: PeerStatus(proposing, 2)}
 
 
-def test_a_tick_reads_the_peers_every_read_interval_and_at_once_on_its_own_news(
+def watched_pair(
     monkeypatch: pytest.MonkeyPatch,
-) -> None:
+) -> tuple[Sentinel, CountingStore, engine_agent.EngineCoreAgent, list[bool]]:
+    """Engine 0 of two (its peer healthy on a counting store) whose worker's exit is
+    ``dying[0]``."""
     sentinel = Sentinel()
     store = counting(sentinel)
     store.peer(1, "healthy")
-    agent = agent_for(sentinel)
     dying = [False]
     monkeypatch.setattr(engine_agent, "worker_dying", lambda executor: dying[0])
+    return sentinel, store, agent_for(sentinel), dying
+
+
+def test_a_tick_reads_the_peers_every_read_interval_and_at_once_on_its_own_news(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    sentinel, store, agent, dying = watched_pair(monkeypatch)
 
     def reads() -> int:
         return store.calls["multi_get"] + store.calls["get"]
@@ -216,12 +224,7 @@ def test_the_watch_step_wakes_the_agent_only_on_news_of_its_own(
 ) -> None:
     """The one thread that wakes every beat checks the worker and the status; the agent
     thread sleeps on its doorbell until that news (or a peer's ring, or the read interval)."""
-    sentinel = Sentinel()
-    store = counting(sentinel)
-    store.peer(1, "healthy")
-    agent = agent_for(sentinel)
-    dying = [False]
-    monkeypatch.setattr(engine_agent, "worker_dying", lambda executor: dying[0])
+    sentinel, store, agent, dying = watched_pair(monkeypatch)
     agent._tick()  # published: healthy
     for _ in range(3):
         agent.watch_step()
