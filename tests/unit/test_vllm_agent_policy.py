@@ -17,7 +17,14 @@ from ftengine.integrations.vllm.engine_core.agent import UTILS_MODULE, EngineCor
 from ftengine.integrations.vllm.engine_core.dp_board import KEY
 from ftengine.integrations.vllm.status_file import file_fields
 from ftengine.policies import AutoRecovery, FlapGuard, OrchestratorDriven, ScaleDown
-from tests.unit.test_vllm_engine_agent import Sentinel, Status, agent_for, tick, wait_until
+from tests.unit.test_vllm_engine_agent import (
+    Sentinel,
+    Status,
+    agent_for,
+    on_fault,
+    tick,
+    wait_until,
+)
 
 pytest.importorskip(UTILS_MODULE, reason="vllm is not installed")
 
@@ -35,8 +42,7 @@ def survivor(
     """Engine ``rank``, just faulted by a peer's collective error (vLLM's on_fault ran)."""
     sentinel = Sentinel(rank=rank, world=world)
     agent = agent_for(sentinel, policy)
-    agent.note_fault(TIMEOUT)
-    agent.after_fault()
+    on_fault(agent, TIMEOUT)
     sentinel.status_type = Status.UNHEALTHY
     return sentinel, agent
 
@@ -110,7 +116,7 @@ def test_a_peers_fault_is_counted_against_the_rank_it_began_on() -> None:
         if episode:  # healthy again, then the same rank's fault again
             sentinel.status_type = Status.HEALTHY
             agent._maybe_recover()
-            agent.note_fault(TIMEOUT)
+            on_fault(agent, TIMEOUT)
             sentinel.status_type = Status.UNHEALTHY
         store.peer(1, "unhealthy", beat=10 * episode + 1, blame=1)
         store.peer(2, "unhealthy", beat=10 * episode + 1, blame=1)
@@ -127,7 +133,7 @@ def test_a_fault_of_this_engines_own_making_points_at_itself() -> None:
     sentinel.engine.dp_store.peer(0, "healthy")
     sentinel.engine.dp_store.peer(2, "healthy")
     agent._watch_peers()
-    agent.note_fault(RuntimeError("[FT] fault injected on DP rank 1"))
+    on_fault(agent, RuntimeError("[FT] fault injected on DP rank 1"))
     assert agent.fault is not None and agent.fault.rank == 1
     sentinel.status_type = Status.UNHEALTHY
     tick(agent)
@@ -141,7 +147,7 @@ def test_flap_guard_on_the_flapping_rank_gives_up_and_the_engine_is_dead() -> No
     for _ in range(2):
         sentinel.status_type = Status.HEALTHY
         agent._maybe_recover()
-        agent.note_fault(RuntimeError("[FT] fault injected on DP rank 1"))
+        on_fault(agent, RuntimeError("[FT] fault injected on DP rank 1"))
         sentinel.status_type = Status.UNHEALTHY
         tick(agent)
     assert sentinel.status_type is Status.DEAD and sentinel.pushes >= 1
@@ -195,7 +201,7 @@ def test_after_a_scale_down_the_removed_rank_is_no_peer() -> None:
     agent._watch_peers()
     assert agent.peers == {1: "healthy"}
     agent.policy = AutoRecovery() | OrchestratorDriven()
-    agent.note_fault(TIMEOUT)  # a later fault: a retry among the two survivors
+    on_fault(agent, TIMEOUT)  # a later fault: a retry among the two survivors
     sentinel.status_type = Status.UNHEALTHY
     store.peer(1, "unhealthy", beat=6, epoch=1, proposal=["retry", [2], 1])
     tick(agent)
@@ -232,8 +238,7 @@ def test_a_peers_closed_socket_is_no_proof_that_it_died() -> None:
     agent = agent_for(sentinel, "auto")
     sentinel.engine.dp_store.peer(1, "unhealthy", blame=1)
     agent._watch_peers()
-    agent.note_fault(RuntimeError("[pair.cc:553] Connection closed by peer [127.0.0.1]:18656"))
-    agent.after_fault()
+    on_fault(agent, RuntimeError("[pair.cc:553] Connection closed by peer [127.0.0.1]:18656"))
     sentinel.status_type = Status.UNHEALTHY
     tick(agent)
     proposes_a_retry_of_a_peers_fault(sentinel, agent, blamed=1)
@@ -251,8 +256,7 @@ def test_the_peer_that_began_it_is_blamed_not_the_first_seen_unhealthy() -> None
     store.peer(0, "unhealthy", blame=None)
     store.peer(1, "healthy")
     agent._watch_peers()
-    agent.note_fault(RuntimeError("[pair.cc:553] Connection closed by peer [127.0.0.1]:7044"))
-    agent.after_fault()
+    on_fault(agent, RuntimeError("[pair.cc:553] Connection closed by peer [127.0.0.1]:7044"))
     sentinel.status_type = Status.UNHEALTHY
     store.peer(1, "unhealthy", beat=2, blame=1)
     tick(agent)
@@ -268,7 +272,7 @@ def test_an_own_error_stays_own_when_a_victim_was_seen_unhealthy_first() -> None
     sentinel.engine.dp_store.peer(0, "unhealthy")
     sentinel.engine.dp_store.peer(2, "healthy")
     agent._watch_peers()  # the marker: rank 0 seen faulted first
-    agent.note_fault(RuntimeError("[FT] fault injected on DP rank 1"))
+    on_fault(agent, RuntimeError("[FT] fault injected on DP rank 1"))
     assert agent.fault is not None and agent.fault.rank == 1
 
 
@@ -282,8 +286,7 @@ def lone_survivor(rank: int) -> tuple[Sentinel, EngineCoreAgent]:
     sentinel.engine.dp_store.peer(peer, "healthy")
     agent._watch_peers()
     agent._seen[peer] = (1, time.monotonic() - 60)  # its beat has not moved for a minute
-    agent.note_fault(TIMEOUT)
-    agent.after_fault()
+    on_fault(agent, TIMEOUT)
     sentinel.status_type = Status.UNHEALTHY
     return sentinel, agent
 
@@ -311,8 +314,7 @@ def test_a_peer_that_published_dead_may_be_removed_by_any_survivor() -> None:
     sentinel = Sentinel(rank=1, world=2)
     agent = agent_for(sentinel, "auto")
     sentinel.engine.dp_store.peer(0, "dead")
-    agent.note_fault(TIMEOUT)
-    agent.after_fault()
+    on_fault(agent, TIMEOUT)
     sentinel.status_type = Status.UNHEALTHY
     tick(agent)
     wait_until(lambda: bool(sentinel.scale_downs))

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import queue
 import tempfile
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -120,6 +121,13 @@ def agent_for(sentinel: Sentinel, policy: str = "orchestrator") -> EngineCoreAge
     return agent
 
 
+def on_fault(agent: EngineCoreAgent, exc: BaseException) -> None:
+    """What the patched ``on_fault`` runs around vLLM's own (busy-loop thread)."""
+    agent.note_fault(exc)
+    agent.after_fault()
+    agent.release_commands()
+
+
 def wait_until(done: Callable[[], bool], seconds: float = 5.0) -> None:
     deadline = time.monotonic() + seconds
     while not done():
@@ -214,8 +222,7 @@ def test_auto_retries_through_the_engine_core_once_every_peer_is_faulted() -> No
     sentinel = Sentinel()
     store = sentinel.engine.dp_store
     agent = agent_for(sentinel, "auto")
-    agent.note_fault(RuntimeError("Timed out waiting 5000ms for recv operation to complete"))
-    agent.after_fault()
+    on_fault(agent, RuntimeError("Timed out waiting 5000ms for recv operation to complete"))
     sentinel.status_type = Status.UNHEALTHY
     store.peer(1, "healthy")
     tick(agent)
@@ -234,9 +241,47 @@ def test_auto_retries_through_the_engine_core_once_every_peer_is_faulted() -> No
 def test_the_orchestrator_policy_never_retries_by_itself() -> None:
     sentinel = Sentinel()
     agent = agent_for(sentinel)
-    agent.note_fault(RuntimeError("boom"))
+    on_fault(agent, RuntimeError("boom"))
     sentinel.status_type = Status.UNHEALTHY
     agent.peers = {1: "unhealthy"}
     agent._maybe_recover()
     time.sleep(0.05)
     assert sentinel.retries == []
+
+
+def test_a_command_waits_while_on_fault_runs_even_without_an_early_report() -> None:
+    """vLLM's executor hands ``collective_rpc`` answers out in the order it reads them, not
+    per caller: a retry on the input thread beside the busy loop's ``after_fault`` call
+    could take that call's answer and report HEALTHY before the worker ran it."""
+    sentinel = Sentinel()
+    agent = agent_for(sentinel)
+    agent.note_fault(RuntimeError("[FT] fault injected on DP rank 0"))
+    sentinel.status_type = Status.UNHEALTHY  # vLLM's on_fault: an orchestrator may act now
+    waiter = threading.Thread(target=agent.await_fault)
+    waiter.start()
+    waiter.join(0.3)
+    assert waiter.is_alive(), "the command did not wait for on_fault"
+    agent.after_fault()  # the worker call a command must not run beside
+    waiter.join(0.3)
+    assert waiter.is_alive(), "released before on_fault's last status push"
+    agent.release_commands()
+    waiter.join(5.0)
+    assert not waiter.is_alive()
+
+
+def test_the_agents_own_recovery_waits_for_on_fault() -> None:
+    sentinel = Sentinel()
+    store = sentinel.engine.dp_store
+    agent = agent_for(sentinel, "auto")
+    agent.note_fault(RuntimeError("Timed out waiting 5000ms for recv operation to complete"))
+    sentinel.status_type = Status.UNHEALTHY
+    store.peer(1, "unhealthy", beat=3, proposal=["retry", [], 0])
+    tick(agent)
+    tick(agent)
+    time.sleep(0.05)
+    assert sentinel.retries == [] and agent.proposal is None  # on_fault still runs
+    agent.after_fault()
+    agent.release_commands()
+    store.peer(1, "unhealthy", beat=4, proposal=["retry", [], 0])
+    tick(agent)
+    wait_until(lambda: bool(sentinel.retries))

@@ -169,11 +169,22 @@ class CachedRequests:
 
 @attrs.frozen
 class SchedulerOutput:
+    """``vllm.v1.core.sched.output.SchedulerOutput``'s fields the injection reads."""
+
     scheduled_cached_reqs: CachedRequests
+    total_num_scheduled_tokens: int
 
 
 def running(**emitted: int) -> SchedulerOutput:
-    return SchedulerOutput(CachedRequests(list(emitted), list(emitted.values())))
+    return SchedulerOutput(CachedRequests(list(emitted), list(emitted.values())), len(emitted))
+
+
+def test_the_fake_scheduler_output_has_vllms_field_names() -> None:
+    output = pytest.importorskip("vllm.v1.core.sched.output")
+    fields = output.SchedulerOutput.__dataclass_fields__
+    assert {"scheduled_cached_reqs", "total_num_scheduled_tokens"} <= set(fields)
+    cached = output.CachedRequestData.__dataclass_fields__
+    assert {"req_ids", "num_output_tokens"} <= set(cached)
 
 
 @attrs.frozen
@@ -215,6 +226,8 @@ def test_a_poison_token_faults_every_step_of_its_request_after_its_first_token(
         fault_injection.maybe_inject(0, worker, poisoned)
     fault_file.write_text("1")  # the rank form: once, on that rank
     fault_injection.maybe_inject(0, worker, poisoned)
+    fault_injection.maybe_inject(1, worker, running())  # finished-requests note: no request
+    assert fault_file.exists()
     with pytest.raises(RuntimeError, match="fault injected on DP rank 1"):
         fault_injection.maybe_inject(1, worker, poisoned)
     assert not fault_file.exists()

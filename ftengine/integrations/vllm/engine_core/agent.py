@@ -210,6 +210,12 @@ class EngineCoreAgent:
         (no I/O, so vLLM's status goes out at once)."""
         from ftengine.sentinel import classify_exception
 
+        # Until release_commands: the busy loop's on_fault is under way and may still talk
+        # to the worker (after_fault's collective_rpc). A command (vLLM's input thread) or
+        # the agent's own recovery running its collective_rpc meanwhile would take that
+        # call's answer for its own (vLLM's executor answers in the order it reads, not
+        # per caller): a retry "done" before the worker ran it, its status stale.
+        self._faulted.clear()
         with self._lock:
             self.pending = None  # this fault is the news; a queued marker is now stale
             blamed, self.blamed = self.blamed, None
@@ -493,11 +499,11 @@ class EngineCoreAgent:
             self._anticipate("unhealthy")
 
     def await_fault(self) -> None:
-        """Before vLLM handles a command (its input thread): after an early report, wait
-        until vLLM's ``on_fault`` has made it true, so the command is judged on the status
-        the orchestrator saw (bounded: the per-op timeout ends any step)."""
-        if self.anticipated is not None:
-            self._faulted.wait(HOLD_S + (self.settings.cpu_distributed_timeout_s or 0.0))
+        """Before vLLM handles a command (its input thread): while a fault is handled (from
+        :meth:`note_fault`, or an early report, to :meth:`release_commands`), wait, so the
+        command is judged on the status the orchestrator saw and its ``collective_rpc``
+        does not run beside ``after_fault``'s (bounded: the per-op timeout ends any step)."""
+        self._faulted.wait(HOLD_S + (self.settings.cpu_distributed_timeout_s or 0.0))
         # A command while the agent's own recovery runs is judged on the status it leaves
         # (vLLM would otherwise run a second recovery beside it).
         self._idle.wait(self.settings.recovery_timeout_s)
@@ -542,6 +548,8 @@ class EngineCoreAgent:
             return
         if self._recovering.is_set():
             return  # the proposal stays published: the other members may still start
+        if not self._faulted.is_set():
+            return  # on_fault still runs (its collective_rpc): recover after it, not beside
         if self.fenced is not None:
             return  # a minority side proposes nothing: the guard stops it (never both serve)
         ctx = self.context(time.monotonic())

@@ -75,16 +75,19 @@ def _agent_on_fault(on_fault: Callable[..., None]) -> Callable[..., None]:
         # re-inference on the same with requests held (engine_core.reinference)
         from ftengine.integrations.vllm.engine_core.reinference import hold_or_abort
 
-        hold_or_abort(self, exc, on_fault, getattr(agent, "peers", None))
-        if agent is not None:
-            from ftengine.integrations.vllm.engine_core.coordinator_host import (
-                park_if_coordinator_host,
-            )
+        try:
+            hold_or_abort(self, exc, on_fault, getattr(agent, "peers", None))
+            if agent is not None:
+                from ftengine.integrations.vllm.engine_core.coordinator_host import (
+                    park_if_coordinator_host,
+                )
 
-            park_if_coordinator_host(self)  # DEAD rank 0 keeps the DP coordinator up
-            agent.after_fault()
-            self._push_status()  # the same status, now with the worker's ftengine phase
-            agent.release_commands()  # held commands answer after that status, not before
+                park_if_coordinator_host(self)  # DEAD rank 0 keeps the DP coordinator up
+                agent.after_fault()
+                self._push_status()  # the same status, now with the worker's ftengine phase
+        finally:
+            if agent is not None:  # held commands answer after that status, not before
+                agent.release_commands()
 
     setattr(agent_on_fault, PATCHED_MARK, on_fault)
     return agent_on_fault

@@ -1,6 +1,8 @@
 """Tests' fault injection into a vLLM worker's model steps (``$FTENGINE_VLLM_FAULT_FILE``).
 
-A file there holding DP rank R makes R's next model step raise (once: the file is removed);
+A file there holding DP rank R makes R's next model step that runs a request raise (once: the
+file is removed; the empty step that only tells the worker which requests finished, which can
+run after a client has its answer, is no such step);
 one holding ``token:T`` makes every model step that runs a request whose prompt holds token
 id T, once it has emitted a token, raise, on any rank, for as long as the file exists (a
 poison request: its first token streams, then its every step faults, re-runs included).
@@ -31,12 +33,18 @@ def maybe_inject(rank: int, worker: WorkerLike, scheduler_output: Any) -> None:
         if target.startswith(POISON_PREFIX):
             _maybe_poison(worker, scheduler_output, target, path)
             return
-        if target != str(rank):
+        if target != str(rank) or _empty(scheduler_output):
             return
         os.unlink(path)
     except OSError:
         return  # another step raced us to it
     raise RuntimeError(f"[FT] fault injected on DP rank {rank} ({FAULT_FILE_ENV}={path})")
+
+
+def _empty(scheduler_output: Any) -> bool:
+    """A ``SchedulerOutput`` that runs no request (``sample_tokens``, None: runs only after
+    a step that did)."""
+    return scheduler_output is not None and scheduler_output.total_num_scheduled_tokens == 0
 
 
 def _maybe_poison(worker: WorkerLike, scheduler_output: Any, target: str, path: str) -> None:
