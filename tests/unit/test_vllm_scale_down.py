@@ -261,7 +261,7 @@ def test_a_retry_after_a_scale_down_rebuilds_the_dp_group_among_the_survivors(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """vLLM's ``_reinit_dp_group`` spans every original rank (the removed would never come);
-    once a scale-down removed some, retry's rebuild is ftengine's among the survivors."""
+    retry's rebuild is ftengine's: every rank until a scale-down, then the survivors."""
     core, engine, _ = scale_down_core(monkeypatch)
     calls: list[list[int]] = []
 
@@ -269,17 +269,13 @@ def test_a_retry_after_a_scale_down_rebuilds_the_dp_group_among_the_survivors(
         calls.append(alive)
         return {DP_PORTS_KEY: [29500]}
 
-    def vllm_reinit(sentinel: Any) -> dict[str, Any]:
-        calls.append([-1])  # vLLM's own: every original rank
-        return {}
-
     monkeypatch.setattr(sd, "reinit_dp_group", survivors_reinit)
-    assert sd.reinit_for_retry(core, vllm_reinit) == {} and calls == [[-1]]
+    assert sd.reinit_for_retry(core) == {DP_PORTS_KEY: [29500]} and calls == [[0, 1, 2, 3]]
     core.on_fault(RuntimeError("peer died"))
     command(core, {"removed_dp_ranks": [0, 2]})
-    assert answer(engine)["success"] is True and calls == [[-1], [1, 3]]
+    assert answer(engine)["success"] is True and calls == [[0, 1, 2, 3], [1, 3]]
     calls.clear()
-    sd.reinit_for_retry(core, vllm_reinit)
+    sd.reinit_for_retry(core)
     assert calls == [[1, 3]]
     patched = {(p.owner, p.name) for p in ENGINE_CORE_PATCHES}
     assert ("EngineCoreSentinel", "_reinit_dp_group") in patched

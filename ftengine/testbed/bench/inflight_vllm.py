@@ -22,6 +22,7 @@ import signal
 import tempfile
 import time
 from collections.abc import Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -62,20 +63,24 @@ def _wait_all(urls: Sequence[str], want: str, timeout_s: float) -> float:
     return _wait_each(urls, dict.fromkeys(range(len(urls)), want), timeout_s)
 
 
+def _statuses(url: str) -> list[dict[str, Any]]:
+    reply = httpx.get(f"{url}/fault_tolerance/status", timeout=10)
+    return list(reply.json()["engines"])
+
+
 def _wait_each(urls: Sequence[str], want: dict[int, str], timeout_s: float) -> float:
-    """``time.monotonic()`` once every engine in ``want`` reports its status."""
+    """``time.monotonic()`` once every engine in ``want`` reports its status (every
+    server asked at once, as an orchestrator would: one slow answer delays no other)."""
     deadline = time.monotonic() + timeout_s
-    while True:
-        seen = {
-            int(e["id"]): e["status"]
-            for url in urls
-            for e in httpx.get(f"{url}/fault_tolerance/status", timeout=10).json()["engines"]
-        }
-        if all(seen.get(rank) == status for rank, status in want.items()):
-            return time.monotonic()
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"expected {want} in {timeout_s} s, found {seen}")
-        time.sleep(0.02)
+    with ThreadPoolExecutor(len(urls)) as pool:
+        while True:
+            answers = list(pool.map(_statuses, urls))
+            seen = {int(e["id"]): e["status"] for engines in answers for e in engines}
+            if all(seen.get(rank) == status for rank, status in want.items()):
+                return time.monotonic()
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"expected {want} in {timeout_s} s, found {seen}")
+            time.sleep(0.02)
 
 
 def _apply(url: str, body: dict[str, Any]) -> None:
@@ -100,8 +105,8 @@ def _fault_round(
     fault_s = time.monotonic()
     fault_file.write_text("1")  # rank 1's next model step raises
     _wait_all(urls, "unhealthy", OP_TIMEOUT_S + 30)
-    for url in urls:
-        _apply(url, {"instruction": "retry"})
+    with ThreadPoolExecutor(len(urls)) as pool:  # to every rank at once, as vLLM asks
+        list(pool.map(lambda url: _apply(url, {"instruction": "retry"}), urls))
     _wait_all(urls, "healthy", 60)
     join_all(streams, run.stream_timeout)
     return streams, fault_s

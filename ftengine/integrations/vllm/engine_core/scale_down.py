@@ -31,12 +31,13 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Callable
+import time
 from typing import Any
 
 from ftengine.commands import REMOVED_KEY, parse_command, scale_down_problems
 from ftengine.errors import CommandRejected
 from ftengine.integrations.vllm.messages import DP_PORTS_KEY, import_vllm
+from ftengine.integrations.vllm.rendezvous import await_store
 
 logger = logging.getLogger(__name__)
 
@@ -143,6 +144,10 @@ def reinit_dp_group(sentinel: Any, alive: list[int]) -> dict[str, Any]:
         engine_port = int(engine.dp_store.get(engine_key).decode())
     dist = import_vllm(DISTRIBUTED_MODULE)
     dist.stateless_destroy_torch_distributed_process_group(engine.dp_group)
+    if dense != 0:  # no connect back-off: rank 0 makes the store after publishing the port
+        timeout = parallel.cpu_distributed_timeout
+        seconds = None if timeout is None else timeout.total_seconds()
+        await_store(parallel.data_parallel_master_ip, engine_port, seconds)
     engine.dp_group, engine.dp_store = dist.stateless_init_torch_distributed_process_group(
         parallel.data_parallel_master_ip,
         engine_port,
@@ -155,13 +160,18 @@ def reinit_dp_group(sentinel: Any, alive: list[int]) -> dict[str, Any]:
     return {DP_PORTS_KEY: worker_ports}
 
 
-def reinit_for_retry(sentinel: Any, vllm_reinit: Callable[[Any], dict[str, Any]]) -> dict[str, Any]:
-    """``EngineCoreSentinel._reinit_dp_group`` for ``retry``: vLLM's own (every original DP
-    rank) until a scale-down removed some, then :func:`reinit_dp_group` among the survivors
-    (vLLM's would wait for the removed ranks until its timeout). Same epoch counter, so the
-    workers' retry (ftengine's FSM rebuilds among its alive ranks) gets the matching ports."""
+def reinit_for_retry(sentinel: Any) -> dict[str, Any]:
+    """``EngineCoreSentinel._reinit_dp_group`` for ``retry``: :func:`reinit_dp_group` among
+    the ranks not removed (every original rank until a scale-down removed some; vLLM's own
+    would wait for the removed until its timeout). vLLM's keys and epoch counter, so the
+    workers' retry (ftengine's FSM rebuilds among its alive ranks) gets the matching ports;
+    unlike vLLM's own, a member waits for rank 0's store instead of backing off."""
     removed = frozenset(getattr(sentinel, REMOVED_ATTR, frozenset()))
-    if not removed:
-        return vllm_reinit(sentinel)
+    started = time.monotonic()
     world = int(sentinel.engine.vllm_config.parallel_config.data_parallel_size)
-    return reinit_dp_group(sentinel, [r for r in range(world) if r not in removed])
+    params = reinit_dp_group(sentinel, [r for r in range(world) if r not in removed])
+    logger.info(
+        "[FT] engine %d: retry's DP group rebuilt (epoch %s) in %.3f s",
+        *(sentinel.engine_index, getattr(sentinel, EPOCH_ATTR, "?"), time.monotonic() - started),
+    )  # fmt: skip
+    return params

@@ -11,8 +11,9 @@ fault into the busy loop (vLLM's own fault path then runs). With re-inference on
 ``Scheduler._handle_blocked_waiting_request`` and ``Scheduler.update_from_output`` run the
 poison probe (``engine_core/poison.py``; vLLM's own otherwise). ``scale_down`` (vLLM 0.32 has
 only ``retry``): ``EngineCoreSentinel.scale_down`` is added for vLLM's own dispatch
-(``engine_core/scale_down.py``); after one, ``EngineCoreSentinel._reinit_dp_group``
-(``retry``'s DP-group rebuild) rebuilds among the survivors instead of every original rank.
+(``engine_core/scale_down.py``); ``EngineCoreSentinel._reinit_dp_group`` (``retry``'s
+DP-group rebuild) is ftengine's: among the survivors once a scale-down removed ranks, and
+without torch's connect back-off (``rendezvous.py``).
 """
 
 from __future__ import annotations
@@ -150,15 +151,10 @@ def _after_fault(handle: Callable[..., None]) -> Callable[..., None]:
     return handle_when_faulted
 
 
-def _among_survivors(reinit: Callable[..., dict[str, Any]]) -> Callable[..., dict[str, Any]]:
-    @functools.wraps(reinit)
-    def reinit_among_survivors(self: Any) -> dict[str, Any]:
-        from ftengine.integrations.vllm.engine_core.scale_down import reinit_for_retry
+def reinit_among_survivors(self: Any) -> dict[str, Any]:
+    from ftengine.integrations.vllm.engine_core.scale_down import reinit_for_retry
 
-        return reinit_for_retry(self, reinit)
-
-    setattr(reinit_among_survivors, PATCHED_MARK, reinit)
-    return reinit_among_survivors
+    return reinit_for_retry(self)
 
 
 SCHEDULER_MODULE = "vllm.v1.core.sched.scheduler"
@@ -177,7 +173,10 @@ ENGINE_CORE_PATCHES = (
         CORE_MODULE, "EngineCoreProc", "_handle_client_request", ("request_type", "request"),
         _with_fault_marker,
     ),
-    Patch(CORE_SENTINEL_MODULE, "EngineCoreSentinel", "_reinit_dp_group", (), _among_survivors),
+    Patch(
+        CORE_SENTINEL_MODULE, "EngineCoreSentinel", "_reinit_dp_group", (),
+        replacing(reinit_among_survivors),
+    ),
     # The poison probe (poison.py); vLLM's own behaviour unless re-inference installed one.
     Patch(
         SCHEDULER_MODULE, "Scheduler", "_handle_blocked_waiting_request", ("request",),

@@ -10,6 +10,7 @@ import torch.distributed as dist
 from torch._C._distributed_c10d import HashStore
 
 from ftengine.integrations.vllm.messages import import_vllm
+from ftengine.integrations.vllm.rendezvous import await_store
 from ftengine.integrations.vllm.shapes import All2AllManagerLike, GroupCoordinatorLike
 
 DISTRIBUTED_MODULE = "vllm.distributed"
@@ -35,7 +36,10 @@ class RealVllmDistributed:
     def init_gloo_group(
         self, host: str, port: int, rank: int, world_size: int, timeout: timedelta | None
     ) -> object:
-        """A new gloo group (``stateless_init_torch_distributed_process_group``)."""
+        """A new gloo group (``stateless_init_torch_distributed_process_group``); a member
+        other than rank 0 first waits for rank 0's store (``rendezvous.await_store``)."""
+        if rank != 0:
+            await_store(host, port, None if timeout is None else timeout.total_seconds())
         init = import_vllm(DISTRIBUTED_MODULE).stateless_init_torch_distributed_process_group
         return cast(object, init(host, port, rank, world_size, backend="gloo", timeout=timeout))
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import time
 from collections.abc import Mapping, Sequence
 from datetime import timedelta
 from typing import Protocol, cast
@@ -224,6 +225,7 @@ class VllmWorkerHooks:
         if not self._dp_closed:
             self.dist.destroy_group(group.cpu_group)
         seconds = self.group_timeout_s
+        started = time.monotonic()
         new = self.dist.init_gloo_group(
             parallel.data_parallel_master_ip,
             port,
@@ -237,7 +239,8 @@ class VllmWorkerHooks:
             _replace_device_group(group, new)
             mark_members(group, alive)
         logger.info(
-            "vLLM DP group rebuilt",
+            "vLLM DP group rebuilt in %.3f s",
+            time.monotonic() - started,
             extra={"rank": parallel.data_parallel_rank, "epoch": epoch, "alive": alive},
         )
 
