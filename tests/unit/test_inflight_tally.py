@@ -6,7 +6,7 @@ from __future__ import annotations
 import attrs
 import pytest
 
-from ftengine.testbed.bench.inflight_tally import in_flight_at, tally, targets_met
+from ftengine.testbed.bench.inflight_tally import in_flight_at, stalls, tally, targets_met
 
 WANT = [7, 8, 9, 10]
 
@@ -45,6 +45,13 @@ def test_the_stall_is_the_longest_wait_for_a_chunk_of_a_request_in_flight() -> N
     ended = FakeStream(list(WANT), end_s=0.5, arrivals=[0.1, 0.2, 0.3, 0.4])
     row = tally([paused, ended], [WANT, WANT], fault_s=2.0, baseline_s=[10.0, 0.5])
     assert row["stall_s"] == {"median": 3.0, "max": 3.0, "n": 1}
+
+
+def test_a_fault_free_rounds_stalls_count_its_completed_streams() -> None:
+    slow = FakeStream(list(WANT), end_s=6.0, arrivals=[1.0, 3.5, 4.0, 5.0])  # 2.5 s
+    quick = FakeStream(list(WANT), end_s=1.0, arrivals=[0.5, 0.6, 0.7, 0.8])  # 0.5 s
+    unfinished = FakeStream(list(WANT)[:2], finish_reason=None, end_s=None, arrivals=[0.1, 9.0])
+    assert stalls([slow, quick, unfinished]) == {"median": 1.5, "max": 2.5, "n": 2}
 
 
 def test_a_repeat_a_gap_a_wrong_token_and_an_abort_are_each_counted() -> None:

@@ -60,6 +60,13 @@ def stall_s(stream: StreamLike) -> float:
     return max((b - a for a, b in itertools.pairwise(times)), default=0.0)
 
 
+def stalls(streams: Sequence[StreamLike]) -> dict[str, float | int | None]:
+    """Median, max and count of the completed ``streams``' stalls: for a fault-free round,
+    the machine's own longest waits for a chunk, which a fault's stall is read beside."""
+    done = [stall_s(s) for s in streams if s.completed]
+    return {k: summary(done)[k] for k in ("median", "max", "n")}
+
+
 def durations(streams: Sequence[StreamLike]) -> list[float | None]:
     """Each stream's duration in seconds, None for one that has not ended."""
     return [None if s.end_s is None else s.end_s - s.start_s for s in streams]

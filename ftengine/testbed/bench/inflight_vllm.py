@@ -30,7 +30,7 @@ import attrs
 import httpx
 
 from ftengine.testbed.bench.inflight_stream import Stream, StreamRequest, join_all, wait_streaming
-from ftengine.testbed.bench.inflight_tally import durations, tally, targets_met
+from ftengine.testbed.bench.inflight_tally import durations, stalls, tally, targets_met
 
 OP_TIMEOUT_S = 5.0
 
@@ -163,7 +163,8 @@ def _clean(urls: Sequence[str], run: VllmRun, prompts: Sequence[Sequence[int]]) 
 def _counts(clean: Sequence[Stream], streams: Sequence[Stream], fault_s: float) -> dict[str, Any]:
     baseline = [t for t in durations(clean) if t is not None]
     counts = tally(streams, [s.tokens for s in clean], fault_s, baseline)
-    return {**counts, "targets_met": targets_met(counts)}
+    # The same requests' stalls with no fault, same deployment: this machine's floor
+    return {**counts, "fault_free_stall_s": stalls(clean), "targets_met": targets_met(counts)}
 
 
 def retry_row(run: VllmRun, prompts: Sequence[Sequence[int]], reinference: bool) -> dict[str, Any]:
