@@ -1,5 +1,6 @@
-"""A rebuilt group's members wait for rank 0's rendezvous store instead of letting torch's
-client back off (``ftengine/integrations/vllm/rendezvous.py``)."""
+"""A worker's DP groups: a rebuilt group's members wait for rank 0's rendezvous store
+instead of letting torch's client back off (``ftengine/integrations/vllm/rendezvous.py``),
+and a closed group is let go of at once (``worker/distributed.py``)."""
 
 from __future__ import annotations
 
@@ -62,3 +63,21 @@ def test_every_member_but_rank_0_waits_before_vllms_init(
     distributed.RealVllmDistributed().init_gloo_group("h", 7, rank, 3, timedelta(seconds=4))
     expected = [("wait", ("h", 7, 4.0))] if waits else []
     assert calls == [*expected, ("init", ("h", 7, rank, 3))]
+
+
+class Group:
+    """Stands for a ProcessGroup: only its references matter here."""
+
+
+def test_closing_groups_keeps_no_reference_to_any_of_them(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every group is let go of before the count (a loop variable once kept the last one
+    open until the caller returned, and the worker logged a false "still referenced")."""
+    destroyed: list[str] = []
+    monkeypatch.setattr(
+        distributed.RealVllmDistributed, "destroy_group", lambda self, g: destroyed.append("x")
+    )
+    groups: list[object] = [Group(), Group()]
+    assert distributed.RealVllmDistributed().close_groups(groups) == 0
+    assert groups == [] and len(destroyed) == 2
+    kept = Group()
+    assert distributed.RealVllmDistributed().close_groups([Group(), kept]) == 1
