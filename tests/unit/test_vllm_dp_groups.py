@@ -32,11 +32,11 @@ def test_it_returns_once_a_server_listens_and_false_when_none_comes() -> None:
     opened = threading.Timer(0.2, listen)
     opened.start()
     try:
-        assert rendezvous.await_store("127.0.0.1", port, 10.0)
+        assert rendezvous.await_store("127.0.0.1", port, timedelta(seconds=10))
     finally:
         opened.join()
         server.close()
-    assert not rendezvous.await_store("127.0.0.1", free_port(), 0.05)
+    assert not rendezvous.await_store("127.0.0.1", free_port(), timedelta(seconds=0.05))
 
 
 def test_a_torch_store_it_waited_for_still_serves_its_real_clients() -> None:
@@ -45,7 +45,7 @@ def test_a_torch_store_it_waited_for_still_serves_its_real_clients() -> None:
     port = free_port()
     master = torch_dist.TCPStore("127.0.0.1", port, 2, True, timeout=timedelta(seconds=10),
                                  wait_for_workers=False)  # fmt: skip
-    assert rendezvous.await_store("127.0.0.1", port, 5.0)
+    assert rendezvous.await_store("127.0.0.1", port, timedelta(seconds=5))
     client = torch_dist.TCPStore("127.0.0.1", port, 2, False, timeout=timedelta(seconds=10))
     client.set("k", "v")
     assert master.get("k") == b"v"
@@ -61,7 +61,7 @@ def test_every_member_but_rank_0_waits_before_vllms_init(
     vllm.stateless_init_torch_distributed_process_group = lambda *a, **k: calls.append(("init", a))
     monkeypatch.setattr(distributed, "import_vllm", lambda name: vllm)
     distributed.RealVllmDistributed().init_gloo_group("h", 7, rank, 3, timedelta(seconds=4))
-    expected = [("wait", ("h", 7, 4.0))] if waits else []
+    expected = [("wait", ("h", 7, timedelta(seconds=4)))] if waits else []
     assert calls == [*expected, ("init", ("h", 7, rank, 3))]
 
 

@@ -11,18 +11,22 @@ from __future__ import annotations
 
 import socket
 import time
+from datetime import timedelta
 
 POLL_S = 0.005
+CONNECT_S = 0.5  # one probe's connect (a listening store on the LAN answers far sooner)
+DEFAULT_WAIT_S = 30.0
 
 
-def await_store(host: str, port: int, timeout_s: float | None) -> bool:
-    """Wait until a TCP server listens on ``host:port`` (at most ``timeout_s``; None: 30 s);
-    True if it did. After the wait torch's own connect runs as before (and reports a store
-    that never came with its own error)."""
-    deadline = time.monotonic() + (30.0 if timeout_s is None else timeout_s)
+def await_store(host: str, port: int, timeout: timedelta | None) -> bool:
+    """Wait until a TCP server listens on ``host:port`` (at most ``timeout``, the group's
+    own; None: ``DEFAULT_WAIT_S``); True if it did. After the wait torch's own connect runs
+    as before (and reports a store that never came with its own error)."""
+    wait_s = DEFAULT_WAIT_S if timeout is None else timeout.total_seconds()
+    deadline = time.monotonic() + wait_s
     while True:
         try:
-            socket.create_connection((host, port), timeout=max(POLL_S, 0.5)).close()
+            socket.create_connection((host, port), timeout=CONNECT_S).close()
             return True
         except OSError:
             if time.monotonic() >= deadline:

@@ -145,9 +145,7 @@ def reinit_dp_group(sentinel: Any, alive: list[int]) -> dict[str, Any]:
     dist = import_vllm(DISTRIBUTED_MODULE)
     dist.stateless_destroy_torch_distributed_process_group(engine.dp_group)
     if dense != 0:  # no connect back-off: rank 0 makes the store after publishing the port
-        timeout = parallel.cpu_distributed_timeout
-        seconds = None if timeout is None else timeout.total_seconds()
-        await_store(parallel.data_parallel_master_ip, engine_port, seconds)
+        await_store(parallel.data_parallel_master_ip, engine_port, parallel.cpu_distributed_timeout)
     engine.dp_group, engine.dp_store = dist.stateless_init_torch_distributed_process_group(
         parallel.data_parallel_master_ip,
         engine_port,

@@ -151,7 +151,7 @@ def _after_fault(handle: Callable[..., None]) -> Callable[..., None]:
     return handle_when_faulted
 
 
-def reinit_among_survivors(self: Any) -> dict[str, Any]:
+def reinit_dp_group_for_retry(self: Any) -> dict[str, Any]:
     from ftengine.integrations.vllm.engine_core.scale_down import reinit_for_retry
 
     return reinit_for_retry(self)
@@ -175,7 +175,7 @@ ENGINE_CORE_PATCHES = (
     ),
     Patch(
         CORE_SENTINEL_MODULE, "EngineCoreSentinel", "_reinit_dp_group", (),
-        replacing(reinit_among_survivors),
+        replacing(reinit_dp_group_for_retry),
     ),
     # The poison probe (poison.py); vLLM's own behaviour unless re-inference installed one.
     Patch(

@@ -39,7 +39,7 @@ class RealVllmDistributed:
         """A new gloo group (``stateless_init_torch_distributed_process_group``); a member
         other than rank 0 first waits for rank 0's store (``rendezvous.await_store``)."""
         if rank != 0:
-            await_store(host, port, None if timeout is None else timeout.total_seconds())
+            await_store(host, port, timeout)
         init = import_vllm(DISTRIBUTED_MODULE).stateless_init_torch_distributed_process_group
         return cast(object, init(host, port, rank, world_size, backend="gloo", timeout=timeout))
 
