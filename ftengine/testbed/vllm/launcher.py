@@ -226,11 +226,16 @@ class VllmDeployment:
     """A started deployment (use :meth:`start`, as a context manager)."""
 
     def __init__(
-        self, config: DeploymentConfig, ranks: list[Rank], placement: Placement | None = None
+        self,
+        config: DeploymentConfig,
+        ranks: list[Rank],
+        placement: Placement | None = None,
+        rpc_port: int = 0,
     ) -> None:
         self.config = config
         self.ranks = ranks
         self.placement = placement
+        self.rpc_port = rpc_port or config.rpc_port  # DP rank 0's handshake port, as started
         self.started_pids: set[int] = set()  # every pid seen in its tree (status files)
 
     @property
@@ -248,7 +253,7 @@ class VllmDeployment:
                 _check_free(config.host, config.port + rank)
         rpc_port = config.rpc_port or _free_port(config.host)
         config.log_dir.mkdir(parents=True, exist_ok=True)
-        deployment = cls(config, [], placement)
+        deployment = cls(config, [], placement, rpc_port)
         try:
             for rank in range(config.dp_size):
                 deployment.ranks.append(_spawn(config, rank, rpc_port, placement))
@@ -298,6 +303,27 @@ class VllmDeployment:
             found[rank.rank] = entry
         self.started_pids |= {pid for entry in found.values() for pid in entry.values()}
         return found
+
+    def restart(self, rank: int) -> Rank:
+        """Stop rank ``rank``'s server (its process group: SIGTERM, SIGKILL after a grace
+        period) and start it again with its original command line and environment, as an
+        operator restarts a removed rank; its new log is ``rank{r}.restart{n}.log``. Does
+        not wait for it (a rejoining rank's ``/health`` stays 503 until it is admitted)."""
+        old = self.ranks[rank]
+        tree = _tree([old.process.pid])
+        _signal_group(old.process.pid, signal.SIGTERM)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            old.process.wait(timeout=STOP_GRACE_S)
+        _signal_group(old.process.pid, signal.SIGKILL)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            old.process.wait(timeout=5.0)
+        old.log.close()
+        _wait_gone(tree, timeout_s=10.0)
+        self.started_pids |= {p.pid for p in tree}
+        restarts = len(list(self.config.log_dir.glob(f"rank{rank}.restart*.log")))
+        log_name = f"rank{rank}.restart{restarts + 1}.log"
+        self.ranks[rank] = _spawn(self.config, rank, self.rpc_port, self.placement, log_name)
+        return self.ranks[rank]
 
     def stop(self) -> None:
         """SIGTERM every rank's process group, SIGKILL what is left after a grace period,
@@ -349,9 +375,13 @@ def rank_env(config: DeploymentConfig, rank: int, base: Mapping[str, str]) -> di
 
 
 def _spawn(
-    config: DeploymentConfig, rank: int, rpc_port: int, placement: Placement | None = None
+    config: DeploymentConfig,
+    rank: int,
+    rpc_port: int,
+    placement: Placement | None = None,
+    log_name: str = "",
 ) -> Rank:
-    log_path = config.log_dir / f"rank{rank}.log"
+    log_path = config.log_dir / (log_name or f"rank{rank}.log")
     log = log_path.open("wb")
     argv = config.argv(rank, rpc_port, placement)
     env = rank_env(config, rank, os.environ)

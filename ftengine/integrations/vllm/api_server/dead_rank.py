@@ -44,13 +44,21 @@ OPEN_PREFIXES = ("/fault_tolerance/",)
 READS = ("GET", "HEAD")
 
 
+REJOINING_PHASES = ("loading", "ready", "joining")
+"""ftengine phases of a restarted rank not yet admitted (``engine_core/rejoin.py``)."""
+
+
 def all_dead(status: object) -> bool:
     """Whether vLLM's ``get_status()`` answer (``{"engines": [{"status": ...}, ...]}``)
-    names engines and every one is ``dead``."""
+    names engines and every one is ``dead``, or a restarted rank's not yet admitted (its
+    phase is ``loading``, ``ready`` or ``joining``): either way this server serves nothing."""
     engines = status.get("engines") if isinstance(status, dict) else None
     if not isinstance(engines, list) or not engines:
         return False
-    return all(isinstance(e, dict) and e.get("status") == "dead" for e in engines)
+    return all(
+        isinstance(e, dict) and (e.get("status") == "dead" or e.get("phase") in REJOINING_PHASES)
+        for e in engines
+    )
 
 
 def dead_reasons(status: object) -> list[str]:
@@ -86,8 +94,8 @@ class DeadRankGuard:
         else:
             why = (
                 f"this rank's engine is DEAD ({'; '.join(reasons) or 'its worker process died'})"
-                " and will not serve again; retry through the load balancer, which reaches a "
-                "surviving rank"
+                " and will not serve again, or it restarted and is not admitted yet; retry "
+                "through the load balancer, which reaches a serving rank"
             )
             headers = [(b"content-type", b"application/json"),
                        (b"retry-after", str(RETRY_AFTER_S).encode())]  # fmt: skip

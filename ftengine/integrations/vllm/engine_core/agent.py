@@ -77,6 +77,7 @@ from ftengine.integrations.vllm.engine_core.quorum import (
     keeps_serving,
     sight,
 )
+from ftengine.integrations.vllm.engine_core.rejoin import rejoin_status
 from ftengine.integrations.vllm.engine_core.scale_down import REMOVED_ATTR, problems
 from ftengine.integrations.vllm.engine_core.worker_exit import worker_dying
 from ftengine.integrations.vllm.messages import API_URL_ENV, import_vllm
@@ -273,6 +274,7 @@ class EngineCoreAgent:
             fields["status"] = anticipated
             if anticipated == "unhealthy":
                 fields["fault_info"] = PeerDead.__name__
+        fields.update(rejoin_status(self.engine))  # a restarted rank waiting for admission
         return fields
 
     def _anticipate(self, status: str) -> None:

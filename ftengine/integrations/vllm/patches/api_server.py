@@ -19,6 +19,7 @@ from ftengine.errors import CommandRejected
 from ftengine.integrations.vllm.api_server.advertised_url import export_url
 from ftengine.integrations.vllm.api_server.dead_rank import DeadRankGuard
 from ftengine.integrations.vllm.api_server.ft_routes import warn_if_open
+from ftengine.integrations.vllm.api_server.rejoin_responder import answering_rejoins
 from ftengine.integrations.vllm.api_server.scale_down_payload import INSTRUCTION, check_payload
 from ftengine.integrations.vllm.api_server.stream_ends import (
     with_finishing_chat_chunks,
@@ -31,6 +32,7 @@ ROUTER_MODULE = "vllm.entrypoints.serve.fault_tolerance.api_router"
 COMPLETION_MODULE = "vllm.entrypoints.openai.completion.serving"
 CHAT_MODULE = "vllm.entrypoints.openai.chat_completion.serving"
 ENTRY_MODULE = "vllm.entrypoints.launchers.api_server.entry"
+ENGINE_UTILS_MODULE = "vllm.v1.engine.utils"
 
 
 def _checking_scale_down(validate: Callable[..., Any]) -> Callable[..., Any]:
@@ -86,6 +88,14 @@ API_SERVER_PATCHES = (
     Patch(
         ENTRY_MODULE, "", "build_async_engine_client", ("args", "usage_context", "client_config"),
         marked(_exporting_url),
+    ),
+    Patch(
+        ENGINE_UTILS_MODULE, "", "wait_for_engine_startup",
+        (
+            "handshake_socket", "core_engines", "parallel_config", "coordinated_dp",
+            "cache_config", "launch",
+        ),
+        marked(answering_rejoins),
     ),
     Patch(
         COMPLETION_MODULE, "OpenAIServingCompletion", "completion_stream_generator",

@@ -157,6 +157,17 @@ def reinit_dp_group_for_retry(self: Any) -> dict[str, Any]:
     return reinit_for_retry(self)
 
 
+def _alone_when_rejoining(init: Callable[..., None]) -> Callable[..., None]:
+    @functools.wraps(init)
+    def init_data_parallel(self: Any, vllm_config: Any) -> None:
+        from ftengine.integrations.vllm.engine_core.rejoin import init_data_parallel as alone
+
+        alone(self, vllm_config, init)
+
+    setattr(init_data_parallel, PATCHED_MARK, init)
+    return init_data_parallel
+
+
 SCHEDULER_MODULE = "vllm.v1.core.sched.scheduler"
 ENGINE_CORE_PATCHES = (
     Patch(
@@ -176,6 +187,11 @@ ENGINE_CORE_PATCHES = (
     Patch(
         CORE_SENTINEL_MODULE, "EngineCoreSentinel", "_reinit_dp_group", (),
         replacing(reinit_dp_group_for_retry),
+    ),
+    # A restarted rank that rejoins starts alone (engine_core/rejoin.py); vLLM's own otherwise.
+    Patch(
+        CORE_MODULE, "DPEngineCoreProc", "_init_data_parallel", ("vllm_config",),
+        _alone_when_rejoining,
     ),
     # The poison probe (poison.py); vLLM's own behaviour unless re-inference installed one.
     Patch(

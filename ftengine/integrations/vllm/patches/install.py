@@ -14,9 +14,15 @@ from ftengine.integrations.vllm.api_server.ft_routes import guard_ft_routes
 from ftengine.integrations.vllm.patches.api_server import API_SERVER_PATCHES, SCALE_DOWN_PATCHES
 from ftengine.integrations.vllm.patches.engine_core import ENGINE_CORE_PATCHES, SCALE_DOWN_METHOD
 from ftengine.integrations.vllm.patches.mechanism import apply_patches
-from ftengine.integrations.vllm.patches.worker import CPU_PATCHES
+from ftengine.integrations.vllm.patches.worker import CPU_PATCHES, REJOIN_WORKER_PATCHES
 
-PATCHES = ENGINE_CORE_PATCHES + CPU_PATCHES + SCALE_DOWN_PATCHES + API_SERVER_PATCHES
+PATCHES = (
+    ENGINE_CORE_PATCHES
+    + CPU_PATCHES
+    + REJOIN_WORKER_PATCHES
+    + SCALE_DOWN_PATCHES
+    + API_SERVER_PATCHES
+)
 
 
 def apply_scale_down_patches() -> None:
@@ -29,8 +35,12 @@ def apply_scale_down_patches() -> None:
 
 
 def apply_cpu_patches() -> None:
-    """The CPU platform's DP+EP pieces (:data:`CPU_PATCHES`)."""
+    """The CPU platform's DP+EP pieces (:data:`CPU_PATCHES`); in vLLM's child processes
+    (engine cores, workers: the API server never builds a worker) the rejoining worker's
+    distributed start-up (:data:`REJOIN_WORKER_PATCHES`)."""
     apply_patches(CPU_PATCHES)
+    if multiprocessing.parent_process() is not None:
+        apply_patches(REJOIN_WORKER_PATCHES)
 
 
 def apply_engine_core_patches() -> None:

@@ -26,6 +26,7 @@ from ftengine.integrations.vllm.worker.cpu_collectives import (
 )
 
 COMMUNICATOR_MODULE = "vllm.distributed.device_communicators.cpu_communicator"
+CPU_WORKER_MODULE = "vllm.v1.worker.cpu_worker"
 EXPERTS_MODULE = "vllm.model_executor.layers.fused_moe.experts.cpu_moe"
 
 
@@ -63,5 +64,33 @@ CPU_PATCHES = (
             "workspace2", "expert_tokens_meta", "apply_router_weight_on_input",
         ),
         _ep_correct_apply,
+    ),
+)  # fmt: skip
+
+
+def _alone_when_rejoining(init: Callable[..., None]) -> Callable[..., None]:
+    @functools.wraps(init)
+    def init_worker_distributed_environment(
+        vllm_config: Any,
+        rank: int,
+        distributed_init_method: str | None = None,
+        local_rank: int = -1,
+        backend: str = "nccl",
+    ) -> None:
+        from ftengine.integrations.vllm.worker.rejoin import init_distributed
+
+        init_distributed(init, vllm_config, rank, distributed_init_method, local_rank, backend)
+
+    setattr(init_worker_distributed_environment, PATCHED_MARK, init)
+    return init_worker_distributed_environment
+
+
+REJOIN_WORKER_PATCHES = (
+    # A restarted rank that rejoins initialises its distributed state alone
+    # (worker/rejoin.py); vLLM's own otherwise. The name the CPU worker imported.
+    Patch(
+        CPU_WORKER_MODULE, "", "init_worker_distributed_environment",
+        ("vllm_config", "rank", "distributed_init_method", "local_rank", "backend"),
+        _alone_when_rejoining,
     ),
 )  # fmt: skip
