@@ -258,3 +258,35 @@ def test_a_rank_waiting_for_admission_reports_ready_and_its_server_serves_nothin
     engines = [{"id": 2, "status": "unhealthy", "phase": "ready"}]
     assert all_dead({"engines": engines})
     assert not all_dead({"engines": [{"id": 2, "status": "unhealthy", "phase": "retrying"}]})
+
+
+def test_engine_cores_are_spawned_through_ftengines_entry_which_patches_first(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import pickle
+
+    from ftengine.integrations.vllm.engine_core import entry
+    from ftengine.integrations.vllm.patches.api_server import API_SERVER_PATCHES
+    from ftengine.integrations.vllm.patches.engine_core import REJOIN_ENGINE_CORE_PATCHES
+    from ftengine.integrations.vllm.patches.mechanism import PATCHED_MARK, apply_patches
+
+    (entry_patch,) = [p for p in API_SERVER_PATCHES if p.name == "run_engine_core"]
+    (dp_patch,) = REJOIN_ENGINE_CORE_PATCHES
+    for patch in (entry_patch, dp_patch):
+        owner, _ = patch.target()
+        monkeypatch.setattr(owner, patch.name, owner.__dict__[patch.name])
+    monkeypatch.setattr(entry.run_engine_core, PATCHED_MARK, None, raising=False)
+    apply_patches([entry_patch])
+    target = core.EngineCoreProc.run_engine_core  # what vLLM's process manager reads
+    # The spawned process unpickles the target by name: ftengine's entry, not vLLM's.
+    assert pickle.loads(pickle.dumps(target)) is entry.run_engine_core
+    seen: list[object] = []
+
+    def vllm_entry(*args: Any, dp_rank: int = 0, local_dp_rank: int = 0, **kwargs: Any) -> None:
+        init = core.DPEngineCoreProc._init_data_parallel
+        seen.append((args, dp_rank, local_dp_rank, kwargs, getattr(init, PATCHED_MARK, None)))
+
+    monkeypatch.setattr(entry.run_engine_core, PATCHED_MARK, vllm_entry)
+    _, vllm_init = dp_patch.target()
+    target("a", dp_rank=2, local_dp_rank=0, vllm_config="c")
+    assert seen == [(("a",), 2, 0, {"vllm_config": "c"}, vllm_init)]  # patched before vLLM ran

@@ -132,8 +132,8 @@ class RejoinResponder:
         msg = import_vllm("msgspec").msgpack.decode(raw)
         status = msg.get("status") if isinstance(msg, dict) else None
         if status == "HELLO":
+            self.answered.append(rank)  # before the answer: its receiver may look at once
             socket.send_multipart((identity, self.message))
-            self.answered.append(rank)
             logger.info("[FT] DP rank %d restarted: answered its start-up handshake (rejoin)", rank)
         elif status == "READY":
             found = msg.get("parallel_config_hash")

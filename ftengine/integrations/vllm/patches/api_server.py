@@ -25,6 +25,7 @@ from ftengine.integrations.vllm.api_server.stream_ends import (
     with_finishing_chat_chunks,
     with_finishing_chunks,
 )
+from ftengine.integrations.vllm.engine_core.entry import as_process_entry
 from ftengine.integrations.vllm.messages import import_vllm
 from ftengine.integrations.vllm.patches.mechanism import PATCHED_MARK, Patch, marked
 
@@ -33,6 +34,7 @@ COMPLETION_MODULE = "vllm.entrypoints.openai.completion.serving"
 CHAT_MODULE = "vllm.entrypoints.openai.chat_completion.serving"
 ENTRY_MODULE = "vllm.entrypoints.launchers.api_server.entry"
 ENGINE_UTILS_MODULE = "vllm.v1.engine.utils"
+CORE_MODULE = "vllm.v1.engine.core"
 
 
 def _checking_scale_down(validate: Callable[..., Any]) -> Callable[..., Any]:
@@ -88,6 +90,11 @@ API_SERVER_PATCHES = (
     Patch(
         ENTRY_MODULE, "", "build_async_engine_client", ("args", "usage_context", "client_config"),
         marked(_exporting_url),
+    ),
+    # The engine cores this server starts install the rejoin patch before their DP start.
+    Patch(
+        CORE_MODULE, "EngineCoreProc", "run_engine_core", ("dp_rank", "local_dp_rank", "kwargs"),
+        as_process_entry,
     ),
     Patch(
         ENGINE_UTILS_MODULE, "", "wait_for_engine_startup",

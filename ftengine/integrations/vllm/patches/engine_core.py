@@ -168,6 +168,15 @@ def _alone_when_rejoining(init: Callable[..., None]) -> Callable[..., None]:
     return init_data_parallel
 
 
+REJOIN_ENGINE_CORE_PATCHES = (
+    # A restarted rank that rejoins starts alone (engine_core/rejoin.py); vLLM's own otherwise.
+    # Installed before vLLM loads the plugins (engine_core/entry.py): the DP start comes first.
+    Patch(
+        CORE_MODULE, "DPEngineCoreProc", "_init_data_parallel", ("vllm_config",),
+        _alone_when_rejoining,
+    ),
+)  # fmt: skip
+
 SCHEDULER_MODULE = "vllm.v1.core.sched.scheduler"
 ENGINE_CORE_PATCHES = (
     Patch(
@@ -188,11 +197,7 @@ ENGINE_CORE_PATCHES = (
         CORE_SENTINEL_MODULE, "EngineCoreSentinel", "_reinit_dp_group", (),
         replacing(reinit_dp_group_for_retry),
     ),
-    # A restarted rank that rejoins starts alone (engine_core/rejoin.py); vLLM's own otherwise.
-    Patch(
-        CORE_MODULE, "DPEngineCoreProc", "_init_data_parallel", ("vllm_config",),
-        _alone_when_rejoining,
-    ),
+    *REJOIN_ENGINE_CORE_PATCHES,
     # The poison probe (poison.py); vLLM's own behaviour unless re-inference installed one.
     Patch(
         SCHEDULER_MODULE, "Scheduler", "_handle_blocked_waiting_request", ("request",),
