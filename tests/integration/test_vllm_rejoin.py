@@ -172,6 +172,4 @@ def test_a_restarted_removed_rank_starts_alone_and_waits_ready_while_survivors_s
     log = deployment.ranks[VICTIM].log_path.read_text(errors="replace")
     assert "rejoins a running deployment: it starts alone" in log
     assert "worker rejoins: distributed state of its own" in log
-    rank0 = deployment.ranks[0].log_path.read_text(errors="replace")
-    assert f"DP rank {VICTIM} restarted: answered its start-up handshake" in rank0
     assert finished(survivor_streams(deployment)) == reference
