@@ -290,3 +290,36 @@ def test_engine_cores_are_spawned_through_ftengines_entry_which_patches_first(
     _, vllm_init = dp_patch.target()
     target("a", dp_rank=2, local_dp_rank=0, vllm_config="c")
     assert seen == [(("a",), 2, 0, {"vllm_config": "c"}, vllm_init)]  # patched before vLLM ran
+
+
+def test_a_widened_group_of_one_gathers_and_scatters_its_own_rows_with_vllms_communicator() -> None:
+    from torch._C._distributed_c10d import HashStore
+
+    from ftengine.integrations.vllm.worker.cpu_collectives import all_gatherv, reduce_scatterv
+
+    dist = torch.distributed
+    if dist.is_initialized():
+        pytest.skip("this process already has a default process group")
+    dist.init_process_group("gloo", store=HashStore(), rank=0, world_size=1)  # the worker's world
+    try:
+        group = dist.new_group([0])  # what vLLM's initialize_model_parallel makes of one rank
+        coordinator = SimpleNamespace(
+            world_size=1,
+            rank_in_group=0,
+            cpu_group=group,
+            device_group=group,
+            device=torch.device("cpu"),
+            unique_name="dp:0",
+            device_communicator=None,  # vLLM makes none for a group of one
+        )
+        worker_rejoin.widen(coordinator, 3, 2)
+        communicator = coordinator.device_communicator
+        assert type(communicator).__name__ == "CpuCommunicator"
+        assert (communicator.world_size, communicator.rank_in_group) == (3, 2)
+        assert getattr(communicator, ALIVE_ATTR) == (2,)
+        rows = torch.arange(6.0).reshape(3, 2)
+        # vLLM's DP padding gave the other ranks 0 tokens: only this rank's rows come back
+        assert torch.equal(all_gatherv(communicator, rows, 0, [0, 0, 3]), rows)
+        assert torch.equal(reduce_scatterv(communicator, rows, 0, [0, 0, 3]), rows)
+    finally:
+        dist.destroy_process_group()

@@ -30,6 +30,8 @@ logger = logging.getLogger(__name__)
 
 DISTRIBUTED_MODULE = "vllm.distributed.parallel_state"
 ALL2ALL_MODULE = "vllm.distributed.device_communicators.all2all"
+PLATFORMS_MODULE = "vllm.platforms"
+IMPORT_UTILS_MODULE = "vllm.utils.import_utils"
 ONE_RANK = {"data_parallel_size": 1, "data_parallel_rank": 0}
 """``ParallelConfig`` fields set for the duration of vLLM's own initialisation."""
 
@@ -47,16 +49,36 @@ def one_rank_view(parallel: Any) -> Iterator[None]:
             setattr(parallel, name, value)
 
 
-def widen(coordinator: Any, world_size: int, rank_in_group: int) -> None:
+def widen(
+    coordinator: Any, world_size: int, rank_in_group: int, *, use_all2all: bool = False
+) -> None:
     """``coordinator`` (a one-member group) takes the original size and this rank's place,
-    its communicator too, and is marked as holding this rank alone."""
+    its communicator too (vLLM makes none for a group of one: the platform's is made here,
+    with the all2all manager when ``use_all2all``), and is marked as holding this rank alone."""
     coordinator.world_size = world_size
     coordinator.rank_in_group = rank_in_group
     communicator = getattr(coordinator, "device_communicator", None)
-    if communicator is not None:
-        communicator.world_size = world_size
-        communicator.rank_in_group = rank_in_group
+    if communicator is None:
+        communicator = make_communicator(coordinator, use_all2all)
+        coordinator.device_communicator = communicator
+    communicator.world_size = world_size
+    communicator.rank_in_group = rank_in_group
     mark_members(coordinator, [rank_in_group])
+
+
+def make_communicator(coordinator: Any, use_all2all: bool) -> Any:
+    """The platform's device communicator over ``coordinator``'s groups, as
+    ``GroupCoordinator.__init__`` makes it for a group of more than one."""
+    platform = import_vllm(PLATFORMS_MODULE).current_platform
+    resolve = import_vllm(IMPORT_UTILS_MODULE).resolve_obj_by_qualname
+    communicator_class = resolve(platform.get_device_communicator_cls())
+    return communicator_class(
+        cpu_group=coordinator.cpu_group,
+        device=coordinator.device,
+        device_group=coordinator.device_group,
+        unique_name=coordinator.unique_name,
+        use_all2all=use_all2all,
+    )
 
 
 def init_distributed(
@@ -79,12 +101,13 @@ def init_distributed(
     state = import_vllm(DISTRIBUTED_MODULE)
     tp = int(parallel.tensor_parallel_size)
     widen(state.get_dp_group(), dp_size, dp_rank)
-    if state._EP is not None:  # a MoE model
+    if state._EP is not None:  # a MoE model; after the DP group (its all2all reads it)
         ep = state.get_ep_group()
-        widen(ep, dp_size * tp, dp_rank * tp + ep.rank_in_group % tp)
+        use_all2all = bool(parallel.use_all2all)
+        widen(ep, dp_size * tp, dp_rank * tp + ep.rank_in_group % tp, use_all2all=use_all2all)
         communicator = ep.device_communicator
-        if parallel.use_all2all and getattr(communicator, "all2all_manager", None) is None:
-            # vLLM made none for a one-rank EP group; the MoE layers need the original's
+        if use_all2all and getattr(communicator, "all2all_manager", None) is None:
+            # one vLLM made for a one-rank group has none; the MoE layers need it
             manager = import_vllm(ALL2ALL_MODULE).AgRsAll2AllManager(ep.cpu_group)
             communicator.use_all2all = True
             communicator.all2all_manager = manager
