@@ -319,7 +319,8 @@ def test_a_widened_group_of_one_gathers_and_scatters_its_own_rows_with_vllms_com
         assert getattr(communicator, ALIVE_ATTR) == (2,)
         rows = torch.arange(6.0).reshape(3, 2)
         # vLLM's DP padding gave the other ranks 0 tokens: only this rank's rows come back
-        assert torch.equal(all_gatherv(communicator, rows, 0, [0, 0, 3]), rows)
+        gathered = all_gatherv(communicator, rows, 0, [0, 0, 3])
+        assert isinstance(gathered, torch.Tensor) and torch.equal(gathered, rows)
         assert torch.equal(reduce_scatterv(communicator, rows, 0, [0, 0, 3]), rows)
     finally:
         dist.destroy_process_group()
