@@ -24,11 +24,9 @@ CORE_MODULE = "vllm.v1.engine.core"
 
 def run_engine_core(*args: Any, dp_rank: int = 0, local_dp_rank: int = 0, **kwargs: Any) -> None:
     """``EngineCoreProc.run_engine_core`` with the rejoin patch installed first."""
-    from ftengine.integrations.vllm.logs import route_logs
     from ftengine.integrations.vllm.patches.engine_core import REJOIN_ENGINE_CORE_PATCHES
 
-    entry = import_vllm(CORE_MODULE).EngineCoreProc.run_engine_core  # vLLM's logging is set up
-    route_logs()  # ftengine's lines before the plugin loads go to vLLM's handlers too
+    entry = import_vllm(CORE_MODULE).EngineCoreProc.run_engine_core
     try:
         apply_patches(REJOIN_ENGINE_CORE_PATCHES)
     except VllmSeamMoved as exc:  # a restarted rank then cannot rejoin; nothing else changes

@@ -18,6 +18,7 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
+from ftengine.integrations.vllm.logs import route_logs
 from ftengine.integrations.vllm.messages import import_vllm
 from ftengine.integrations.vllm.rejoin_flag import rejoining
 
@@ -37,6 +38,7 @@ def init_data_parallel(
     if not rejoining(parallel):
         vllm_init(engine, vllm_config)
         return
+    route_logs()  # vLLM configured its handlers by now; its plugins (ours) load later
     engine.dp_rank = int(parallel.data_parallel_rank)
     engine.dp_size = int(parallel.data_parallel_size)
     port = import_vllm(NETWORK_MODULE).get_open_port()
