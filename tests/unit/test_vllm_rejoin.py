@@ -179,7 +179,12 @@ def test_only_rank_0s_fault_tolerant_dp_server_answers_rejoins(
     assert serves_rejoins(config, endpoint) is serves
 
 
-def test_a_rejoining_engine_core_gets_a_dp_group_of_its_own_and_no_store() -> None:
+def test_a_rejoining_engine_core_gets_a_dp_group_of_its_own_and_no_store(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from ftengine.integrations.vllm.engine_core import rejoin
+
+    monkeypatch.setattr(rejoin, "route_logs", lambda: None)  # leave this process's logging
     parallel = ParallelConfig(data_parallel_size=3, data_parallel_rank=2)
     setattr(parallel, REJOIN_KEY, 1)
     engine = SimpleNamespace()
