@@ -74,13 +74,13 @@ def test_both_entry_points_are_installed() -> None:
 def test_on_npu_only_the_ascend_entry_point_acts_and_the_gpu_sentinel_stays_vllms(
     npu_state: FakeNpuState, monkeypatch: pytest.MonkeyPatch, device_type: str
 ) -> None:
+    for patch in PATCHES:  # the engine-core / CPU seams it patches on every platform
+        owner, _ = patch.target()  # (imported under the real platform: some read it)
+        monkeypatch.setattr(owner, patch.name, getattr(owner, patch.name))
     platforms = importlib.import_module("vllm.platforms")
     monkeypatch.setattr(platforms, "current_platform", SimpleNamespace(device_type=device_type))
     for module in (gpu_sentinel, gpu_worker):  # what the generic plugin patches off an NPU
         monkeypatch.setattr(module, "WorkerSentinel", module.WorkerSentinel)
-    for patch in PATCHES:  # and the engine-core / CPU seams it patches on every platform
-        owner, _ = patch.target()
-        monkeypatch.setattr(owner, patch.name, getattr(owner, patch.name))
     gpu_class = gpu_sentinel.WorkerSentinel
     vllm_init_device = worker_base.WorkerWrapperBase.init_device
     vllm_plugin.register()

@@ -12,7 +12,7 @@ import psutil
 import pytest
 
 from ftengine.testbed.vllm import launcher
-from ftengine.testbed.vllm.launcher import DeploymentConfig, VllmDeployment
+from ftengine.testbed.vllm.launcher import DeploymentConfig, Placement, VllmDeployment
 
 SLEEPER = "import sys, time; print(' '.join(sys.argv[1:]), flush=True); time.sleep(120)"
 
@@ -21,14 +21,16 @@ SLEEPER = "import sys, time; print(' '.join(sys.argv[1:]), flush=True); time.sle
 def deployment(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> VllmDeployment:
     (tmp_path / "config.json").write_text("{}")
 
-    def argv(self: DeploymentConfig, rank: int, rpc_port: int) -> list[str]:
+    def argv(
+        self: DeploymentConfig, rank: int, rpc_port: int, placement: Placement | None = None
+    ) -> list[str]:
         return [sys.executable, "-c", SLEEPER, f"rank={rank}", f"rpc={rpc_port}"]
 
     monkeypatch.setattr(DeploymentConfig, "argv", argv)
     config = DeploymentConfig(tmp_path, dp_size=2, log_dir=tmp_path / "logs")
     config.log_dir.mkdir()
     ranks = [launcher._spawn(config, r, 4321) for r in range(2)]
-    return VllmDeployment(config, ranks, 4321)
+    return VllmDeployment(config, ranks, rpc_port=4321)
 
 
 def printed(path: Path) -> str:
