@@ -18,6 +18,7 @@ from typing import Any
 import attrs
 
 from ftengine.testbed.vllm.demo import TINY_SHAPE
+from ftengine.testbed.vllm.launcher import free_port_run as free_port_run
 from ftengine.weights.checkpoint_gen import make_checkpoint
 
 VOCAB = TINY_SHAPE["vocab"]
@@ -89,26 +90,6 @@ def gloo_patch_rank(rank: int, init_file: str, out: Any) -> None:
         out.put((rank, [t.tolist() for t in gathered], scattered.tolist()))
     finally:
         dist.destroy_process_group()
-
-
-def free_port_run(count: int, host: str = "127.0.0.1") -> int:
-    """A port P with P .. P + count - 1 all free now (the launcher's rank r uses P + r)."""
-    import socket
-
-    for _ in range(50):
-        with socket.socket() as probe:
-            probe.bind((host, 0))
-            first = int(probe.getsockname()[1])
-        if first + count > 65535:
-            continue
-        try:
-            for port in range(first, first + count):
-                with socket.socket() as sock:
-                    sock.bind((host, port))
-        except OSError:
-            continue
-        return first
-    raise RuntimeError(f"no run of {count} free ports found on {host}")
 
 
 def retry_transient_then_wait() -> Any:

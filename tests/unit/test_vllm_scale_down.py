@@ -14,7 +14,8 @@ import torch
 import torch.distributed as dist
 
 from ftengine.backends.base import RepairReport
-from ftengine.errors import PreconditionFailed
+from ftengine.errors import BackendError, PreconditionFailed
+from ftengine.faults import Fault, FaultKind
 from ftengine.integrations.vllm.engine_core import scale_down as sd
 from ftengine.integrations.vllm.messages import DP_PORTS_KEY
 from ftengine.integrations.vllm.patches.api_server import ROUTER_MODULE, SCALE_DOWN_PATCHES
@@ -235,6 +236,10 @@ class Rehoster:
         self.calls.append(dead_ranks)
         return RepairReport(reloads=4, reload_lower_bound=8, bytes_reloaded=10)
 
+    def admit(self, added: frozenset[int], removed: frozenset[int]) -> RepairReport:
+        self.calls.append(removed)
+        return RepairReport()
+
 
 def test_the_cpu_backend_scales_down_through_its_rehoster() -> None:
     rehoster = Rehoster()
@@ -243,6 +248,12 @@ def test_the_cpu_backend_scales_down_through_its_rehoster() -> None:
     assert backend.repair_experts(frozenset({2})).reloads == 4
     assert (backend.dead, rehoster.calls) == (frozenset({2}), [frozenset({2})])
     assert backend.repair_experts(frozenset()) == RepairReport()  # a retry re-hosts nothing
+    backend.rebuild_groups(frozenset({0, 1, 2}), 2)
+    assert backend.admit_ranks(frozenset({2}), frozenset()) == RepairReport()
+    assert (backend.dead, rehoster.calls[-1]) == (frozenset(), frozenset())  # un-masked
+    backend.quarantine(Fault(FaultKind.DEAD_PEER))
+    with pytest.raises(BackendError, match="quarantined"):
+        backend.admit_ranks(frozenset({2}), frozenset())
 
 
 def test_the_bench_reads_the_reloads_from_the_survivors_log(tmp_path: Path) -> None:

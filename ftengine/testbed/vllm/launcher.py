@@ -34,6 +34,7 @@ import psutil
 
 from ftengine.backends.npu_config import FTENGINE_KEY, NpuFtConfig
 from ftengine.errors import ConfigError, FTEngineError
+from ftengine.integrations.vllm.scale_up_bodies import scale_up_bodies
 from ftengine.integrations.vllm.status_file import ENGINE_CORE_TITLE, remove_dead_status_files
 
 API_SERVER_MODULE = "vllm.entrypoints.openai.api_server"
@@ -192,6 +193,22 @@ class Placement(Protocol):
     def env(self, rank: int) -> dict[str, str]: ...
 
 
+def free_port_run(count: int, host: str = "127.0.0.1") -> int:
+    """A port P with P .. P + count - 1 all free now (rank r's server uses P + r)."""
+    for _ in range(50):
+        first = _free_port(host)
+        if first + count > 65535:
+            continue
+        try:
+            for port in range(first, first + count):
+                with socket.socket() as sock:
+                    sock.bind((host, port))
+        except OSError:
+            continue
+        return first
+    raise ConfigError(f"no run of {count} free ports found on {host}")
+
+
 def _free_port(host: str) -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind((host, 0))
@@ -324,6 +341,20 @@ class VllmDeployment:
         log_name = f"rank{rank}.restart{restarts + 1}.log"
         self.ranks[rank] = _spawn(self.config, rank, self.rpc_port, self.placement, log_name)
         return self.ranks[rank]
+
+    def scale_up(self, added: Sequence[int], survivors: Sequence[int]) -> dict[int, int]:
+        """Admit the restarted ranks ``added`` (each ``ready``): ``scale_up`` to every
+        survivor and to each of them (with the survivors' DP store, read from the first
+        survivor's status), all sent before any is answered (vLLM answers 202 and runs the
+        command in the background); returns each rank's HTTP status."""
+        with httpx.Client(timeout=30.0) as client:
+            status = client.get(f"{self.urls[survivors[0]]}/fault_tolerance/status").json()
+            to_survivor, to_returning = scale_up_bodies(added, status)
+            sent = {r: to_survivor for r in survivors} | {r: to_returning for r in added}
+            return {
+                rank: client.post(f"{self.urls[rank]}/fault_tolerance/apply", json=body).status_code
+                for rank, body in sent.items()
+            }
 
     def stop(self) -> None:
         """SIGTERM every rank's process group, SIGKILL what is left after a grace period,

@@ -78,7 +78,7 @@ from ftengine.integrations.vllm.engine_core.quorum import (
     sight,
 )
 from ftengine.integrations.vllm.engine_core.rejoin import rejoin_status
-from ftengine.integrations.vllm.engine_core.scale_down import REMOVED_ATTR, problems
+from ftengine.integrations.vllm.engine_core.scale_down import REMOVED_ATTR, STORE_ATTR, problems
 from ftengine.integrations.vllm.engine_core.worker_exit import worker_dying
 from ftengine.integrations.vllm.messages import API_URL_ENV, import_vllm
 from ftengine.integrations.vllm.status_file import (
@@ -251,6 +251,18 @@ class EngineCoreAgent:
         self._timed_group = None
         close_dp_group(self.engine, self.rank, exc)
 
+    def readmit(self, ranks: frozenset[int]) -> None:
+        """Before ``ranks`` (removed, now admitted back) count as members again: forget what
+        was known of their old processes (status, beats, probe and doorbell addresses), so
+        the closed port of the process that died is not taken for the new one's death."""
+        with self._lock:
+            for known in (self.peers, self.views, self.blames, self._seen):
+                for rank in ranks:
+                    known.pop(rank, None)
+            self.gone = self.gone - ranks
+        self.board.forget(ranks)
+        self.reach.forget(ranks)
+
     def after_fault(self) -> None:
         """After vLLM's ``on_fault`` (busy-loop thread, so the executor is ours): hand the
         fault to a worker still serving (its FSM quarantines), then mark older fault markers
@@ -274,6 +286,9 @@ class EngineCoreAgent:
             fields["status"] = anticipated
             if anticipated == "unhealthy":
                 fields["fault_info"] = PeerDead.__name__
+        store = getattr(self.sentinel, STORE_ATTR, None)
+        if store is not None:  # where a restarted rank joins (engine_core/admission.py)
+            fields["dp_store"] = f"{store[0]}:{store[1]}"
         fields.update(rejoin_status(self.engine))  # a restarted rank waiting for admission
         return fields
 

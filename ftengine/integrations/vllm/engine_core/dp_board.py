@@ -111,7 +111,8 @@ class StatusBoard:
         self.published: Entry | None = None  # last written
         self.published_at = 0.0
         self.published_on: Any = None  # the DP store it was written on
-        self.complete_store: Any = None  # the DP store on which every peer has published
+        self.complete: tuple[Any, frozenset[int]] | None = None  # a DP store and the peers
+        # that have all published on it (a missing key would block a multi_get)
         self.decoded: dict[int, tuple[bytes, PeerStatus]] = {}
         self.doorbell: tuple[str, int] | None = None  # this engine's, published with it
         self.doorbells: dict[int, tuple[str, int]] = {}  # the peers', as last read
@@ -143,6 +144,12 @@ class StatusBoard:
         self.published, self.published_at, self.published_on = mine, now, store
         return news
 
+    def forget(self, ranks: Iterable[int]) -> None:
+        """Drop what was read of ``ranks`` (admitted back: a new process, new addresses)."""
+        for rank in ranks:
+            for known in (self.decoded, self.doorbells, self.probes, self.api_urls):
+                known.pop(rank, None)
+
     def read(self, store: Any, skip: frozenset[int] = frozenset()) -> dict[int, PeerStatus]:
         """Every peer's last status but ``skip``'s (ranks removed: they never publish on the
         survivors' store): one ``multi_get`` once all have published on this store (a
@@ -150,9 +157,10 @@ class StatusBoard:
         keys = {
             r: KEY.format(rank=r) for r in range(self.world) if r != self.rank and r not in skip
         }
-        if store is not self.complete_store and store.check(list(keys.values())):
-            self.complete_store = store
-        if store is self.complete_store:
+        wanted = frozenset(keys)
+        if (store, wanted) != self.complete and store.check(list(keys.values())):
+            self.complete = (store, wanted)
+        if (store, wanted) == self.complete:
             raw = dict(zip(keys, store.multi_get(list(keys.values())), strict=True))
         else:
             raw = {r: store.get(k) for r, k in keys.items() if store.check([k])}

@@ -133,6 +133,18 @@ class Reachability:
                 self._heard[rank] = self.clock()  # reachable until shown otherwise
                 self._missed[rank] = 0
 
+    def forget(self, ranks: Iterable[int]) -> None:
+        """Stop probing ``ranks`` and drop what was heard of them (a rank admitted back runs
+        a new process on a new port: its old address is closed, not the rank dead)."""
+        with self._lock:
+            for rank in ranks:
+                probe = self._probes.pop(rank, None)
+                if probe is not None:
+                    probe.close()
+                self._heard.pop(rank, None)
+                self._missed.pop(rank, None)
+                self._refused.discard(rank)
+
     @property
     def known(self) -> frozenset[int]:
         with self._lock:

@@ -45,6 +45,9 @@ INSTRUCTION = "scale_down"
 REMOVED_ATTR = "_ftengine_removed_dp_ranks"
 """On ``EngineCoreSentinel``: the original DP ranks removed so far (cumulative)."""
 EPOCH_ATTR = "_dp_reinit_epoch"
+STORE_ATTR = "_ftengine_dp_store"
+"""On ``EngineCoreSentinel``: ``(host, port)`` of the DP store of ftengine's last rebuilt
+group (a returning rank joins through it: ``engine_core/admission.py``)."""
 UTILS_MODULE = "vllm.v1.fault_tolerance.utils"
 ENGINE_MODULE = "vllm.v1.engine"
 DISTRIBUTED_MODULE = "vllm.distributed"
@@ -121,29 +124,36 @@ def run(sentinel: Any, ft_request: Any, removed: frozenset[int]) -> None:
     sentinel._push_status()
 
 
-def reinit_dp_group(sentinel: Any, alive: list[int]) -> dict[str, Any]:
+def reinit_dp_group(
+    sentinel: Any, alive: list[int], *, publisher: int | None = None, store: Any = None
+) -> dict[str, Any]:
     """vLLM's ``_reinit_dp_group`` among ``alive`` (original DP ranks, ascending): the same
-    epoch-numbered DP-store keys, published by the lowest survivor; this engine joins the new
-    group at its dense rank. Returns the workers' params (their fresh ports)."""
+    epoch-numbered DP-store keys, published by ``publisher`` (default: the lowest of
+    ``alive``) on ``store`` (default: this engine's DP store; a returning rank passes its
+    client of the survivors'); this engine joins the new group at its dense rank. Returns
+    the workers' params (their fresh ports)."""
     engine = sentinel.engine
     if not hasattr(engine, "dp_group") or not hasattr(engine, "dp_store"):
         return {}
+    store = engine.dp_store if store is None else store
     parallel = engine.vllm_config.parallel_config
     epoch = int(getattr(sentinel, EPOCH_ATTR, 0))
     worker_key, engine_key = f"ft_worker_dp_ports_{epoch}", f"ft_engine_dp_port_{epoch}"
     setattr(sentinel, EPOCH_ATTR, epoch + 1)
-    dense = alive.index(int(parallel.data_parallel_rank))
-    if dense == 0:
+    rank = int(parallel.data_parallel_rank)
+    dense = alive.index(rank)
+    if rank == (alive[0] if publisher is None else publisher):
         free_port = import_vllm(NETWORK_MODULE).get_open_port
         worker_ports = [free_port() for _ in range(parallel.world_size)]
         engine_port = free_port()
-        engine.dp_store.set(worker_key, json.dumps(worker_ports).encode())
-        engine.dp_store.set(engine_key, str(engine_port).encode())
+        store.set(worker_key, json.dumps(worker_ports).encode())
+        store.set(engine_key, str(engine_port).encode())
     else:
-        worker_ports = json.loads(engine.dp_store.get(worker_key).decode())
-        engine_port = int(engine.dp_store.get(engine_key).decode())
+        worker_ports = json.loads(store.get(worker_key).decode())
+        engine_port = int(store.get(engine_key).decode())
     dist = import_vllm(DISTRIBUTED_MODULE)
-    dist.stateless_destroy_torch_distributed_process_group(engine.dp_group)
+    if engine.dp_group is not None:
+        dist.stateless_destroy_torch_distributed_process_group(engine.dp_group)
     if dense != 0:  # no connect back-off: rank 0 makes the store after publishing the port
         await_store(parallel.data_parallel_master_ip, engine_port, parallel.cpu_distributed_timeout)
     engine.dp_group, engine.dp_store = dist.stateless_init_torch_distributed_process_group(
@@ -155,6 +165,7 @@ def reinit_dp_group(sentinel: Any, alive: list[int]) -> dict[str, Any]:
         return_store=True,
         timeout=parallel.cpu_distributed_timeout,
     )
+    setattr(sentinel, STORE_ATTR, (str(parallel.data_parallel_master_ip), engine_port))
     return {DP_PORTS_KEY: worker_ports}
 
 

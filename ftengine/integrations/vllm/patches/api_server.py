@@ -20,7 +20,7 @@ from ftengine.integrations.vllm.api_server.advertised_url import export_url
 from ftengine.integrations.vllm.api_server.dead_rank import DeadRankGuard
 from ftengine.integrations.vllm.api_server.ft_routes import warn_if_open
 from ftengine.integrations.vllm.api_server.rejoin_responder import answering_rejoins
-from ftengine.integrations.vllm.api_server.scale_down_payload import INSTRUCTION, check_payload
+from ftengine.integrations.vllm.api_server.scale_down_payload import INSTRUCTIONS, check_payload
 from ftengine.integrations.vllm.api_server.stream_ends import (
     with_finishing_chat_chunks,
     with_finishing_chunks,
@@ -40,16 +40,17 @@ CORE_MODULE = "vllm.v1.engine.core"
 def _checking_scale_down(validate: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(validate)
     def validate_or_scale_down(body: Any) -> Any:
-        if not isinstance(body, dict) or body.get("instruction") != INSTRUCTION:
+        instruction = body.get("instruction") if isinstance(body, dict) else None
+        if instruction not in INSTRUCTIONS:
             return validate(body)  # vLLM's own checks and messages
         params = body.get("params", {})
         try:
             if not isinstance(params, dict):
                 raise CommandRejected("'params' must be an object.")
-            check_payload(INSTRUCTION, params)
+            check_payload(str(instruction), params)
         except CommandRejected as exc:  # vLLM's own answer to a malformed command: 400
             raise import_vllm("fastapi").HTTPException(400, str(exc)) from exc
-        return INSTRUCTION, params
+        return instruction, params
 
     setattr(validate_or_scale_down, PATCHED_MARK, validate)
     return validate_or_scale_down

@@ -23,6 +23,8 @@ import inspect
 from collections.abc import Callable
 from typing import Any
 
+from ftengine.integrations.vllm.engine_core.admission import ADMIT_MARK
+from ftengine.integrations.vllm.engine_core.admission import AGENT_ATTR as AGENT_ATTR
 from ftengine.integrations.vllm.engine_core.poison import noting_clean_steps, skipping_suspects
 from ftengine.integrations.vllm.messages import import_vllm
 from ftengine.integrations.vllm.patches.mechanism import (
@@ -38,7 +40,6 @@ CORE_MODULE = "vllm.v1.engine.core"
 CORE_SENTINEL_MODULE = "vllm.v1.fault_tolerance.engine_core_sentinel"
 ENGINE_MODULE = "vllm.v1.engine"
 SERIAL_MODULE = "vllm.v1.serial_utils"
-AGENT_ATTR = "_ftengine_agent"
 
 
 def _with_agent(init: Callable[..., None]) -> Callable[..., None]:
@@ -133,6 +134,9 @@ def _with_fault_marker(handle: Callable[..., None]) -> Callable[..., None]:
         if isinstance(request_type, str) and request_type == FAULT_MARK:
             request.raise_pending()  # the agent's marker: raises into the busy loop if news
             return
+        if isinstance(request_type, str) and request_type == ADMIT_MARK:
+            request.run()  # a scale_up's marker (engine_core/admission.py)
+            return
         handle(self, request_type, request)
 
     setattr(handle_or_fault, PATCHED_MARK, handle)
@@ -145,6 +149,11 @@ def _after_fault(handle: Callable[..., None]) -> Callable[..., None]:
         agent = getattr(self, AGENT_ATTR, None)
         if agent is not None:
             agent.await_fault()  # the status the orchestrator saw is true before vLLM judges
+        if isinstance(ft_args, dict) and ft_args.get("instruction") == "scale_up":
+            from ftengine.integrations.vllm.engine_core.admission import handle_scale_up
+
+            handle_scale_up(self, client_idx, call_id, ft_args)  # a HEALTHY engine's command
+            return
         handle(self, client_idx, call_id, ft_args)
 
     setattr(handle_when_faulted, PATCHED_MARK, handle)
@@ -166,6 +175,21 @@ def _alone_when_rejoining(init: Callable[..., None]) -> Callable[..., None]:
 
     setattr(init_data_parallel, PATCHED_MARK, init)
     return init_data_parallel
+
+
+def _admitting_at_dp_sync(sync: Callable[..., bool]) -> Callable[..., bool]:
+    @functools.wraps(sync)
+    def has_global_unfinished_reqs(self: Any, local_unfinished: bool) -> bool:
+        counter = int(getattr(self, "step_counter", 0)) + 1  # vLLM's rule for a sync step
+        running = sync(self, local_unfinished)
+        if counter != 1 and counter % int(getattr(self, "dp_sync_interval", 1) or 1) != 0:
+            return running
+        from ftengine.integrations.vllm.engine_core.admission import at_dp_sync
+
+        return at_dp_sync(self, running)
+
+    setattr(has_global_unfinished_reqs, PATCHED_MARK, sync)
+    return has_global_unfinished_reqs
 
 
 REJOIN_ENGINE_CORE_PATCHES = (
@@ -198,6 +222,11 @@ ENGINE_CORE_PATCHES = (
         replacing(reinit_dp_group_for_retry),
     ),
     *REJOIN_ENGINE_CORE_PATCHES,
+    # scale_up: the members agree on the admission at vLLM's DP-state sync (admission.py).
+    Patch(
+        CORE_MODULE, "DPEngineCoreProc", "_has_global_unfinished_reqs", ("local_unfinished",),
+        _admitting_at_dp_sync,
+    ),
     # The poison probe (poison.py); vLLM's own behaviour unless re-inference installed one.
     Patch(
         SCHEDULER_MODULE, "Scheduler", "_handle_blocked_waiting_request", ("request",),

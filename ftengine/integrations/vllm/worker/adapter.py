@@ -18,7 +18,7 @@ from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 from ftengine.errors import FTEngineError
-from ftengine.faults import Fault, FaultKind
+from ftengine.faults import Fault, FaultKind, Phase
 from ftengine.integrations.vllm.config import VllmFtSettings
 from ftengine.integrations.vllm.messages import import_vllm
 from ftengine.integrations.vllm.shapes import WorkerLike
@@ -104,6 +104,8 @@ class WorkerFaultAdapter:
         ft = self.attach()
         if ft.serving_op_timeout_s is not None:
             ft.sentinel.backend.set_op_timeout(ft.serving_op_timeout_s)
+        if ft.sentinel.engine.phase is Phase.LOADING:
+            ft.sentinel.loaded()  # a restarted rank: warmed up, it waits to be admitted
         self.publish_status()
 
     def report_exception(self, exc: BaseException) -> None:
@@ -145,7 +147,8 @@ class WorkerFaultAdapter:
             ft = self.attach()
             command = ft.commands.messages.split(ft_request)
             scale_down = command.instruction == "scale_down"
-            self.adopt_engine_fault(FaultKind.DEAD_PEER if scale_down else FaultKind.TRANSIENT)
+            if command.instruction != "scale_up":  # an admission is no fault: it serves on
+                self.adopt_engine_fault(FaultKind.DEAD_PEER if scale_down else FaultKind.TRANSIENT)
             result = ft.commands.run(ft_request)
             if not result.success:
                 raise CommandFailed(str(result.reason), result)

@@ -13,7 +13,7 @@ from typing import Protocol
 
 import torch
 
-from ftengine.backends.base import Backend
+from ftengine.backends.base import Backend, RepairReport
 from ftengine.placement.ranks import dp_to_ep_ranks
 from ftengine.sentinel import HostedBackend, WorkerHooks
 
@@ -53,3 +53,8 @@ class VllmHostedBackend(HostedBackend):
     def mask_ranks(self, dead_ranks: frozenset[int]) -> None:
         super().mask_ranks(dead_ranks)
         self.steps.mask_all2all(dp_to_ep_ranks(dead_ranks, self.tp_size), self.mask)
+
+    def admit_ranks(self, added: frozenset[int], removed: frozenset[int]) -> RepairReport:
+        report = super().admit_ranks(added, removed)
+        self.steps.mask_all2all(dp_to_ep_ranks(removed, self.tp_size), self.mask)
+        return report

@@ -16,7 +16,7 @@ from typing import Any, Protocol
 
 import attrs
 
-from ftengine.commands import CommandResult
+from ftengine.commands import ADDED_KEY, CommandResult
 from ftengine.faults import HealthStatus
 from ftengine.integrations.vllm.messages import DP_PORTS_KEY, VllmMessages
 from ftengine.status import EngineStatus
@@ -31,6 +31,8 @@ class SentinelLike(Protocol):
     def health(self) -> HealthStatus: ...
 
     def run_command(self, instruction: str, params: Any, request_id: str) -> CommandResult: ...
+
+    def note_ready(self, ranks: frozenset[int]) -> None: ...
 
     def status(self) -> EngineStatus: ...
 
@@ -65,7 +67,13 @@ class VllmCommands:
         """
         command = self.messages.split(ft_request)
         health = self.sentinel.health
-        if health is not HealthStatus.UNHEALTHY:
+        if command.instruction == "scale_up":
+            # No fault: a survivor admits while HEALTHY, the returning rank once READY (the
+            # FSM checks its phase). The engine core saw the returning ranks' join keys.
+            added = command.params.get(ADDED_KEY) if isinstance(command.params, dict) else None
+            if health is HealthStatus.HEALTHY and isinstance(added, list):
+                self.sentinel.note_ready(frozenset(int(r) for r in added))
+        elif health is not HealthStatus.UNHEALTHY:
             reason = (
                 f"[FT] Rejecting {command.instruction} on engine {self.engine_index}: "
                 f"status is {self.messages.status_name(health)}"

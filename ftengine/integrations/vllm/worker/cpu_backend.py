@@ -36,6 +36,8 @@ class Rehost(Protocol):
 
     def repair(self, dead_ranks: frozenset[int]) -> RepairReport: ...
 
+    def admit(self, added: frozenset[int], removed: frozenset[int]) -> RepairReport: ...
+
 
 class VllmCpuBackend:
     """Backend of one vLLM CPU worker (DP rank ``rank``).
@@ -122,6 +124,21 @@ class VllmCpuBackend:
         if not dead_ranks or self._rehost is None:
             return RepairReport()
         return self._rehost.repair(frozenset(dead_ranks))
+
+    def admit_ranks(self, added: frozenset[int], removed: frozenset[int]) -> RepairReport:
+        """``added`` are back (``removed``: what stays removed; the DP group spans the new
+        membership already): the returning ranks' experts are routed to them again, the
+        copies taken for them kept unrouted (``Rehost.admit``). On the returning rank the
+        same call leaves its start-up experts as they are."""
+        if self.quarantined:
+            raise BackendError(
+                f"rank {self.rank} is quarantined (epoch {self.epoch}): it cannot admit "
+                f"ranks {sorted(added)}"
+            )
+        self.dead = frozenset(removed)
+        if self._rehost is None:
+            return RepairReport()
+        return self._rehost.admit(frozenset(added), frozenset(removed))
 
     def run_dummy_batch(self) -> None:
         if self.quarantined:

@@ -227,15 +227,24 @@ def _param(module: torch.nn.Module, name: str) -> torch.Tensor:
 
 
 def rehost(
-    layers: Sequence[Any], plan: RehostPlan, ep_rank: int, index: CheckpointIndex
+    layers: Sequence[Any],
+    plan: RehostPlan,
+    ep_rank: int,
+    index: CheckpointIndex,
+    spare: Spare | None = None,
 ) -> RepairReport:
-    """Grow this rank's layers by what ``plan`` gives it; the report counts its reloads."""
+    """Give this rank's layers what ``plan`` gives it: a row it still holds unrouted
+    (``spare``, from an earlier admission) is routed again, the rest is grown from the
+    checkpoint; the report counts the reloads."""
     reloaded: list[tuple[int, int]] = []
     read = 0
     for position, module in enumerate(layers):  # the plan counts MoE layers in model order
         experts = plan.adopted[position][ep_rank]
-        read += grow_layer(module, experts, index)
-        reloaded += [(moe_layer_index(module), e) for e in experts]
+        rows = spare.layer(position) if spare is not None else {}
+        route(module, {e: rows.pop(e) for e in experts if e in rows})
+        grown = [e for e in experts if int(module._expert_map[e]) < 0]
+        read += grow_layer(module, grown, index)
+        reloaded += [(moe_layer_index(module), e) for e in grown]
     logger.info(
         "[FT] EP rank %d adopted %d experts (%d bytes); lower bound %d cluster-wide",
         ep_rank,
@@ -244,6 +253,45 @@ def rehost(
         plan.lower_bound,
     )
     return RepairReport(len(reloaded), plan.lower_bound, read, tuple(reloaded))
+
+
+@attrs.define
+class Spare:
+    """Rows a rank holds but routes no token to, per MoE layer (model order): logical expert
+    -> row. An admission unroutes the copies a survivor took for the returning ranks and
+    keeps them here; a later scale-down routes them again instead of growing new rows, so
+    kill / scale_down / rejoin cycles do not grow the layers."""
+
+    rows: list[dict[int, int]] = attrs.field(factory=list)
+
+    def layer(self, position: int) -> dict[int, int]:
+        while len(self.rows) <= position:
+            self.rows.append({})
+        return self.rows[position]
+
+
+def reconcile(
+    layers: Sequence[Any], target: Hosting, ep_rank: int, index: CheckpointIndex, spare: Spare
+) -> RepairReport:
+    """Route exactly ``target``'s experts of this rank in every layer: the others are
+    unrouted into ``spare``, the missing ones routed from ``spare`` or grown (read)."""
+    reloaded: list[tuple[int, int]] = []
+    read = 0
+    for position, module in enumerate(layers):
+        want = target.hosts[position][ep_rank]
+        expert_map = module._expert_map
+        rows = spare.layer(position)
+        for expert in range(int(expert_map.shape[0])):
+            row = int(expert_map[expert])
+            if row >= 0 and expert not in want:
+                rows[expert] = row
+                expert_map[expert] = -1
+        missing = [e for e in want if int(expert_map[e]) < 0]
+        route(module, {e: rows.pop(e) for e in missing if e in rows})
+        grown = [e for e in missing if int(expert_map[e]) < 0]
+        read += grow_layer(module, grown, index)
+        reloaded += [(moe_layer_index(module), e) for e in grown]
+    return RepairReport(len(reloaded), 0, read, tuple(reloaded))
 
 
 def start_hosting(layers: Sequence[Any], ep_size: int) -> Hosting:
@@ -276,12 +324,30 @@ class CpuExpertRehoster:
         self.ep_rank = ep_rank
         self.ep_size = ep_size
         self.hosting: Hosting | None = None
+        self.spare = Spare()
 
     def repair(self, dead_ranks: frozenset[int]) -> RepairReport:
         """Adopt this rank's share of the experts of ``dead_ranks`` (cumulative)."""
         layers = self._layers()
         hosting = self.hosting if self.hosting is not None else start_hosting(layers, self.ep_size)
         plan = plan_rehost(hosting, dead_ranks)
-        report = rehost(layers, plan, self.ep_rank, self._checkpoint())
+        report = rehost(layers, plan, self.ep_rank, self._checkpoint(), self.spare)
         self.hosting = plan.after
+        return report
+
+    def admit(self, added: frozenset[int], removed: frozenset[int]) -> RepairReport:
+        """Ranks ``added`` are back (``removed``: what stays removed): route this rank's
+        experts as that deployment's hosting has them (the start-up hosting when nothing
+        stays removed; else the plan for ``removed`` from it, which every member computes
+        alike), the copies taken for the returning ranks kept unrouted (:class:`Spare`)."""
+        layers = self._layers()
+        initial = start_hosting(layers, self.ep_size)
+        target = plan_rehost(initial, removed).after if removed else initial
+        report = reconcile(layers, target, self.ep_rank, self._checkpoint(), self.spare)
+        self.hosting = target
+        logger.info(
+            "[FT] EP rank %d: DP ranks %s admitted back; %d expert copies unrouted and kept, "
+            "%d reloaded",
+            *(self.ep_rank, sorted(added), sum(len(r) for r in self.spare.rows), report.reloads),
+        )  # fmt: skip
         return report

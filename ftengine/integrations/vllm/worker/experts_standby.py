@@ -33,6 +33,7 @@ from ftengine.integrations.vllm.worker.experts_rehost import (
     RehostPlan,
     append_rows,
     plan_rehost,
+    reconcile,
     rehost,
     route,
     start_hosting,
@@ -174,6 +175,40 @@ class StandbyRehoster(CpuExpertRehoster):
             self.ep_rank,
             activated,
         )
-        report = rehost(layers, plan.rest, self.ep_rank, self._checkpoint())
+        report = rehost(layers, plan.rest, self.ep_rank, self._checkpoint(), self.spare)
         self.hosting, self.standby = plan.rest.after, plan.standby
+        return report
+
+    def admit(self, added: frozenset[int], removed: frozenset[int]) -> RepairReport:
+        """Ranks ``added`` are back: route this rank's experts as the deployment with
+        ``removed`` has them (``CpuExpertRehoster.admit``), and its standby copies are
+        again those of that deployment (the start-up ones when nothing stays removed):
+        unrouted rows serve as standby rows, so the next loss activates in place again."""
+        if self.hosting is None or self.standby is None:
+            self.load()
+        layers = self._layers()
+        initial = start_hosting(layers, self.ep_size)
+        standby = Standby.failure_aware(initial)
+        if removed:
+            plan = plan_activation(initial, standby, frozenset(removed))
+            target, standby = plan.rest.after, plan.standby
+        else:
+            target = initial
+        for position, rows in enumerate(self.rows):  # every unrouted row is spare now
+            self.spare.layer(position).update(rows)
+        report = reconcile(layers, target, self.ep_rank, self._checkpoint(), self.spare)
+        self.rows = []
+        for position, module in enumerate(layers):
+            spare = self.spare.layer(position)
+            copies = standby.copies[position][self.ep_rank]
+            missing = [e for e in copies if e not in spare]
+            first, _read = append_rows(module, missing, self._checkpoint())
+            spare.update({e: first + i for i, e in enumerate(missing)})
+            self.rows.append({e: spare.pop(e) for e in copies})
+        self.hosting, self.standby = target, standby
+        logger.info(
+            "[FT] EP rank %d: DP ranks %s admitted back; standby copies restored in place",
+            self.ep_rank,
+            sorted(added),
+        )
         return report

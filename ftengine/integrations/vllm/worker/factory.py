@@ -22,6 +22,7 @@ from ftengine.context import RedundancyFacts
 from ftengine.errors import ConfigError
 from ftengine.integrations.vllm.config import VllmFtSettings
 from ftengine.integrations.vllm.messages import VllmMessages, import_vllm
+from ftengine.integrations.vllm.rejoin_flag import rejoining
 from ftengine.integrations.vllm.shapes import VllmDistributed, WorkerLike
 from ftengine.integrations.vllm.worker.backend import VllmHostedBackend
 from ftengine.integrations.vllm.worker.commands import VllmCommands
@@ -177,6 +178,7 @@ def build_worker_ft(
         clock=clock,
         # Without EPLB (vLLM refuses it on CPU) there are no maps to re-host experts with.
         redundancy=_redundancy(hooks.placement(), tp) if parallel.enable_eplb else None,
+        rejoining=rejoining(parallel),  # a restarted rank: loading, then ready to be admitted
     )
     commands = VllmCommands(
         sentinel,
