@@ -3,7 +3,12 @@ uses, and each plans only the kinds it can inject."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
 
 from ftengine.testbed.chaos.catalogue import ChaosKind
 from ftengine.testbed.chaos.cluster_options import PROCESS_KINDS, ClusterCampaignOptions
@@ -43,4 +48,78 @@ def test_a_class_missing_a_member_is_no_target(tmp_path: Path) -> None:
         del vllm.bench  # an instance attribute the loop reads
         assert not isinstance(vllm, Target)
     finally:
+        vllm.close()
+
+
+class Deployment:
+    """What the vLLM target's heal uses of ``VllmDeployment``: restart, scale_up, pids."""
+
+    def __init__(self, watch: Watch) -> None:
+        self.watch = watch
+        self.urls = [f"http://127.0.0.1:{9000 + r}" for r in range(3)]
+        self.ranks = [SimpleNamespace(process=SimpleNamespace(pid=os.getpid())) for _ in range(3)]
+        self.calls: list[object] = []
+
+    def restart(self, rank: int) -> None:
+        self.calls.append(("restart", rank))
+        self.watch.engines[rank] = {"id": rank, "status": "unhealthy", "phase": "ready"}
+
+    def scale_up(self, added: list[int], survivors: list[int]) -> dict[int, int]:
+        self.calls.append(("scale_up", added, survivors))
+        for rank in (*added, *survivors):
+            self.watch.engines[rank] = {"status": "healthy", "phase": "healthy",
+                                        "removed_ranks": []}  # fmt: skip
+        return {r: 202 for r in (*survivors, *added)}
+
+    def pids(self) -> dict[int, dict[str, int]]:
+        return {r: {"api_server": 10 + r, "worker": 20 + r} for r in range(3)}
+
+
+class Watch:
+    def __init__(self, engines: dict[int, dict[str, Any]]) -> None:
+        self.engines = engines
+
+    def poll(self) -> dict[int, dict[str, Any]]:
+        return {r: dict(e) for r, e in self.engines.items()}
+
+
+def test_the_vllm_target_heals_a_removed_rank_by_restart_and_scale_up(tmp_path: Path) -> None:
+    vllm = VllmTarget(VllmCampaignOptions(tmp_path / "hf"), _quiet)
+    shrunk = {"status": "healthy", "phase": "healthy", "removed_ranks": [2]}
+    watch = Watch({0: dict(shrunk), 1: dict(shrunk), 2: {"status": "dead"}})
+    deployment = Deployment(watch)
+    workers = {0: 1, 1: 2, 2: 3}
+    running: Any = SimpleNamespace(deployment=deployment, watch=watch, workers=workers)
+    vllm.running = running
+    try:
+        assert vllm.heal(4) == [2]
+        assert deployment.calls == [("restart", 2), ("scale_up", [2], [0, 1])]
+        assert workers[2] == 22  # the new worker: the next kill's target
+        kinds = [entry.what for entry in vllm.bench.history.entries()]
+        assert kinds[-2:] == ["restart", "scale_up"]
+        assert vllm.heal(5) == []  # nothing removed any more
+        off = VllmTarget(VllmCampaignOptions(tmp_path / "hf", rejoin=False), _quiet)
+        assert off.heal(4) == []
+        off.close()
+    finally:
+        vllm.running = None
+        vllm.close()
+
+
+def test_rank_0_is_left_out_of_a_heal_and_a_failed_admission_raises(tmp_path: Path) -> None:
+    vllm = VllmTarget(VllmCampaignOptions(tmp_path / "hf", rejoin_deadline_s=0.0), _quiet)
+    shrunk = {"status": "healthy", "phase": "healthy", "removed_ranks": [0]}
+    watch = Watch({0: {"status": "dead"}, 1: dict(shrunk), 2: dict(shrunk)})
+    deployment = Deployment(watch)
+    running: Any = SimpleNamespace(deployment=deployment, watch=watch, workers={})
+    vllm.running = running
+    try:
+        assert vllm.heal(1) == [] and deployment.calls == []  # rank 0 hosts the coordinator
+        watch.engines[1]["removed_ranks"] = watch.engines[2]["removed_ranks"] = [0, 2]
+        watch.engines[2] = {"status": "dead"}
+        deployment.restart = lambda rank: None  # type: ignore[method-assign]  # never ready
+        with pytest.raises(RuntimeError, match=r"ranks \[2\] not ready in time"):
+            vllm.heal(2)
+    finally:
+        vllm.running = None
         vllm.close()

@@ -35,6 +35,10 @@ class VllmCampaignOptions:
     port: int = 29900
     log_dir: Path = Path("vllm-chaos-logs")
     startup_timeout_s: float = 600.0
+    rejoin: bool = True
+    """After each recovery, restart the removed ranks (but 0) and admit them (``scale_up``)."""
+    rejoin_deadline_s: float = 600.0
+    """Restart to admitted, per heal (three processes start beside the loaded survivors)."""
 
     @property
     def clients(self) -> int:

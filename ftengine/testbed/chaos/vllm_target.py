@@ -240,9 +240,52 @@ class VllmTarget:
         self._fault_file.unlink(missing_ok=True)  # never consumed: no step ran on the victim
 
     def heal(self, fault: int | None) -> list[int]:
-        """Nothing yet: a removed vLLM rank cannot be admitted back (its backend refuses
-        ``scale_up``), so the deployment shrinks until a rebuild."""
-        return []
+        """Restart every removed rank's server with its original command (but DP rank 0's:
+        its server hosts the DP coordinator and cannot come back yet, so the deployment stays
+        short of it until a rebuild), wait until each says ``ready``, and admit them with
+        ``scale_up`` to every member and to them; until every engine is healthy with only
+        rank 0 (if it was) removed. Raises when a step fails: the loop rebuilds."""
+        if not self.options.rejoin:
+            return []
+        running = self._running()
+        deployment = running.deployment
+        removed = sorted(removed_ranks(running.watch.poll()))
+        back = [r for r in removed if r != 0]
+        if not back:
+            return []
+        members = [r for r in range(self.options.dp_size) if r not in removed]
+        history = self.bench.history
+        for rank in back:
+            deployment.restart(rank)
+            history.add("restart", fault, rank=rank)
+        deadline = time.monotonic() + self.options.rejoin_deadline_s
+        self._await(back, lambda e: e.get("phase") == "ready", "ready", deadline)
+        codes = deployment.scale_up(back, members)
+        history.add("scale_up", fault, ranks=back, http=codes)
+        if any(code != 202 for code in codes.values()):
+            raise RuntimeError(f"scale_up of ranks {back} answered {codes}")
+        left = [r for r in removed if r not in back]
+        self._await([*members, *back], lambda e: _serving(e, left), "admitted", deadline)
+        pids = deployment.pids()
+        for rank in back:
+            running.workers[rank] = pids[rank]["worker"]
+            tree = [p.pid for p in _tree(deployment.ranks[rank].process.pid)]
+            self.bench.census.note(tree, [])
+            self.bench.fleet.traffic[rank].resume(deployment.urls[rank])
+        return back
+
+    def _await(
+        self, ranks: Sequence[int], ok: Callable[[dict[str, Any]], bool], what: str, deadline: float
+    ) -> None:
+        """Until every rank of ``ranks`` reports a status ``ok`` accepts (its own server)."""
+        while True:
+            engines = self._running().watch.poll()
+            if all(r in engines and ok(engines[r]) for r in ranks):
+                return
+            if time.monotonic() > deadline:
+                found = {r: engines.get(r) for r in ranks}
+                raise RuntimeError(f"ranks {list(ranks)} not {what} in time: {found}")
+            time.sleep(0.5)
 
     def judge(self, shot: Injected, outcome: Outcome) -> tuple[FaultResult, list[str]]:
         fault = shot.fault
@@ -287,9 +330,18 @@ class VllmTarget:
             "rebuild_s": spread(campaign.rebuild_s),
             "rebuild_total_s": round(sum(campaign.rebuild_s), 1),
             "rejoins": len(campaign.rejoin_s),
-            "rejoin": "not available: a removed vLLM rank is not admitted back yet (its "
-            "backend refuses scale_up), so the deployment shrinks until a rebuild",
+            "rejoin_s": spread(campaign.rejoin_s),
+            "rejoin": "restart + scale_up of every removed rank but 0 after each recovery"
+            if o.rejoin
+            else "off (--no-rejoin): the deployment shrinks until a rebuild",
         }
+
+
+def _serving(engine: dict[str, Any], removed: Sequence[int]) -> bool:
+    """A member back at full strength: healthy, only ``removed`` still removed."""
+    return engine.get("phase") == "healthy" and sorted(engine.get("removed_ranks") or ()) == sorted(
+        removed
+    )
 
 
 def _tree(pid: int) -> list[psutil.Process]:

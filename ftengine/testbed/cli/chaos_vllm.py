@@ -37,6 +37,11 @@ def register(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--port", type=int, default=29900, help="rank r serves on PORT + r")
     parser.add_argument("--log-dir", type=Path, default=Path("vllm-chaos-logs"))
     parser.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
+    parser.add_argument(
+        "--no-rejoin",
+        action="store_true",
+        help="leave removed ranks out until a rebuild (default: restart and scale_up them)",
+    )
     parser.set_defaults(func=run)
 
 
@@ -55,6 +60,7 @@ def run(args: argparse.Namespace) -> int:
         args.checkpoint, faults=args.faults, seed=args.seed, dp_size=args.dp,
         clients_per_rank=args.clients_per_rank, max_tokens=args.max_tokens,
         op_timeout_s=args.op_timeout, port=args.port, log_dir=args.log_dir,
+        rejoin=not args.no_rejoin,
     )  # fmt: skip
 
     def progress(line: str) -> None:
