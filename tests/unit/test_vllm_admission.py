@@ -12,6 +12,7 @@ import threading
 from collections.abc import Iterator
 from datetime import timedelta
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -274,3 +275,20 @@ def test_a_survivor_unroutes_the_returning_ranks_experts_and_reuses_them_next_ti
     assert (again.reloads, again.bytes_reloaded) == (0, 0)
     assert expert_map.tolist() == [0, 1, 2, 3, 4, 5, 6, 7]
     assert torch.equal(layer.w13_weight, grown) and layer.w13_weight.shape[0] == 8
+
+
+def test_a_returning_rank_that_cannot_reach_the_survivors_stays_ready(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A wrong or stale ``dp_store``: the command fails saying why, nothing of the engine
+    changed (no fault into its busy loop), so a later ``scale_up`` can still admit it."""
+    parallel: Any = SimpleNamespace(data_parallel_rank=2, data_parallel_size=3,
+                                    cpu_distributed_timeout=timedelta(seconds=1))  # fmt: skip
+    setattr(parallel, REJOIN_KEY, 1)
+    engine: Any = SimpleNamespace(vllm_config=SimpleNamespace(parallel_config=parallel))
+    sentinel: Any = SimpleNamespace(engine=engine)
+    admission = adm.Admission(frozenset({2}), "u3", ("127.0.0.1", free_port_run(1)))
+    adm._settle(admission, lambda: adm.join(sentinel, admission))  # raises nothing
+    with pytest.raises(adm.NotAdmitted, match="was not admitted through the survivors' DP store"):
+        admission.done.result(timeout=0)
+    assert getattr(parallel, REJOIN_KEY) == 1  # still a returning rank, still ready

@@ -256,8 +256,11 @@ class VllmTarget:
         members = [r for r in range(self.options.dp_size) if r not in removed]
         history = self.bench.history
         for rank in back:
+            # Its old server may still relay streams handed off to a survivor: let them end
+            # (a restart cuts them: two were lost that way in the first run with rejoin).
+            drained = self.bench.fleet.traffic[rank].pause(self.options.recover_deadline_s)
             deployment.restart(rank)
-            history.add("restart", fault, rank=rank)
+            history.add("restart", fault, rank=rank, drained=drained)
         deadline = time.monotonic() + self.options.rejoin_deadline_s
         self._await(back, lambda e: e.get("phase") == "ready", "ready", deadline)
         codes = deployment.scale_up(back, members)

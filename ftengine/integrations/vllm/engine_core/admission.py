@@ -40,7 +40,7 @@ import attrs
 import torch
 
 from ftengine.commands import ADDED_KEY, EPOCH_KEY, REMOVED_KEY, parse_command
-from ftengine.errors import CommandRejected
+from ftengine.errors import CommandRejected, FTEngineError
 from ftengine.integrations.vllm.engine_core.scale_down import (
     EPOCH_ATTR,
     REMOVED_ATTR,
@@ -253,9 +253,17 @@ class AdmitMarker:
             self.sentinel.engine.engines_running = True  # step until the members agree
 
 
+class NotAdmitted(FTEngineError, RuntimeError):
+    """The returning rank could not reach the survivors' store or their admission: nothing
+    of its own was changed, so it stays ``ready`` and a later ``scale_up`` may admit it."""
+
+
 def _settle(admission: Admission, run: Any) -> None:
     try:
         run()
+    except NotAdmitted as exc:
+        admission.done.set_exception(exc)  # answered; the engine stays as it was
+        return
     except BaseException as exc:
         admission.done.set_exception(exc)
         raise  # the busy loop's fault path: the groups may be half rebuilt
@@ -340,9 +348,17 @@ def join(sentinel: Any, admission: Admission) -> None:
     parallel = engine.vllm_config.parallel_config
     rank = int(parallel.data_parallel_rank)
     started = time.monotonic()
-    store = survivors_store(*admission.store, parallel.cpu_distributed_timeout)
-    store.set(join_key(rank), b"1")
-    facts = json.loads(store.get(admit_key(rank)).decode())
+    try:
+        store = survivors_store(*admission.store, parallel.cpu_distributed_timeout)
+        store.set(join_key(rank), b"1")
+        facts = json.loads(store.get(admit_key(rank)).decode())
+    except Exception as exc:  # before anything of this engine changed
+        host, port = admission.store
+        raise NotAdmitted(
+            f"DP rank {rank} was not admitted through the survivors' DP store {host}:{port}: "
+            f"{exc} (every survivor needs the scale_up command; 'dp_store' must be the one "
+            "their status shows now)"
+        ) from exc
     removed = frozenset(int(r) for r in facts[REMOVED_KEY])
     world = int(parallel.data_parallel_size)
     alive = sorted({*(r for r in range(world) if r not in removed), *admission.added})
