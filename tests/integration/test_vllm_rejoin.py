@@ -72,22 +72,14 @@ def deployment(tmp_path_factory: pytest.TempPathFactory) -> Iterator[VllmDeploym
         yield started
 
 
-def survivor_streams(deployment: VllmDeployment) -> list[OpenAIStream]:
+def survivor_streams(
+    deployment: VllmDeployment, ranks: tuple[int, ...] = SURVIVORS
+) -> list[OpenAIStream]:
+    """One started greedy stream per prompt on each of ``ranks`` (the survivors by default)."""
     model = str(deployment.config.checkpoint)
     started = [
         OpenAIStream(deployment.urls[r], model, list(p), STREAM_TOKENS, STREAM_TIMEOUT_S)
-        for r in SURVIVORS
-        for p in PROMPTS
-    ]
-    for stream in started:
-        stream.start()
-    return started
-
-
-def victim_streams(deployment: VllmDeployment) -> list[OpenAIStream]:
-    model = str(deployment.config.checkpoint)
-    started = [
-        OpenAIStream(deployment.urls[VICTIM], model, list(p), STREAM_TOKENS, STREAM_TIMEOUT_S)
+        for r in ranks
         for p in PROMPTS
     ]
     for stream in started:
@@ -186,7 +178,7 @@ def test_a_restarted_removed_rank_starts_alone_waits_ready_and_is_admitted_back(
     deployment: VllmDeployment,
 ) -> None:
     reference = finished(survivor_streams(deployment))
-    victim_reference = finished(victim_streams(deployment))
+    victim_reference = finished(survivor_streams(deployment, (VICTIM,)))
     os.kill(deployment.pids()[VICTIM]["worker"], signal.SIGKILL)
     wait_scaled_down(deployment, OP_TIMEOUT_S + 90)
     epochs = {int(str(e["id"])): e["epoch"] for e in engines(deployment, SURVIVORS)}

@@ -21,6 +21,7 @@ from ftengine.testbed.bench.rejoin_measure import (
     RejoinBenchError,
     RejoinSetup,
     Stream,
+    header,
     pause_caused,
     summarize_ratio,
 )
@@ -171,7 +172,7 @@ def _measure(
     for recorder in recorders:
         recorder.done.wait(WAIT_S)
     streams = [r.stream() for r in recorders]
-    pause, typical = pause_caused(streams, admission_start, finished)
+    pause = pause_caused(streams, admission_start, finished)
     after = [_throughput(loop, *batch) for _ in range(setup.trials)]
 
     engines = {e["id"]: e for e in cluster.status()["engines"]}
@@ -179,15 +180,7 @@ def _measure(
     lost = [s for s in streams if s.finish_reason != "length"]
     refs = {p: ref for p, ref in zip(PROMPTS, reference, strict=True)}
     return {
-        "target": "cluster",
-        "dp": setup.dp,
-        "victim": victim,
-        "policy": setup.policy,
-        "streams": setup.streams,
-        "stream_tokens": setup.stream_tokens,
-        "streams_in_flight_at_admission": in_flight,
-        "rejoin_pause_s": round(pause, 4),
-        "typical_chunk_gap_s": round(typical, 4),
+        **header("cluster", setup, victim, in_flight, pause),
         "rejoin_total_s": round(finished - started, 4),
         "restart_to_ready_s": round(loaded_s, 4),
         "admission_s": round(finished - admission_start, 4),

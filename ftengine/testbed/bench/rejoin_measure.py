@@ -76,3 +76,21 @@ def summarize_ratio(before: Sequence[float], after: Sequence[float]) -> dict[str
             "after_spread": round(spread(after), 4),
         },
     }
+
+
+def header(
+    target: str, setup: RejoinSetup, victim: int, in_flight: int, pause: tuple[float, float]
+) -> dict[str, Any]:
+    """The result's first fields, alike for every target: what ran, and the pause
+    (``pause_caused``'s longest and typical gaps)."""
+    return {
+        "target": target,
+        "dp": setup.dp,
+        "victim": victim,
+        "policy": setup.policy,
+        "streams": setup.streams,
+        "stream_tokens": setup.stream_tokens,
+        "streams_in_flight_at_admission": in_flight,
+        "rejoin_pause_s": round(pause[0], 4),
+        "typical_chunk_gap_s": round(pause[1], 4),
+    }

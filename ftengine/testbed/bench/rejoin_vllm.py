@@ -31,6 +31,7 @@ from ftengine.testbed.bench.rejoin_measure import (
     RejoinBenchError,
     RejoinSetup,
     Stream,
+    header,
     pause_caused,
     summarize_ratio,
 )
@@ -191,20 +192,12 @@ def _measure(deployment: VllmDeployment, setup: RejoinSetup) -> dict[str, Any]:
     in_flight = sum(1 for s in streams if s.end_s is None)
     join_all(streams, STREAM_TIMEOUT_S)
     records = [_record(s) for s in streams]
-    pause, typical = pause_caused(records, admission_start, finished)
+    pause = pause_caused(records, admission_start, finished)
     after = [_throughput(deployment, setup, model) for _ in range(setup.trials)]
     lost = [r for r in records if r.finish_reason != "length"]
     logs = {r: deployment.ranks[r].log_path for r in everyone}
     return {
-        "target": "vllm",
-        "dp": setup.dp,
-        "victim": victim,
-        "policy": setup.policy,
-        "streams": setup.streams,
-        "stream_tokens": setup.stream_tokens,
-        "streams_in_flight_at_admission": in_flight,
-        "rejoin_pause_s": round(pause, 4),
-        "typical_chunk_gap_s": round(typical, 4),
+        **header("vllm", setup, victim, in_flight, pause),
         "rejoin_total_s": round(finished - restarted, 4),
         "restart_to_ready_s": round(ready - restarted, 4),
         "admission_s": round(finished - admission_start, 4),
