@@ -15,6 +15,9 @@ and once both propose it they run it: healthy again on their own, at a new epoch
 survivors' held through the recovery, the victim's handed to a survivor and streamed on by
 the victim's own server.
 
+Then rank 2's server restarted with its original command: once ready, the survivors' policy
+admits it back with no command (issue 28).
+
 ``"policy": "auto"`` is the only ftengine key: re-inference (on by default) holds the
 requests, and the victim's survivor is found on the DP store. The per-op timeout every vLLM
 test here shortens is vLLM's own flag (``--cpu-distributed-timeout-seconds``).
@@ -22,11 +25,13 @@ test here shortens is vLLM's own flag (``--cpu-distributed-timeout-seconds``).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import time
 from collections.abc import Iterator
 
+import httpx
 import pytest
 
 from ftengine.integrations.vllm.worker.fault_injection import FAULT_FILE_ENV
@@ -47,6 +52,7 @@ SURVIVORS = (0, 1)
 STREAMED = ([1, 2, 3, 4], [5, 6, 7])  # two per rank's server
 STREAM_TOKENS = 64  # mid-generation at the kill and through the recovery
 STREAM_TIMEOUT_S = 300.0
+REJOIN_TIMEOUT_S = 600.0  # the restarted server's whole start on 2 shared cores, then admission
 RAISES = 1  # the rank whose step raises
 # A survivor that waited in the step's collective for the op timeout would wait longer than
 # OP_TIMEOUT_S for its next chunk; one told at once waits for the recovery only (0.9-4.9 s
@@ -189,4 +195,51 @@ def test_auto_scales_a_sigkilled_rank_down_with_no_command_and_every_stream_comp
         assert f"survivors agree: scale down to remove DP ranks [{VICTIM}]" in log, rank
         # The server logs each request (uvicorn's access log): the status polls, no command.
         assert '"GET /fault_tolerance/status' in log, rank
+        assert '"POST /fault_tolerance/apply' not in log, rank
+
+
+def admitted_on_their_own(
+    deployment: VllmDeployment, epochs: dict[int, int], timeout_s: float
+) -> None:
+    """Until every rank is healthy with none removed, the survivors at a later epoch."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        with contextlib.suppress(httpx.HTTPError):  # the restarted server starts up first
+            found = {int(str(e["id"])): e for e in engines(deployment, range(DP))}
+            if all(
+                found[r]["status"] == "healthy" and found[r]["removed_ranks"] == []
+                for r in range(DP)
+            ) and all(int(str(found[r]["epoch"])) > epochs[r] for r in SURVIVORS):
+                return
+        if time.monotonic() >= deadline:
+            logs = {r: ft_lines(deployment.ranks[r].log_path.read_text(errors="replace"))
+                    for r in range(DP)}  # fmt: skip
+            raise AssertionError(f"rank {VICTIM} not admitted on its own; their logs: {logs}")
+        time.sleep(0.5)
+
+
+@pytest.mark.timeout(900)
+def test_a_restarted_rank_is_admitted_by_the_survivors_policy_with_no_command(
+    deployment: VllmDeployment,
+) -> None:
+    """The rank the test before removed, restarted with its original command (it starts
+    alone: test_vllm_rejoin.py): once ready it announces itself on the survivors' DP store,
+    which it finds in rank 0's status, and the survivors' ``auto`` policy admits it with no
+    command from anyone, idle as they are (their agents wake them to the DP sync where they
+    vote). Then every rank, rank 2 included, answers as transformers does."""
+    found = {int(str(e["id"])): e for e in engines(deployment, SURVIVORS)}
+    assert all(found[r]["removed_ranks"] == [VICTIM] for r in SURVIVORS), found
+    epochs = {r: int(str(found[r]["epoch"])) for r in SURVIVORS}
+    deployment.restart(VICTIM)
+    admitted_on_their_own(deployment, epochs, REJOIN_TIMEOUT_S)
+    checkpoint = deployment.config.checkpoint
+    want = transformers_greedy(checkpoint, PROMPTS, MAX_TOKENS)
+    assert [complete(url, checkpoint) for url in deployment.urls] == [want] * DP
+    restarted = deployment.ranks[VICTIM].log_path.read_text(errors="replace")
+    assert "announced on the survivors' DP store" in restarted
+    assert "joined the running deployment" in restarted
+    assert '"POST /fault_tolerance/apply' not in restarted
+    for rank in SURVIVORS:
+        log = deployment.ranks[rank].log_path.read_text(errors="replace")
+        assert f"policy admits DP ranks [{VICTIM}]" in log, rank
         assert '"POST /fault_tolerance/apply' not in log, rank

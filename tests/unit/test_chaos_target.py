@@ -52,7 +52,7 @@ def test_a_class_missing_a_member_is_no_target(tmp_path: Path) -> None:
 
 
 class Deployment:
-    """What the vLLM target's heal uses of ``VllmDeployment``: restart, scale_up, pids."""
+    """What the vLLM target's heal uses of ``VllmDeployment``: restart, admit, pids."""
 
     def __init__(self, watch: Watch) -> None:
         self.watch = watch
@@ -64,12 +64,15 @@ class Deployment:
         self.calls.append(("restart", rank))
         self.watch.engines[rank] = {"id": rank, "status": "unhealthy", "phase": "ready"}
 
-    def scale_up(self, added: list[int], survivors: list[int]) -> dict[int, int]:
-        self.calls.append(("scale_up", added, survivors))
+    def admit(
+        self, added: list[int], survivors: list[int], timeout_s: float
+    ) -> dict[int, dict[str, Any]]:
+        assert timeout_s > 0
+        self.calls.append(("admit", added, survivors))
         for rank in (*added, *survivors):
             self.watch.engines[rank] = {"status": "healthy", "phase": "healthy",
                                         "removed_ranks": []}  # fmt: skip
-        return {r: 202 for r in (*survivors, *added)}
+        return {r: dict(self.watch.engines[r]) for r in (*survivors, *added)}
 
     def pids(self) -> dict[int, dict[str, int]]:
         return {r: {"api_server": 10 + r, "worker": 20 + r} for r in range(3)}
@@ -93,7 +96,7 @@ def test_the_vllm_target_heals_a_removed_rank_by_restart_and_scale_up(tmp_path: 
     vllm.running = running
     try:
         assert vllm.heal(4) == [2]
-        assert deployment.calls == [("restart", 2), ("scale_up", [2], [0, 1])]
+        assert deployment.calls == [("restart", 2), ("admit", [2], [0, 1])]
         assert workers[2] == 22  # the new worker: the next kill's target
         kinds = [entry.what for entry in vllm.bench.history.entries()]
         assert kinds[-2:] == ["restart", "scale_up"]

@@ -20,6 +20,7 @@ import torch
 
 from ftengine.errors import CommandRejected
 from ftengine.integrations.vllm.engine_core import admission as adm
+from ftengine.integrations.vllm.engine_core import reinference
 from ftengine.integrations.vllm.engine_core import scale_down as sd
 from ftengine.integrations.vllm.messages import DP_PORTS_KEY
 from ftengine.integrations.vllm.patches.api_server import SCALE_DOWN_PATCHES
@@ -115,11 +116,22 @@ def survivor(monkeypatch: pytest.MonkeyPatch, solo_group: Any) -> tuple[Any, Any
     return core, engine, worker
 
 
-def scale_up(core: Any, params: dict[str, Any]) -> threading.Thread:
-    body = {"instruction": "scale_up", "params": params, "request_id": "u1"}
+def scale_up(core: Any, params: dict[str, Any], request_id: str = "u1") -> threading.Thread:
+    body = {"instruction": "scale_up", "params": params, "request_id": request_id}
     thread = threading.Thread(target=adm.handle_scale_up, args=(core, 0, 11, body), daemon=True)
     thread.start()
     return thread
+
+
+def answered(engine: Any, timeout_s: float = 10.0) -> dict[str, Any]:
+    """The next FaultToleranceResult queued for the client (an admission answers from a
+    thread of its own, once it ends)."""
+    while True:  # status pushes come between
+        _, outputs = engine.output_queue.get(timeout=timeout_s)
+        utility = outputs.utility_output
+        if utility is not None and utility.call_id == 11:
+            result: dict[str, Any] = utility.result.result
+            return result
 
 
 def test_a_survivor_refuses_what_it_cannot_admit_saying_why(
@@ -134,12 +146,12 @@ def test_a_survivor_refuses_what_it_cannot_admit_saying_why(
         ({"added_dp_ranks": "3"}, "added_dp_ranks"),
     ):
         scale_up(core, params).join(10)
-        result = answer(engine)
+        result = answered(engine)
         assert result["success"] is False and why in result["reason"], (params, result)
         assert "Rejecting scale_up on engine 1" in result["reason"]
     core.status_type = EngineStatusType.UNHEALTHY
     scale_up(core, {"added_dp_ranks": [3]}).join(10)
-    assert "status is UNHEALTHY; a survivor admits while HEALTHY" in answer(engine)["reason"]
+    assert "status is UNHEALTHY; a survivor admits while HEALTHY" in answered(engine)["reason"]
     assert engine.input_queue.empty()  # nothing reached the busy loop
 
 
@@ -148,6 +160,10 @@ def test_survivors_admit_at_the_dp_sync_once_the_returning_rank_joined(
 ) -> None:
     core, engine, worker = survivor(monkeypatch, solo_group)
     thread = scale_up(core, {"added_dp_ranks": [3]})
+    thread.join(10)  # vLLM's input thread is free again at once: requests keep coming in
+    assert not thread.is_alive()
+    with pytest.raises(queue.Empty):  # answered at the end
+        answered(engine, timeout_s=0.2)
     mark, marker = engine.input_queue.get(timeout=10)
     assert mark == adm.ADMIT_MARK
     marker.run()  # the busy loop, between two steps
@@ -157,8 +173,7 @@ def test_survivors_admit_at_the_dp_sync_once_the_returning_rank_joined(
     engine.dp_store.joined = True
     engine.step_counter = 16
     assert adm.at_dp_sync(engine, False) is True  # every member agreed: admitted here
-    thread.join(10)
-    assert answer(engine) == {"request_id": "u1", "success": True, "reason": None}
+    assert answered(engine) == {"request_id": "u1", "success": True, "reason": None}
     assert engine.rebuilt == [([0, 1, 2, 3], 0)]  # with rank 3, ports from the lowest survivor
     assert getattr(core, sd.REMOVED_ATTR) == frozenset() and engine.step_counter == 0
     assert engine.dp_rank == 1  # dense rank among all four again
@@ -174,10 +189,54 @@ def test_an_admission_nobody_completes_ends_with_the_reason(
     core, engine, _ = survivor(monkeypatch, solo_group)
     monkeypatch.setattr(adm, "_wait_s", lambda sentinel: 0.2)
     scale_up(core, {"added_dp_ranks": [3]}).join(10)
-    result = answer(engine)
+    result = answered(engine)
     assert result["success"] is False and "did not start within" in result["reason"]
     assert getattr(core, adm.ADMISSION_ATTR) is None
     assert adm.at_dp_sync(engine, False) is False and engine.rebuilt == []  # cancelled
+
+
+def test_the_same_command_again_replaces_a_pending_admission_another_is_refused(
+    monkeypatch: pytest.MonkeyPatch, solo_group: Any
+) -> None:
+    """An orchestrator that re-sends ``scale_up`` (the survivors' store changed, so the
+    returning rank needs the new one) replaces the admission that has not started; one that
+    names other ranks waits for the first."""
+    core, engine, _ = survivor(monkeypatch, solo_group)
+    scale_up(core, {"added_dp_ranks": [3]}).join(10)
+    first = getattr(core, adm.ADMISSION_ATTR)
+    scale_up(core, {"added_dp_ranks": [3]}, request_id="u2").join(10)
+    replaced = answered(engine)
+    assert replaced["request_id"] == "u1" and replaced["success"] is False
+    assert "replaced by scale_up request u2" in replaced["reason"]
+    second = getattr(core, adm.ADMISSION_ATTR)
+    assert second is not first and second.request_id == "u2"
+    setattr(core, sd.REMOVED_ATTR, frozenset({2, 3}))
+    scale_up(core, {"added_dp_ranks": [2]}, request_id="u3").join(10)
+    other = answered(engine)
+    assert other["request_id"] == "u3" and "already admitting ranks [3]" in other["reason"]
+    setattr(core, sd.REMOVED_ATTR, frozenset({3}))
+    engine.dp_store.joined = True
+    assert adm.at_dp_sync(engine, False) is True
+    assert answered(engine) == {"request_id": "u2", "success": True, "reason": None}
+    assert engine.rebuilt == [([0, 1, 2, 3], 0)]  # admitted once
+
+
+def test_a_fault_before_the_admission_ends_it_saying_to_send_it_again(
+    monkeypatch: pytest.MonkeyPatch, solo_group: Any
+) -> None:
+    """A survivor that faults while its admission waits (its recovery rebuilds the group at a
+    new store) answers at once instead of at the deadline."""
+    core, engine, _ = survivor(monkeypatch, solo_group)
+    scale_up(core, {"added_dp_ranks": [3]}).join(10)
+    (patch,) = [p for p in ENGINE_CORE_PATCHES if p.name == "on_fault"]
+    # vLLM's own fault path after ftengine's (re-inference needs a real scheduler)
+    monkeypatch.setattr(reinference, "hold_or_abort", lambda s, exc, vllms, peers: vllms(s, exc))
+    patch.make(type(core).on_fault)(core, RuntimeError("op timed out"))  # ftengine's on_fault
+    result = answered(engine)
+    assert result["success"] is False and "faulted before the admission started" in result["reason"]
+    assert "send scale_up again" in result["reason"]
+    assert getattr(core, adm.ADMISSION_ATTR) is None
+    assert adm.at_dp_sync(engine, False) is False and engine.rebuilt == []
 
 
 def test_the_returning_rank_joins_through_the_survivors_store(

@@ -24,7 +24,8 @@ from ftengine.integrations.vllm.api_server.rejoin_responder import (
     serves_rejoins,
 )
 from ftengine.integrations.vllm.engine_core.rejoin import init_data_parallel, rejoin_status
-from ftengine.integrations.vllm.rejoin_flag import REJOIN_KEY, rejoining
+from ftengine.integrations.vllm.messages import API_URL_ENV
+from ftengine.integrations.vllm.rejoin_flag import REJOIN_KEY, rank0_url, rejoining
 from ftengine.integrations.vllm.worker import rejoin as worker_rejoin
 from ftengine.integrations.vllm.worker.distributed import ALIVE_ATTR
 
@@ -77,7 +78,10 @@ def dealer(ctx: Any, endpoint: str, rank: int) -> Any:
     return sock
 
 
-def test_vllms_own_handshake_gets_the_start_up_addresses_and_the_rejoin_flag() -> None:
+def test_vllms_own_handshake_gets_the_start_up_addresses_and_the_rejoin_flag(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv(API_URL_ENV, "http://10.0.0.1:8000")  # rank 0's server exported it
     front = front_end_config()
     endpoint = free_tcp()
     responder = RejoinResponder(
@@ -96,6 +100,7 @@ def test_vllms_own_handshake_gets_the_start_up_addresses_and_the_rejoin_flag() -
         assert got.coordinator_input == "tcp://127.0.0.1:41001"
         assert got.frontend_stats_publish_address == "tcp://127.0.0.1:41003"
         assert rejoining(joining) and getattr(joining, REJOIN_KEY) == 1
+        assert rank0_url(joining) == "http://10.0.0.1:8000"  # where it reads the survivors' store
         unflagged = ParallelConfig(data_parallel_size=3, data_parallel_rank=2)
         assert config_hash(joining) == config_hash(unflagged), "rank 0 checks this hash"
         assert responder.answered == [2]

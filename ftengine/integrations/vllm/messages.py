@@ -8,6 +8,7 @@ here on first use (through importlib, so type checkers never follow vLLM's sourc
 from __future__ import annotations
 
 import importlib
+import os
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -31,6 +32,12 @@ API_KEY_ENV = "FTENGINE_HANDOFF_API_KEY"
 """The key (``--api-key``'s first) the API server hands its engine core the same way, which
 that engine core's handoffs send to the survivors' servers (the deployment's ranks share
 their keys); ``VLLM_API_KEY``, inherited as it is, serves too."""
+
+
+def deployment_api_key() -> str | None:
+    """The key this engine core sends to its deployment's servers (:data:`API_KEY_ENV`, or
+    ``VLLM_API_KEY``), or None."""
+    return os.environ.get(API_KEY_ENV) or os.environ.get("VLLM_API_KEY") or None
 
 
 class VllmUnavailable(FTEngineError, ImportError):

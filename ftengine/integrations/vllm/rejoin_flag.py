@@ -13,6 +13,15 @@ from __future__ import annotations
 
 REJOIN_KEY = "ftengine_rejoin"
 """The key rank 0's rejoin responder adds to the handshake's ``parallel_config`` (value 1)."""
+RANK0_URL_KEY = "ftengine_rank0_url"
+"""The key with DP rank 0's API server URL (when it has one): the returning rank reads the
+survivors' DP store from that server's status (``engine_core/announce.py``)."""
+
+
+def rank0_url(parallel_config: object) -> str | None:
+    """DP rank 0's API server URL as its rejoin responder handed it over, or None."""
+    url = getattr(parallel_config, RANK0_URL_KEY, None)
+    return url if isinstance(url, str) and url else None
 
 
 def rejoining(parallel_config: object) -> bool:

@@ -186,7 +186,7 @@ def _measure(deployment: VllmDeployment, setup: RejoinSetup) -> dict[str, Any]:
     streams = _streams(deployment, survivors, setup, model)
     wait_streaming(streams, 4, WAIT_S)
     admission_start = time.monotonic()
-    deployment.scale_up([victim], survivors)
+    deployment.admit([victim], survivors, WAIT_S)  # sent again if an attempt fails
     everyone = [*survivors, victim]
     finished = _wait(deployment, everyone, "every rank healthy", _serving_all)
     in_flight = sum(1 for s in streams if s.end_s is None)

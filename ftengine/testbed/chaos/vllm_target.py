@@ -263,10 +263,9 @@ class VllmTarget:
             history.add("restart", fault, rank=rank, drained=drained)
         deadline = time.monotonic() + self.options.rejoin_deadline_s
         self._await(back, lambda e: e.get("phase") == "ready", "ready", deadline)
-        codes = deployment.scale_up(back, members)
-        history.add("scale_up", fault, ranks=back, http=codes)
-        if any(code != 202 for code in codes.values()):
-            raise RuntimeError(f"scale_up of ranks {back} answered {codes}")
+        # scale_up, sent again when an attempt fails (a survivor's recovery moved the store)
+        deployment.admit(back, members, max(1.0, deadline - time.monotonic()))
+        history.add("scale_up", fault, ranks=back)
         left = [r for r in removed if r not in back]
         self._await([*members, *back], lambda e: _serving(e, left), "admitted", deadline)
         pids = deployment.pids()

@@ -13,6 +13,8 @@ from typing import Any
 import attrs
 import httpx
 
+from ftengine.testbed.vllm.admit import own_status
+
 POLL_S = 0.05
 
 
@@ -23,18 +25,6 @@ class Change:
     rank: int
     status: str
     at: float
-
-
-def _status(http: httpx.Client, url: str, rank: int) -> dict[str, Any]:
-    """Rank ``rank``'s engine as its own server reports it (``unreachable``: no answer)."""
-    try:
-        engines = http.get(f"{url}/fault_tolerance/status").json()["engines"]
-    except (httpx.HTTPError, ValueError, KeyError) as exc:
-        return {"id": rank, "status": "unreachable", "ft_error": f"{type(exc).__name__}: {exc}"}
-    for engine in engines:
-        if int(engine["id"]) == rank:
-            return dict(engine)
-    return {"id": rank, "status": "unreachable", "ft_error": f"rank {rank} not in {engines}"}
 
 
 class StatusWatch:
@@ -53,7 +43,7 @@ class StatusWatch:
 
     def poll(self) -> dict[int, dict[str, Any]]:
         """Read every rank now; record what changed; returns the engines by rank."""
-        seen = {r: _status(self._http, url, r) for r, url in enumerate(self.urls)}
+        seen = {r: own_status(self._http, url, r) for r, url in enumerate(self.urls)}
         now = time.monotonic()
         with self._lock:
             for rank, engine in seen.items():

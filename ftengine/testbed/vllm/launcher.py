@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -34,13 +35,17 @@ import psutil
 
 from ftengine.backends.npu_config import FTENGINE_KEY, NpuFtConfig
 from ftengine.errors import ConfigError, FTEngineError
-from ftengine.integrations.vllm.scale_up_bodies import scale_up_bodies
 from ftengine.integrations.vllm.status_file import ENGINE_CORE_TITLE, remove_dead_status_files
+from ftengine.testbed.vllm.admit import admit
 
 API_SERVER_MODULE = "vllm.entrypoints.openai.api_server"
 # vLLM names its processes (setproctitle); the worker of rank r's engine is "VLLM::Worker".
 PROCESS_TITLES = {"engine_core": ENGINE_CORE_TITLE, "worker": "VLLM::Worker"}
 STOP_GRACE_S = 10.0
+RPC_PATH_ENV = "VLLM_RPC_BASE_PATH"
+"""Where vLLM makes its ZMQ ``ipc://`` sockets (default: the temp dir). A SIGKILLed server
+never unlinks them, so each deployment gives its ranks a directory of its own and removes it
+at :meth:`VllmDeployment.stop`."""
 
 
 class DeploymentFailed(FTEngineError, RuntimeError):
@@ -248,11 +253,13 @@ class VllmDeployment:
         ranks: list[Rank],
         placement: Placement | None = None,
         rpc_port: int = 0,
+        rpc_dir: Path | None = None,
     ) -> None:
         self.config = config
         self.ranks = ranks
         self.placement = placement
         self.rpc_port = rpc_port or config.rpc_port  # DP rank 0's handshake port, as started
+        self.rpc_dir = rpc_dir  # its ranks' ipc sockets (RPC_PATH_ENV), removed at stop()
         self.started_pids: set[int] = set()  # every pid seen in its tree (status files)
 
     @property
@@ -270,10 +277,11 @@ class VllmDeployment:
                 _check_free(config.host, config.port + rank)
         rpc_port = config.rpc_port or _free_port(config.host)
         config.log_dir.mkdir(parents=True, exist_ok=True)
-        deployment = cls(config, [], placement, rpc_port)
+        rpc_dir = Path(tempfile.mkdtemp(prefix="ftengine-vllm-rpc-"))
+        deployment = cls(config, [], placement, rpc_port, rpc_dir)
         try:
             for rank in range(config.dp_size):
-                deployment.ranks.append(_spawn(config, rank, rpc_port, placement))
+                deployment.ranks.append(_spawn(config, rank, rpc_port, placement, rpc_dir=rpc_dir))
             deployment.wait_healthy(config.startup_timeout_s)
             deployment.pids()  # remembers the engine cores, should they die before stop()
         except BaseException:
@@ -339,22 +347,18 @@ class VllmDeployment:
         self.started_pids |= {p.pid for p in tree}
         restarts = len(list(self.config.log_dir.glob(f"rank{rank}.restart*.log")))
         log_name = f"rank{rank}.restart{restarts + 1}.log"
-        self.ranks[rank] = _spawn(self.config, rank, self.rpc_port, self.placement, log_name)
+        self.ranks[rank] = _spawn(
+            self.config, rank, self.rpc_port, self.placement, log_name, self.rpc_dir
+        )
         return self.ranks[rank]
 
-    def scale_up(self, added: Sequence[int], survivors: Sequence[int]) -> dict[int, int]:
+    def admit(
+        self, added: Sequence[int], survivors: Sequence[int], timeout_s: float
+    ) -> dict[int, dict[str, object]]:
         """Admit the restarted ranks ``added`` (each ``ready``): ``scale_up`` to every
-        survivor and to each of them (with the survivors' DP store, read from the first
-        survivor's status), all sent before any is answered (vLLM answers 202 and runs the
-        command in the background); returns each rank's HTTP status."""
-        with httpx.Client(timeout=30.0) as client:
-            status = client.get(f"{self.urls[survivors[0]]}/fault_tolerance/status").json()
-            to_survivor, to_returning = scale_up_bodies(added, status)
-            sent = {r: to_survivor for r in survivors} | {r: to_returning for r in added}
-            return {
-                rank: client.post(f"{self.urls[rank]}/fault_tolerance/apply", json=body).status_code
-                for rank, body in sent.items()
-            }
+        survivor and to them, sent again when an attempt fails (:func:`admit.admit`); every
+        rank's status once all serve."""
+        return admit(self.urls, added, survivors, timeout_s)
 
     def stop(self) -> None:
         """SIGTERM every rank's process group, SIGKILL what is left after a grace period,
@@ -374,6 +378,8 @@ class VllmDeployment:
         _wait_gone(tree, timeout_s=10.0)  # orphans die a moment after SIGKILL
         _remove_status_files({p.pid for p in tree} | self.started_pids)
         remove_dead_status_files()  # and those of earlier deployments that were SIGKILLed
+        if self.rpc_dir is not None:  # the ipc sockets a SIGKILLed process left behind
+            shutil.rmtree(self.rpc_dir, ignore_errors=True)
 
     def __enter__(self) -> VllmDeployment:
         return self
@@ -411,11 +417,14 @@ def _spawn(
     rpc_port: int,
     placement: Placement | None = None,
     log_name: str = "",
+    rpc_dir: Path | None = None,
 ) -> Rank:
     log_path = config.log_dir / (log_name or f"rank{rank}.log")
     log = log_path.open("wb")
     argv = config.argv(rank, rpc_port, placement)
     env = rank_env(config, rank, os.environ)
+    if rpc_dir is not None:
+        env.setdefault(RPC_PATH_ENV, str(rpc_dir))
     if placement is not None:
         argv = placement.command(rank, argv)
         env.update(placement.env(rank))

@@ -22,13 +22,14 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from ftengine.integrations.vllm.messages import import_vllm
-from ftengine.integrations.vllm.rejoin_flag import REJOIN_KEY
+from ftengine.integrations.vllm.messages import API_URL_ENV, import_vllm
+from ftengine.integrations.vllm.rejoin_flag import RANK0_URL_KEY, REJOIN_KEY
 
 logger = logging.getLogger(__name__)
 
@@ -47,10 +48,14 @@ POLL_MS = 200
 
 def init_message(addresses: Any, parallel_config: Any) -> bytes:
     """vLLM's ``EngineHandshakeMetadata`` for a rejoining engine: the start-up's addresses
-    and DP fields, plus :data:`REJOIN_KEY`."""
+    and DP fields, plus :data:`REJOIN_KEY` and, when this server has a URL
+    (``API_URL_ENV``), :data:`RANK0_URL_KEY`."""
     utils = import_vllm(UTILS_MODULE)
     fields: dict[str, Any] = {k: getattr(parallel_config, k) for k in INIT_KEYS}
     fields[REJOIN_KEY] = 1
+    url = os.environ.get(API_URL_ENV)
+    if url:
+        fields[RANK0_URL_KEY] = url
     metadata = utils.EngineHandshakeMetadata(addresses=addresses, parallel_config=fields)
     return bytes(import_vllm("msgspec").msgpack.encode(metadata))
 

@@ -33,6 +33,7 @@ import json
 import logging
 import threading
 import time
+import uuid
 from datetime import timedelta
 from typing import Any
 
@@ -40,6 +41,7 @@ import attrs
 import torch
 
 from ftengine.commands import ADDED_KEY, EPOCH_KEY, REMOVED_KEY, parse_command
+from ftengine.context import AdmissionContext
 from ftengine.errors import CommandRejected, FTEngineError
 from ftengine.integrations.vllm.engine_core.scale_down import (
     EPOCH_ATTR,
@@ -50,6 +52,7 @@ from ftengine.integrations.vllm.engine_core.scale_down import (
 )
 from ftengine.integrations.vllm.messages import import_vllm
 from ftengine.integrations.vllm.rejoin_flag import REJOIN_KEY, rejoining
+from ftengine.policies import decide_admission
 
 logger = logging.getLogger(__name__)
 
@@ -65,6 +68,13 @@ UTILS_MODULE = "vllm.v1.fault_tolerance.utils"
 ENGINE_MODULE = "vllm.v1.engine"
 SERIAL_MODULE = "vllm.v1.serial_utils"
 DEFAULT_WAIT_S = 60.0
+POLICY_REQUEST = "policy"
+"""Request-id prefix of an admission the policy decided (no command to answer)."""
+
+
+def policy_request_id() -> str:
+    """A fresh request id for a policy's admission (the worker's FSM ignores a replayed one)."""
+    return f"{POLICY_REQUEST}-{uuid.uuid4()}"
 
 
 def join_key(rank: int) -> str:
@@ -105,6 +115,18 @@ class Admission:
             if self.claimed:
                 return False
             self.cancelled = True
+            return True
+
+    def end(self, reason: str) -> bool:
+        """End it unstarted, answered with ``reason`` (a fault, or the same command sent
+        again); False if the busy loop is admitting now. True if it had ended already."""
+        with self.lock:
+            if self.done.done():
+                return True
+            if self.claimed:
+                return False
+            self.cancelled = True
+            self.done.set_exception(NotAdmitted(reason))
             return True
 
 
@@ -164,20 +186,30 @@ def problems(sentinel: Any, params: dict[str, Any]) -> tuple[Admission | None, l
             found.append(f"{EPOCH_KEY} {command.epoch} is not this engine's epoch {epoch}")
         if getattr(sentinel, STORE_ATTR, None) is None:
             found.append(f"engine {rank} has no DP store of its own to admit ranks on")
-    if getattr(sentinel, ADMISSION_ATTR, None) is not None:
-        found.append(f"engine {rank} is already admitting ranks; wait for that command")
+    pending = getattr(sentinel, ADMISSION_ATTR, None)
+    if pending is not None and pending.added != added:
+        found.append(f"engine {rank} is already admitting ranks {sorted(pending.added)}; wait "
+                     "for that command")  # fmt: skip
     if found:
         return None, found
     return Admission(added, "", store), []
 
 
 def handle_scale_up(sentinel: Any, client_idx: int, call_id: int, ft_args: dict[str, Any]) -> None:
-    """vLLM's input thread: run a ``scale_up`` to its end and answer it as vLLM answers a
-    command (a ``FaultToleranceResult`` in a utility output)."""
+    """vLLM's input thread: start a ``scale_up`` and return (the input thread keeps taking
+    requests); a thread of its own answers it, as vLLM answers a command (a
+    ``FaultToleranceResult`` in a utility output), once the admission ends. The same
+    command sent again replaces one that has not started (its answer says so): an
+    orchestrator re-sends after the survivors' DP store changed."""
     utils = import_vllm(UTILS_MODULE)
     ft_request = utils.FaultToleranceRequest(**ft_args)
     rank = sentinel.engine_index
     admission, found = problems(sentinel, dict(ft_request.params))
+    pending = getattr(sentinel, ADMISSION_ATTR, None)
+    replaced = f"replaced by scale_up request {ft_request.request_id}"
+    if admission is not None and pending is not None and not pending.end(replaced):
+        _answer_when_done(sentinel, pending, client_idx, call_id, ft_request.request_id)
+        return  # the same ranks are being admitted right now: answer with that outcome
     if admission is None:
         refused = f"[FT] Rejecting {INSTRUCTION} on engine {rank}: " + "; ".join(found)
         logger.warning(refused)
@@ -186,7 +218,25 @@ def handle_scale_up(sentinel: Any, client_idx: int, call_id: int, ft_args: dict[
     admission.request_id = ft_request.request_id
     setattr(sentinel, ADMISSION_ATTR, admission)
     logger.info("[FT] engine %d: admitting DP ranks %s", rank, sorted(admission.added))
-    sentinel.engine.input_queue.put_nowait((ADMIT_MARK, AdmitMarker(sentinel)))
+    wake(sentinel)
+    _answer_when_done(sentinel, admission, client_idx, call_id, ft_request.request_id)
+
+
+def _answer_when_done(
+    sentinel: Any, admission: Admission, client_idx: int, call_id: int, request_id: str
+) -> None:
+    threading.Thread(
+        target=_await_answer,
+        args=(sentinel, admission, client_idx, call_id, request_id),
+        name=f"ftengine-scale-up-{request_id}",
+        daemon=True,
+    ).start()
+
+
+def _await_answer(
+    sentinel: Any, admission: Admission, client_idx: int, call_id: int, request_id: str
+) -> None:
+    rank = sentinel.engine_index
     wait_s = _wait_s(sentinel)
     reason: str | None = None
     try:
@@ -203,10 +253,23 @@ def handle_scale_up(sentinel: Any, client_idx: int, call_id: int, ft_args: dict[
     except Exception as exc:
         reason = f"[FT] engine {rank}: the admission failed: {exc}"
     finally:
-        setattr(sentinel, ADMISSION_ATTR, None)
+        if getattr(sentinel, ADMISSION_ATTR, None) is admission:
+            setattr(sentinel, ADMISSION_ATTR, None)
     if reason is not None:
         logger.warning("%s", reason)
-    _answer(sentinel, client_idx, call_id, ft_request.request_id, reason is None, reason)
+    _answer(sentinel, client_idx, call_id, request_id, reason is None, reason)
+
+
+def end_on_fault(sentinel: Any, exc: BaseException) -> None:
+    """A fault on an engine whose admission has not started ends it: the recovery rebuilds
+    the DP group at a new store, so the returning rank must be sent the new one."""
+    admission = getattr(sentinel, ADMISSION_ATTR, None)
+    if admission is not None:
+        admission.end(
+            f"engine {sentinel.engine_index} faulted before the admission started ({exc!r}); "
+            "once every survivor is HEALTHY again, send scale_up again with the 'dp_store' "
+            "their status shows then"
+        )
 
 
 def _failure(done: concurrent.futures.Future[Any]) -> str | None:
@@ -244,10 +307,8 @@ class AdmitMarker:
 
     def run(self) -> None:
         admission = getattr(self.sentinel, ADMISSION_ATTR, None)
-        if admission is None:
-            return
         if rejoining(self.sentinel.engine.vllm_config.parallel_config):
-            if admission.claim():
+            if admission is not None and admission.claim():
                 _settle(admission, lambda: join(self.sentinel, admission))
         else:
             self.sentinel.engine.engines_running = True  # step until the members agree
@@ -271,26 +332,84 @@ def _settle(admission: Admission, run: Any) -> None:
 
 
 def at_dp_sync(engine: Any, engines_running: bool) -> bool:
-    """After vLLM's DP-state sync (every member, same step): the admission count, and the
-    admission itself once every member is ready (module doc). Returns whether the engines
-    keep running."""
+    """After vLLM's DP-state sync (every member, same step): the admission vote, and the
+    admission itself once every member admits the same ranks (module doc). Returns whether
+    the engines keep running.
+
+    Each member votes for the ranks it admits now: a pending ``scale_up``'s once their join
+    keys are on the store, else those its policy admits (:func:`offer`); one MIN all-reduce
+    of a vote per original DP rank gives the ranks every member admits, the same on each
+    (one more entry says whether any member votes: then all keep stepping to the next sync;
+    a member's agent wakes its busy loop when it has a vote to cast)."""
     sentinel = getattr(engine, "ft_sentinel", None)
     if sentinel is None or getattr(engine, "dp_group", None) is None:
         return engines_running
+    parallel = engine.vllm_config.parallel_config
+    if rejoining(parallel):
+        return engines_running  # alone until it joins (``join``)
+    world = int(parallel.data_parallel_size)
     admission = getattr(sentinel, ADMISSION_ATTR, None)
-    ready = admission is not None and admission.claim()
-    if ready and admission is not None and not _joined(sentinel, admission):
-        admission.unclaim()
-        ready = False
-    count = torch.tensor([int(ready)], dtype=torch.int32)
-    torch.distributed.all_reduce(count, group=engine.dp_group)
-    size = engine.dp_group.size()
-    if int(count.item()) == size and admission is not None:
-        _settle(admission, lambda: admit(sentinel, admission))
+    want: frozenset[int] = frozenset()
+    claimed = admission is not None and admission.claim()
+    if claimed and admission is not None and _joined(sentinel, admission):
+        want = admission.added
+    elif admission is None:
+        want = frozenset(getattr(getattr(sentinel, AGENT_ATTR, None), "admissible", ()))
+    ballot = [int(r in want) for r in range(world)] + [-int(bool(want))]
+    vote = torch.tensor(ballot, dtype=torch.int32)
+    torch.distributed.all_reduce(vote, op=torch.distributed.ReduceOp.MIN, group=engine.dp_group)
+    agreed = frozenset(r for r in range(world) if int(vote[r].item()) == 1)
+    if agreed:
+        if claimed and admission is not None and admission.added == agreed:
+            chosen = admission
+        else:
+            if claimed and admission is not None:
+                admission.unclaim()  # its ranks are not all admitted now: it stays pending
+            chosen = Admission(agreed, policy_request_id(), claimed=True)
+        _settle(chosen, lambda: admit(sentinel, chosen))
         return True
-    if admission is not None and ready:
+    if claimed and admission is not None:
         admission.unclaim()
-    return engines_running or int(count.item()) > 0
+    return engines_running or int(vote[world].item()) < 0
+
+
+def offer(sentinel: Any, policy: Any, rank: int, world: int) -> frozenset[int]:
+    """The agent thread, at each peer read: the removed ranks this survivor's ``policy``
+    admits now (``decide_admission``), among those whose join key is on its DP store (a
+    returning rank writes it once ready: ``engine_core/announce.py``). The busy loop is
+    woken when the set is new, so idle members step to the sync where they vote."""
+    removed = frozenset(getattr(sentinel, REMOVED_ATTR, frozenset()))
+    store = getattr(sentinel.engine, "dp_store", None)
+    if not removed or store is None or sentinel.status_type.name != "HEALTHY":
+        return frozenset()
+    try:
+        joined = frozenset(r for r in removed if store.check([join_key(r)]))
+    except Exception:  # a store that fails: the peer watch reports it, nothing is admitted
+        return frozenset()
+    if not joined:
+        return frozenset()
+    ctx = AdmissionContext(
+        ready_ranks=joined, removed_ranks=removed, now=time.monotonic(), rank=rank,
+        world_size=world, epoch=int(getattr(sentinel, EPOCH_ATTR, 0)),
+    )  # fmt: skip
+    decision = decide_admission(policy, ctx)
+    return frozenset() if decision is None else frozenset(decision.ranks) & joined
+
+
+def command_ready(sentinel: Any) -> Admission | None:
+    """A survivor's pending ``scale_up`` whose ranks have all joined (the agent thread wakes
+    the busy loop for it once), or None."""
+    admission = getattr(sentinel, ADMISSION_ATTR, None)
+    if admission is None or admission.done.done():
+        return None
+    if rejoining(sentinel.engine.vllm_config.parallel_config):
+        return None
+    return admission if _joined(sentinel, admission) else None
+
+
+def wake(sentinel: Any) -> None:
+    """Queue the marker that has the busy loop step until the members vote (any thread)."""
+    sentinel.engine.input_queue.put_nowait((ADMIT_MARK, AdmitMarker(sentinel)))
 
 
 def _joined(sentinel: Any, admission: Admission) -> bool:
@@ -318,6 +437,7 @@ def admit(sentinel: Any, admission: Admission) -> None:
         facts = {
             "epoch": int(getattr(sentinel, EPOCH_ATTR, 0)),
             REMOVED_KEY: sorted(removed),
+            ADDED_KEY: sorted(admission.added),
             "worker_epoch": worker_epoch,
             "wave": int(getattr(engine, "current_wave", 0)),
         }
@@ -329,6 +449,7 @@ def admit(sentinel: Any, admission: Admission) -> None:
     agent = getattr(sentinel, AGENT_ATTR, None)
     if agent is not None:
         agent.readmit(admission.added)  # their old processes' addresses are closed
+        agent.admissible = frozenset()
     setattr(sentinel, REMOVED_ATTR, removed - admission.added)
     _members_from_here(engine, alive, rank)
     logger.info(
@@ -360,18 +481,19 @@ def join(sentinel: Any, admission: Admission) -> None:
             "their status shows now)"
         ) from exc
     removed = frozenset(int(r) for r in facts[REMOVED_KEY])
+    added = frozenset(int(r) for r in facts.get(ADDED_KEY, admission.added))
     world = int(parallel.data_parallel_size)
-    alive = sorted({*(r for r in range(world) if r not in removed), *admission.added})
+    alive = sorted({*(r for r in range(world) if r not in removed), *added})
     survivors = [r for r in range(world) if r not in removed]
     setattr(sentinel, EPOCH_ATTR, int(facts["epoch"]))
     params = reinit_dp_group(sentinel, alive, publisher=survivors[0], store=store)
-    params[ADDED_KEY] = sorted(admission.added)
+    params[ADDED_KEY] = sorted(added)
     params[REMOVED_KEY] = sorted(removed)
     if facts.get("worker_epoch") is not None:
         params[EPOCH_KEY] = int(facts["worker_epoch"])
     setattr(parallel, REJOIN_KEY, 0)  # a member from here: the worker's FSM speaks for it
     _relay(sentinel, admission, params)
-    setattr(sentinel, REMOVED_ATTR, removed - admission.added)
+    setattr(sentinel, REMOVED_ATTR, removed - added)
     engine.current_wave = int(facts.get("wave", 0))
     _members_from_here(engine, alive, rank)
     engine.engines_running = True  # the survivors step on from here: so does this engine

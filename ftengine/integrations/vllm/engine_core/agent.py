@@ -52,12 +52,14 @@ from ftengine.context import RecoveryContext
 from ftengine.errors import PeerDead
 from ftengine.faults import Fault, FaultKind, Phase
 from ftengine.integrations.vllm.config import VllmFtSettings
+from ftengine.integrations.vllm.engine_core.admission import command_ready, offer, wake
 from ftengine.integrations.vllm.engine_core.agreement import (
     PeerView,
     Proposal,
     agreed,
     holds_majority,
 )
+from ftengine.integrations.vllm.engine_core.announce import start_announcing
 from ftengine.integrations.vllm.engine_core.dp_board import BEAT_ENV as BEAT_ENV
 from ftengine.integrations.vllm.engine_core.dp_board import BEAT_S as BEAT_S
 from ftengine.integrations.vllm.engine_core.dp_board import (
@@ -130,6 +132,8 @@ class EngineCoreAgent:
         self.generation = 0  # faults handled so far; a marker names the one it was made in
         self.books = FaultBooks(self.rank, self.world)
         self.proposal: Proposal | None = None  # what this engine's policy proposes now
+        self.admissible: frozenset[int] = frozenset()  # ready removed ranks the policy admits
+        self._woken_for: object = None  # the scale_up whose joined ranks woke the busy loop
         self.decided: str | None = None  # the last decision, logged when it changes
         self.outvoted: Proposal | None = None  # a scale-down the majority rule held back
         self._beat = 0
@@ -330,6 +334,23 @@ class EngineCoreAgent:
         if news or time.monotonic() - self._read_at >= PEER_READ_S:
             self._watch_peers(exit_checked=True)
             self._maybe_recover()
+            self._offer_admission()
+
+    def _offer_admission(self) -> None:
+        """The removed ranks this engine's policy admits now (``admission.offer``), or a
+        ``scale_up`` whose ranks all joined: the busy loop votes for them at the next DP
+        sync; news wakes it (idle members step to that sync)."""
+        offered = offer(self.sentinel, self.policy, self.rank, self.world)
+        news = bool(offered) and offered != self.admissible
+        if news:
+            logger.info("[FT] engine %d: policy admits DP ranks %s (ready on the DP store)",
+                        self.rank, sorted(offered))  # fmt: skip
+        self.admissible = offered
+        command = command_ready(self.sentinel)
+        if command is not None and command is not self._woken_for:
+            self._woken_for, news = command, True
+        if news:
+            wake(self.sentinel)
 
     def _watch(self) -> None:
         """The one thread that wakes every beat (``BEAT_S``): :meth:`watch_step`. Every
@@ -697,6 +718,7 @@ def start_agent(sentinel: Any, attr: str) -> None:
     setattr(sentinel, attr, agent)
     agent.start()
     sentinel._push_status()  # the first status already carries ftengine's fields
+    start_announcing(sentinel)  # a restarted rank: ready, it tells the survivors
 
 
 def _time_out_dp_group(engine: Any, seconds: float | None) -> None:

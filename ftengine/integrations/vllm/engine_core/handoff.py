@@ -50,7 +50,7 @@ import httpx
 
 from ftengine.integrations.vllm.config import VllmFtSettings
 from ftengine.integrations.vllm.engine_core.survivors import FixedSurvivors, SurvivorDirectory
-from ftengine.integrations.vllm.messages import API_KEY_ENV, API_URL_ENV, import_vllm
+from ftengine.integrations.vllm.messages import API_URL_ENV, deployment_api_key, import_vllm
 
 logger = logging.getLogger(__name__)
 
@@ -382,8 +382,7 @@ def install(
     else:
         return
     model = served_model(engine.vllm_config)
-    key = os.environ.get(API_KEY_ENV) or os.environ.get("VLLM_API_KEY") or None
-    handoff = Handoff(survivors, model, settings.recovery_timeout_s, api_key=key)
+    handoff = Handoff(survivors, model, settings.recovery_timeout_s, api_key=deployment_api_key())
     setattr(sentinel, HANDOFF_ATTR, handoff)
     publish_url(sentinel)
 

@@ -67,6 +67,9 @@ def _with_agent(init: Callable[..., None]) -> Callable[..., None]:
 def _agent_on_fault(on_fault: Callable[..., None]) -> Callable[..., None]:
     @functools.wraps(on_fault)
     def agent_on_fault(self: Any, exc: BaseException) -> None:
+        from ftengine.integrations.vllm.engine_core.admission import end_on_fault
+
+        end_on_fault(self, exc)  # a scale_up not started yet: the recovery moves the store
         agent = getattr(self, AGENT_ATTR, None)
         if agent is not None:
             agent.note_fault(exc)
