@@ -49,6 +49,8 @@ def test_a_bad_target_or_victim_is_refused_before_anything_starts(
         run_target("vllm", RejoinSetup(dp=3, victim=3), {})
     with pytest.raises(RejoinBenchError, match="ask for at most 252"):
         run_target("vllm", RejoinSetup(dp=3, victim=2, stream_tokens=400), {})
+    with pytest.raises(RejoinBenchError, match="admit the restarted rank the moment it is ready"):
+        run_target("vllm", RejoinSetup(dp=3, victim=2, policy="auto"), {})
     parser = cli.build_parser()
     args = parser.parse_args(["bench", "rejoin", "--target", "vllm", "--dp", "2", "--victim", "5"])
     assert args.func(args) == 1

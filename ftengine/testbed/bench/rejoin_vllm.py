@@ -154,6 +154,12 @@ def run_vllm(setup: RejoinSetup, options: Mapping[str, Any]) -> dict[str, Any]:
     ``checkpoint`` (None: a tiny generated Qwen3-MoE), ``log_dir`` (None: a temporary one)."""
     if not 0 <= setup.victim < setup.dp or setup.dp < 2:
         raise RejoinBenchError(f"victim {setup.victim} must be a DP rank of dp={setup.dp} >= 2")
+    if setup.policy == "auto":
+        raise RejoinBenchError(
+            "--policy auto: the vLLM target times a scale_up against streams already decoding, "
+            "and under auto the survivors admit the restarted rank the moment it is ready (no "
+            "command, before the streams start); use --policy orchestrator (the default)"
+        )
     longest = MAX_MODEL_LEN - PROMPT_TOKENS
     if max(setup.stream_tokens, setup.batch_tokens) > longest:
         raise RejoinBenchError(
