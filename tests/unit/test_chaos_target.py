@@ -94,9 +94,19 @@ def test_the_vllm_target_heals_a_removed_rank_by_restart_and_scale_up(tmp_path: 
     workers = {0: 1, 1: 2, 2: 3}
     running: Any = SimpleNamespace(deployment=deployment, watch=watch, workers=workers)
     vllm.running = running
+    paused: list[object] = []
+    real_restart = deployment.restart
+
+    def restart(rank: int) -> None:  # the survivors' clients wait while it starts
+        paused.append([vllm.bench.fleet.traffic[r].streaming_to for r in range(3)])
+        real_restart(rank)
+
+    deployment.restart = restart  # type: ignore[method-assign]
     try:
         assert vllm.heal(4) == [2]
         assert deployment.calls == [("restart", 2), ("admit", [2], [0, 1])]
+        assert paused == [[None, None, None]]
+        assert [t.streaming_to for t in vllm.bench.fleet.traffic] == deployment.urls
         assert workers[2] == 22  # the new worker: the next kill's target
         kinds = [entry.what for entry in vllm.bench.history.entries()]
         assert kinds[-2:] == ["restart", "scale_up"]

@@ -97,6 +97,12 @@ class Traffic:
         for thread in self._threads:
             thread.start()
 
+    @property
+    def streaming_to(self) -> str | None:
+        """The URL new streams go to, or None while paused."""
+        with self._cond:
+            return self._url if self._open else None
+
     def resume(self, url: str) -> None:
         """Let the clients start new streams again, to ``url``."""
         with self._cond:

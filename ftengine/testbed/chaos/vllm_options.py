@@ -39,6 +39,11 @@ class VllmCampaignOptions:
     """After each recovery, restart the removed ranks (but 0) and admit them (``scale_up``)."""
     rejoin_deadline_s: float = 600.0
     """Restart to admitted, per heal (three processes start beside the loaded survivors)."""
+    serve_during_restart: bool = False
+    """Whether the survivors' clients keep streaming while a healed rank's server starts.
+    Off by default: on 2 cores a server starting beside a busy survivor got ~1.5 % of a CPU
+    and missed the heal's deadline (minutes in ``import torch``); the clients pause until it
+    is ``ready`` and stream again through its admission (the rejoin test serves throughout)."""
 
     @property
     def clients(self) -> int:

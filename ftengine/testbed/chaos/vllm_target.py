@@ -254,15 +254,22 @@ class VllmTarget:
         if not back:
             return []
         members = [r for r in range(self.options.dp_size) if r not in removed]
-        history = self.bench.history
-        for rank in back:
-            # Its old server may still relay streams handed off to a survivor: let them end
-            # (a restart cuts them: two were lost that way in the first run with rejoin).
-            drained = self.bench.fleet.traffic[rank].pause(self.options.recover_deadline_s)
-            deployment.restart(rank)
-            history.add("restart", fault, rank=rank, drained=drained)
-        deadline = time.monotonic() + self.options.rejoin_deadline_s
-        self._await(back, lambda e: e.get("phase") == "ready", "ready", deadline)
+        history, traffic = self.bench.history, self.bench.fleet.traffic
+        quiet = [] if self.options.serve_during_restart else members
+        for rank in quiet:  # (``serve_during_restart``'s doc: why)
+            traffic[rank].pause(self.options.recover_deadline_s)
+        try:
+            for rank in back:
+                # Its old server may still relay streams handed off to a survivor: let them
+                # end (a restart cuts them: two were lost that way in the first rejoin run).
+                drained = traffic[rank].pause(self.options.recover_deadline_s)
+                deployment.restart(rank)
+                history.add("restart", fault, rank=rank, drained=drained, quiet=bool(quiet))
+            deadline = time.monotonic() + self.options.rejoin_deadline_s
+            self._await(back, lambda e: e.get("phase") == "ready", "ready", deadline)
+        finally:
+            for rank in quiet:
+                traffic[rank].resume(deployment.urls[rank])
         # scale_up, sent again when an attempt fails (a survivor's recovery moved the store)
         deployment.admit(back, members, max(1.0, deadline - time.monotonic()))
         history.add("scale_up", fault, ranks=back)

@@ -42,6 +42,12 @@ def register(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="leave removed ranks out until a rebuild (default: restart and scale_up them)",
     )
+    parser.add_argument(
+        "--serve-during-restart",
+        action="store_true",
+        help="the survivors' clients keep streaming while a healed rank's server starts "
+        "(default: they pause until it is ready, then stream through its admission)",
+    )
     parser.set_defaults(func=run)
 
 
@@ -60,7 +66,7 @@ def run(args: argparse.Namespace) -> int:
         args.checkpoint, faults=args.faults, seed=args.seed, dp_size=args.dp,
         clients_per_rank=args.clients_per_rank, max_tokens=args.max_tokens,
         op_timeout_s=args.op_timeout, port=args.port, log_dir=args.log_dir,
-        rejoin=not args.no_rejoin,
+        rejoin=not args.no_rejoin, serve_during_restart=args.serve_during_restart,
     )  # fmt: skip
 
     def progress(line: str) -> None:
