@@ -11,13 +11,14 @@ no orchestrator. In order:
    its held stream ended with the reason; no request answered by both sides;
 3. host 1 lost (ranks 1 and 2 SIGKILLed together, streams running on rank 0): rank 0
    detects within 1 s, scales down past both in one step, its streams end exactly;
-4. (the fixture) nothing of the run is left: namespaces, links, hosts files, processes.
-
-Heal and rejoin of the minority need scale-up (issue 28): not here.
+4. the link healed, rank 3's server restarted on its host: the survivors' policy admits it
+   back with no command (issue 28), without restarting anything of theirs;
+5. (the fixture) nothing of the run is left: namespaces, links, hosts files, processes.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 from collections.abc import Iterator
@@ -50,6 +51,7 @@ STREAM_TOKENS = 48
 STREAM_TIMEOUT_S = 300.0
 DETECT_S = 1.0
 MINORITY_STOP_S = 15.0  # the bound docs/design-partitions.md states for these settings
+REJOIN_S = 600.0  # a restarted rank's whole start on 2 shared cores, then its admission
 
 
 @pytest.fixture(scope="module")
@@ -217,3 +219,39 @@ def test_host_loss_one_scale_down_past_both_ranks_streams_exact(
     agreed = [line for line in log.splitlines() if "survivors agree: scale down" in line]
     assert agreed and f"DP ranks {removed}" in agreed[-1], agreed
     assert complete(urls[0], checkpoint) == expected
+
+
+@pytest.mark.timeout(900)
+def test_the_minority_rejoins_once_the_link_heals_with_no_command(
+    spread: MultiHostDeployment, checkpoint: Path, expected: list[list[int]]
+) -> None:
+    """Last (after the partition and the host loss): the link to host 2 back up, rank 3's
+    server restarted there with its original command. It starts alone (rank 0's server on
+    host 0 answers its handshake), announces itself on the survivors' DP store, and their
+    ``auto`` policy admits it with no command; the majority's processes were never
+    restarted."""
+    urls = spread.urls
+    spread.heal()
+    before = statuses(urls[0])[0]
+    assert MINORITY_RANK in before["removed_ranks"], before  # type: ignore[operator]
+    lead = spread.started.pids()[0]
+    spread.started.restart(MINORITY_RANK)
+    left = sorted({*before["removed_ranks"]} - {MINORITY_RANK})  # type: ignore[misc]
+    deadline = time.monotonic() + REJOIN_S
+    while True:
+        with contextlib.suppress(httpx.HTTPError, KeyError):
+            mine, first = statuses(urls[MINORITY_RANK])[MINORITY_RANK], statuses(urls[0])[0]
+            if (mine["status"], first["status"], first["removed_ranks"]) == (
+                "healthy", "healthy", left,
+            ):  # fmt: skip
+                break
+        if time.monotonic() > deadline:
+            tail = spread.started.ranks[MINORITY_RANK].tail(40)
+            raise AssertionError(f"rank {MINORITY_RANK} not admitted back; its log:\n{tail}")
+        time.sleep(0.5)
+    assert complete(urls[MINORITY_RANK], checkpoint) == expected
+    assert complete(urls[0], checkpoint) == expected
+    assert spread.started.pids()[0] == lead  # the majority's side was not restarted
+    log = spread.started.ranks[MINORITY_RANK].log_path.read_text(errors="replace")
+    assert "announced on the survivors' DP store" in log
+    assert "joined the running deployment" in log
