@@ -107,6 +107,13 @@ def streams(deployment: VllmDeployment) -> list[OpenAIStream]:
     return started
 
 
+def recovery_logs(deployment: VllmDeployment) -> dict[int, str]:
+    """Every rank's ftengine log lines (a failure's message: CI keeps no logs)."""
+    return {
+        r: ft_lines(deployment.ranks[r].log_path.read_text(errors="replace")) for r in range(DP)
+    }
+
+
 def recovered_on_their_own(deployment: VllmDeployment, epoch: int, timeout_s: float) -> None:
     """Until the survivors are healthy with the victim removed (a new epoch) and the victim
     is ``dead``: the survivors' statuses pass through ``unhealthy`` first, so a bare
@@ -122,9 +129,9 @@ def recovered_on_their_own(deployment: VllmDeployment, epoch: int, timeout_s: fl
         if found == want:
             break
         if time.monotonic() >= deadline:
-            logs = {r: ft_lines(deployment.ranks[r].log_path.read_text(errors="replace"))
-                    for r in range(DP)}  # fmt: skip
-            raise AssertionError(f"no recovery on their own: {found}; their logs: {logs}")
+            raise AssertionError(
+                f"no recovery on their own: {found}; their logs: {recovery_logs(deployment)}"
+            )
         time.sleep(0.05)
     (victim,) = (e for e in engines(deployment, [VICTIM]) if e["id"] == VICTIM)
     assert victim["status"] == "dead", victim
@@ -212,9 +219,9 @@ def admitted_on_their_own(
             ) and all(int(str(found[r]["epoch"])) > epochs[r] for r in SURVIVORS):
                 return
         if time.monotonic() >= deadline:
-            logs = {r: ft_lines(deployment.ranks[r].log_path.read_text(errors="replace"))
-                    for r in range(DP)}  # fmt: skip
-            raise AssertionError(f"rank {VICTIM} not admitted on its own; their logs: {logs}")
+            raise AssertionError(
+                f"rank {VICTIM} not admitted on its own; their logs: {recovery_logs(deployment)}"
+            )
         time.sleep(0.5)
 
 
