@@ -111,8 +111,10 @@ class KeepServing:
     """Rounds of :func:`survivor_streams` one after another on a thread, each round's tokens
     checked against ``want``, until stopped: the survivors serve through the restart."""
 
-    def __init__(self, deployment: VllmDeployment, want: list[list[int]]) -> None:
-        self.deployment, self.want = deployment, want
+    def __init__(
+        self, deployment: VllmDeployment, want: list[list[int]], ranks: tuple[int, ...] = SURVIVORS
+    ) -> None:
+        self.deployment, self.want, self.ranks = deployment, want, ranks
         self.rounds = 0
         self.wrong: list[object] = []
         self.stop = threading.Event()
@@ -121,7 +123,7 @@ class KeepServing:
     def _run(self) -> None:
         while not self.stop.is_set():
             try:
-                got = finished(survivor_streams(self.deployment))
+                got = finished(survivor_streams(self.deployment, self.ranks))
             except AssertionError as exc:
                 self.wrong.append(exc)
                 return
@@ -140,32 +142,42 @@ class KeepServing:
         self.thread.join(STREAM_TIMEOUT_S)
 
 
-def wait_scaled_down(deployment: VllmDeployment, timeout_s: float) -> None:
+def wait_scaled_down(
+    deployment: VllmDeployment,
+    timeout_s: float,
+    victim: int = VICTIM,
+    survivors: tuple[int, ...] = SURVIVORS,
+) -> None:
     deadline = time.monotonic() + timeout_s
     while True:
         found = {
             int(str(e["id"])): (e["status"], e["removed_ranks"])
-            for e in engines(deployment, SURVIVORS)
+            for e in engines(deployment, survivors)
         }
-        if found == {r: ("healthy", [VICTIM]) for r in SURVIVORS}:
+        if found == {r: ("healthy", [victim]) for r in survivors}:
             return
         assert time.monotonic() < deadline, f"not scaled down: {found}"
         time.sleep(0.1)
 
 
-def wait_ready(deployment: VllmDeployment, timeout_s: float) -> dict[str, object]:
+def wait_ready(
+    deployment: VllmDeployment, timeout_s: float, victim: int = VICTIM
+) -> dict[str, object]:
     """The restarted rank's own status once its server answers with phase ``ready``."""
     deadline = time.monotonic() + timeout_s
-    rank = deployment.ranks[VICTIM]
+    rank = deployment.ranks[victim]
+    status: dict[str, object] = {}
     while True:
-        assert rank.process.poll() is None, f"restarted rank 2 exited:\n{rank.tail(40)}"
+        assert rank.process.poll() is None, f"rank {victim} exited:\n{rank.tail(40)}"
         try:
-            (status,) = engines(deployment, [VICTIM])
+            (status,) = engines(deployment, [victim])
             if status["phase"] == "ready":
                 return status
         except httpx.HTTPError:
             pass  # its server serves nothing before its engine core's start-up is done
-        assert time.monotonic() < deadline, f"restarted rank 2 not ready:\n{rank.tail(40)}"
+        assert time.monotonic() < deadline, (
+            f"rank {victim} not ready: {status}\n{rank.tail(40)}\n{ft_log_tails(deployment)}"
+        )
         time.sleep(0.5)
 
 
@@ -184,32 +196,39 @@ def ft_log_tails(deployment: VllmDeployment, lines: int = 20) -> str:
 
 
 def admitted_back(
-    deployment: VllmDeployment, epochs: dict[int, object]
+    deployment: VllmDeployment,
+    epochs: dict[int, object],
+    victim: int = VICTIM,
+    survivors: tuple[int, ...] = SURVIVORS,
 ) -> dict[int, dict[str, object]]:
     """``scale_up`` (sent again if an attempt fails: a survivor's recovery may move the
     store), then every rank's status once all three serve at a later epoch."""
     try:
-        deployment.admit([VICTIM], SURVIVORS, ADMIT_TIMEOUT_S)
-        return wait_admitted(deployment, epochs, 30.0)
+        deployment.admit([victim], survivors, ADMIT_TIMEOUT_S)
+        return wait_admitted(deployment, epochs, 30.0, victim, survivors)
     except (AdmissionFailed, AssertionError) as exc:
         raise AssertionError(f"{exc}\n{ft_log_tails(deployment)}") from exc
 
 
 def wait_admitted(
-    deployment: VllmDeployment, epochs: dict[int, object], timeout_s: float
+    deployment: VllmDeployment,
+    epochs: dict[int, object],
+    timeout_s: float,
+    victim: int = VICTIM,
+    survivors: tuple[int, ...] = SURVIVORS,
 ) -> dict[int, dict[str, object]]:
     """Every rank's status once all three are healthy, removed none, at a later epoch."""
     deadline = time.monotonic() + timeout_s
     while True:
-        found = {int(str(e["id"])): e for e in engines(deployment, [*SURVIVORS, VICTIM])}
+        found = {int(str(e["id"])): e for e in engines(deployment, range(DP))}
         if all(
             e["status"] == "healthy"
             and e.get("removed_ranks") == []
             and e.get("phase") == "healthy"
             for e in found.values()
-        ) and all(int(str(found[r]["epoch"])) > int(str(epochs[r])) for r in SURVIVORS):
+        ) and all(int(str(found[r]["epoch"])) > int(str(epochs[r])) for r in survivors):
             return found
-        assert time.monotonic() < deadline, f"rank {VICTIM} not admitted: {found}"
+        assert time.monotonic() < deadline, f"rank {victim} not admitted: {found}"
         time.sleep(0.1)
 
 
@@ -327,3 +346,51 @@ def test_two_more_kill_scale_down_rejoin_cycles_read_nothing_and_leak_nothing(
         for name, (rss, fds) in before.items():
             assert after[name][1] == fds, (cycle, name, before, after)  # every socket closed
             assert after[name][0] - rss < RSS_MARGIN, (cycle, name, before, after)
+
+
+RANK0_SURVIVORS = (1, 2)
+
+
+@pytest.mark.timeout(1200)
+def test_rank_0_relaunches_its_worker_in_its_running_server_and_is_admitted_back(
+    deployment: VllmDeployment,
+) -> None:
+    """Rank 0's server runs the DP coordinator: it stays up. Its worker SIGKILLed, the
+    survivors scale it down; its parked engine core relaunches the worker in place (no
+    command: the server, the engine core and the coordinator keep their processes), which
+    loads its experts and reports ``ready``; ``scale_up`` admits it back like a restarted
+    rank. Its answers equal its own before the kill (the same prompts again: a prefix cache
+    that kept the dead worker's blocks would answer from memory that is gone)."""
+    full = {int(str(e["id"])): e for e in engines(deployment, range(DP))}
+    assert all(
+        e["removed_ranks"] == [] and e["phase"] in ("running", "healthy") for e in full.values()
+    ), f"the tests before left the deployment short: {full}"
+    reference = finished(survivor_streams(deployment, RANK0_SURVIVORS))
+    rank0_reference = finished(survivor_streams(deployment, (0,)))
+    before = deployment.pids()[0]
+    server = deployment.ranks[0].process.pid
+    os.kill(before["worker"], signal.SIGKILL)
+    wait_scaled_down(deployment, OP_TIMEOUT_S + 90, 0, RANK0_SURVIVORS)
+    epochs = {int(str(e["id"])): e["epoch"] for e in engines(deployment, RANK0_SURVIVORS)}
+    with KeepServing(deployment, reference, RANK0_SURVIVORS) as serving:
+        started = time.monotonic()
+        status = wait_ready(deployment, READY_TIMEOUT_S, 0)
+        ready_s = time.monotonic() - started
+    print(f"rank 0 relaunched its worker: ready after {ready_s:.1f} s; "
+          f"survivor rounds: {serving.rounds}")  # fmt: skip
+    assert not serving.wrong, serving.wrong
+    assert status["status"] == "unhealthy" and "waits to be admitted" in str(status["fault_info"])
+    after = deployment.pids()[0]
+    assert deployment.ranks[0].process.pid == server
+    assert after["engine_core"] == before["engine_core"] and after["worker"] != before["worker"]
+    url = deployment.urls[0]
+    assert httpx.get(f"{url}/health", timeout=10).status_code == 503
+    log = deployment.ranks[0].log_path.read_text(errors="replace")
+    assert "relaunching its worker in place" in log and "worker relaunched in" in log
+    streams = survivor_streams(deployment, RANK0_SURVIVORS)
+    time.sleep(1.0)  # the streams are decoding
+    admitted_back(deployment, epochs, 0, RANK0_SURVIVORS)
+    assert finished(streams) == reference
+    assert httpx.get(f"{url}/health", timeout=10).status_code == 200
+    assert finished(survivor_streams(deployment, (0,))) == rank0_reference
+    assert finished(survivor_streams(deployment, RANK0_SURVIVORS)) == reference

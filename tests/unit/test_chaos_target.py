@@ -4,10 +4,12 @@ uses, and each plans only the kinds it can inject."""
 from __future__ import annotations
 
 import os
+import threading
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
+import attrs
 import pytest
 
 from ftengine.testbed.chaos.catalogue import ChaosKind
@@ -119,18 +121,27 @@ def test_the_vllm_target_heals_a_removed_rank_by_restart_and_scale_up(tmp_path: 
         vllm.close()
 
 
-def test_rank_0_is_left_out_of_a_heal_and_a_failed_admission_raises(tmp_path: Path) -> None:
-    vllm = VllmTarget(VllmCampaignOptions(tmp_path / "hf", rejoin_deadline_s=0.0), _quiet)
+def test_rank_0_relaunches_in_place_and_is_admitted_a_rank_never_ready_raises(
+    tmp_path: Path,
+) -> None:
+    vllm = VllmTarget(VllmCampaignOptions(tmp_path / "hf", rejoin_deadline_s=5.0), _quiet)
     shrunk = {"status": "healthy", "phase": "healthy", "removed_ranks": [0]}
-    watch = Watch({0: {"status": "dead"}, 1: dict(shrunk), 2: dict(shrunk)})
+    loading = {"status": "dead", "phase": "loading"}  # its engine core relaunches its worker
+    watch = Watch({0: dict(loading), 1: dict(shrunk), 2: dict(shrunk)})
     deployment = Deployment(watch)
-    running: Any = SimpleNamespace(deployment=deployment, watch=watch, workers={})
+    workers: dict[int, int] = {}
+    running: Any = SimpleNamespace(deployment=deployment, watch=watch, workers=workers)
     vllm.running = running
+    threading.Timer(0.6, lambda: watch.engines[0].update(status="unhealthy", phase="ready")).start()
     try:
-        assert vllm.heal(1) == [] and deployment.calls == []  # rank 0 hosts the coordinator
-        watch.engines[1]["removed_ranks"] = watch.engines[2]["removed_ranks"] = [0, 2]
+        assert vllm.heal(1) == [0]  # waited for its relaunch, never restarted
+        assert deployment.calls == [("admit", [0], [1, 2])] and workers[0] == 20
+        kinds = [entry.what for entry in vllm.bench.history.entries()]
+        assert kinds[-2:] == ["relaunch", "scale_up"]
+        watch.engines[1]["removed_ranks"] = watch.engines[0]["removed_ranks"] = [2]
         watch.engines[2] = {"status": "dead"}
         deployment.restart = lambda rank: None  # type: ignore[method-assign]  # never ready
+        vllm.options = attrs.evolve(vllm.options, rejoin_deadline_s=0.0)
         with pytest.raises(RuntimeError, match=r"ranks \[2\] not ready in time"):
             vllm.heal(2)
     finally:

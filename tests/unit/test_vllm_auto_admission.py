@@ -138,7 +138,7 @@ def test_the_returning_rank_announces_on_the_current_store_and_joins_once_admitt
     rank0 = RankZero(f"127.0.0.1:{first}")
     sentinel = returning()
     http = httpx.Client(transport=httpx.MockTransport(rank0.handle))
-    announcer = announce.Announcer(sentinel, "http://rank0:8000", http=http)
+    announcer = announce.Announcer(sentinel, ["http://rank0:8000"], http=http)
     announcer.step()
     assert lead.check([adm.join_key(2)]) and rank0.auth == ["Bearer k1"]
     assert sentinel.engine.input_queue.empty()  # not admitted yet
@@ -148,7 +148,7 @@ def test_the_returning_rank_announces_on_the_current_store_and_joins_once_admitt
     announcer.step()
     assert moved.check([adm.join_key(2)])
     rank0.status = "unhealthy"  # rank 0 recovering: no store to trust
-    with pytest.raises(LookupError, match="names no healthy engine's 'dp_store'"):
+    with pytest.raises(LookupError, match="no healthy engine's 'dp_store'"):
         announcer.step()
     rank0.status = "healthy"
     joined: list[Any] = []

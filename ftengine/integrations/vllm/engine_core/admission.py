@@ -161,7 +161,14 @@ def problems(sentinel: Any, params: dict[str, Any]) -> tuple[Admission | None, l
     unknown = sorted(added - frozenset(range(world)))
     if unknown:
         found.append(f"ranks {unknown} are not DP ranks 0..{world - 1}")
-    if rejoining(parallel):
+    from ftengine.integrations.vllm.engine_core.relaunch_state import relaunch_status
+
+    relaunching = relaunch_status(sentinel.engine)
+    if relaunching:
+        found.append(f"engine {rank} is {relaunching['status']} (phase "
+                     f"{relaunching['phase']}): {relaunching['fault_info']}; send scale_up "
+                     "once its status shows phase ready")  # fmt: skip
+    elif rejoining(parallel):
         if rank not in added:
             found.append(f"this engine (DP rank {rank}) waits to be admitted; "
                          f"{ADDED_KEY} {sorted(added)} does not name it")  # fmt: skip

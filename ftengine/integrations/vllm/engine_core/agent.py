@@ -267,6 +267,24 @@ class EngineCoreAgent:
         self.board.forget(ranks)
         self.reach.forget(ranks)
 
+    def start_over(self) -> tuple[str, ...]:
+        """This engine's worker was relaunched in place (``relaunch.py``): it comes back as a
+        returning rank, so what was known of the peers and of the fault goes (a peer's
+        closed port from before is no news now); returns the peers' API server URLs as last
+        read (where it finds the survivors' DP store)."""
+        urls = tuple(url for rank, url in sorted(self.board.api_urls.items()) if rank != self.rank)
+        self.readmit(frozenset(range(self.world)) - {self.rank})
+        with self._lock:
+            self.generation += 1  # markers queued before are stale
+            self.pending = self.blamed = self.anticipated = None
+            self.books = FaultBooks(self.rank, self.world)
+            self.proposal = self.decided = self.outvoted = None
+            self.admissible = frozenset()
+            self._dying = False
+            self._store_failures = 0
+        self._faulted.set()
+        return urls
+
     def after_fault(self) -> None:
         """After vLLM's ``on_fault`` (busy-loop thread, so the executor is ours): hand the
         fault to a worker still serving (its FSM quarantines), then mark older fault markers

@@ -14,13 +14,15 @@ its own (``orchestrator``), the join key only waits for the operator's ``scale_u
 
 What it cannot do: rank 0's server must be up and its engine a healthy member (the status
 names the store of its group); otherwise the rank waits for a ``scale_up`` with ``dp_store``.
+DP rank 0 itself, relaunched in place (``relaunch.py``), reads the survivors' servers instead
+(their URLs as its DP board last read them).
 """
 
 from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from datetime import timedelta
 from typing import Any
 
@@ -48,13 +50,25 @@ STORE_TIMEOUT_S = 5.0
 JOIN_WAIT_S = 120.0  # the busy loop's join is bounded by the DP group's timeout before this
 
 
-def survivors_dp_store(http: httpx.Client, url: str, headers: dict[str, str]) -> str | None:
-    """The ``dp_store`` of the healthy engine rank 0's server reports, or None."""
-    engines = http.get(f"{url}{STATUS_PATH}", headers=headers).json().get("engines", [])
-    for engine in engines:
-        store = engine.get(DP_STORE_KEY) if isinstance(engine, dict) else None
-        if engine.get("status") == "healthy" and isinstance(store, str) and store:
-            return store
+def survivors_dp_store(
+    http: httpx.Client, urls: Sequence[str], headers: dict[str, str]
+) -> str | None:
+    """The ``dp_store`` of the first healthy engine the servers at ``urls`` report (asked in
+    turn; one that fails is skipped, the last failure raised when none answered), or None."""
+    failure: Exception | None = None
+    for url in urls:
+        try:
+            engines = http.get(f"{url}{STATUS_PATH}", headers=headers).json().get("engines", [])
+        except (httpx.HTTPError, ValueError) as exc:
+            failure = exc
+            continue
+        failure = None
+        for engine in engines:
+            store = engine.get(DP_STORE_KEY) if isinstance(engine, dict) else None
+            if engine.get("status") == "healthy" and isinstance(store, str) and store:
+                return store
+    if failure is not None:
+        raise failure
     return None
 
 
@@ -64,12 +78,12 @@ class Announcer:
     def __init__(
         self,
         sentinel: Any,
-        url: str,
+        urls: Sequence[str],
         http: httpx.Client | None = None,
         connect: Callable[[str, int, timedelta], Any] = survivors_store,
     ) -> None:
         self.sentinel = sentinel
-        self.url = url
+        self.urls = tuple(urls)  # rank 0's server; the survivors' for rank 0 itself
         self.rank = int(sentinel.engine.vllm_config.parallel_config.data_parallel_rank)
         self.http = http or httpx.Client(timeout=STORE_TIMEOUT_S)
         self.connect = connect
@@ -108,9 +122,10 @@ class Announcer:
 
     def step(self) -> None:
         """Once: announce on the survivors' current store; join if they admitted this rank."""
-        found = survivors_dp_store(self.http, self.url, self.headers)
+        found = survivors_dp_store(self.http, self.urls, self.headers)
         if found is None:
-            raise LookupError(f"{self.url}{STATUS_PATH} names no healthy engine's {DP_STORE_KEY!r}")
+            where = ", ".join(f"{url}{STATUS_PATH}" for url in self.urls) or "no server known"
+            raise LookupError(f"{where}: no healthy engine's {DP_STORE_KEY!r}")
         if found != self.at:
             host, port = parse_store(found)
             self.store = self.connect(host, port, timedelta(seconds=STORE_TIMEOUT_S))
@@ -140,12 +155,16 @@ class Announcer:
                 setattr(self.sentinel, ADMISSION_ATTR, None)
 
 
-def start_announcing(sentinel: Any) -> Announcer | None:
-    """A returning rank whose rank 0 server has a URL: its :class:`Announcer`, started."""
+def start_announcing(sentinel: Any, urls: Sequence[str] = ()) -> Announcer | None:
+    """A returning rank's :class:`Announcer`, started: it reads the survivors' store from
+    ``urls`` (DP rank 0's relaunched engine core: the survivors' servers) or else from rank
+    0's server (a restarted rank whose handshake named it); None without either."""
     parallel = sentinel.engine.vllm_config.parallel_config
     url = rank0_url(parallel)
-    if not rejoining(parallel) or url is None:
+    if not urls and url is not None:
+        urls = (url,)
+    if not rejoining(parallel) or not urls:
         return None
-    announcer = Announcer(sentinel, url)
+    announcer = Announcer(sentinel, urls)
     announcer.start()
     return announcer

@@ -11,7 +11,9 @@ waking each other: a request to one of them would wait in a wave the others neve
 
 So a DEAD engine that hosts the coordinator waits with no deadline: it stays parked,
 answering ``dead`` and refusing every command with vLLM's wording, until the deployment is
-stopped (SIGTERM interrupts the wait; vLLM's engine-core signal handler then exits as usual).
+stopped (SIGTERM interrupts the wait; vLLM's engine-core signal handler then exits as usual)
+or, when its worker died, until it has relaunched that worker in place and comes back as a
+returning rank (``relaunch.py``).
 Its held requests were already handed to a survivor (or aborted with the reason) when it went
 DEAD (``reinference.py``, ``handoff.py``).
 A transient fault (UNHEALTHY) keeps vLLM's deadline.

@@ -41,17 +41,23 @@ def init_data_parallel(
     route_logs()  # vLLM configured its handlers by now; its plugins (ours) load later
     engine.dp_rank = int(parallel.data_parallel_rank)
     engine.dp_size = int(parallel.data_parallel_size)
+    start_alone(engine, parallel)
+    logger.info(
+        "[FT] Engine %d rejoins a running deployment: it starts alone (a DP group of its own) "
+        "and waits to be admitted",
+        engine.dp_rank,
+    )
+
+
+def start_alone(engine: Any, parallel: Any) -> None:
+    """``engine``'s DP group: one of its own (a one-member gloo group on a free local port);
+    no DP store."""
     port = import_vllm(NETWORK_MODULE).get_open_port()
     init = import_vllm(DISTRIBUTED_UTILS).stateless_init_torch_distributed_process_group
     engine.dp_group = init(
         LOOPBACK, port, 0, 1, backend="gloo", timeout=parallel.cpu_distributed_timeout
     )
     engine.dp_store = None
-    logger.info(
-        "[FT] Engine %d rejoins a running deployment: it starts alone (a DP group of its own) "
-        "and waits to be admitted",
-        engine.dp_rank,
-    )
 
 
 READY_PHASE = "ready"
@@ -63,9 +69,13 @@ REJOINING_PHASES = frozenset({"loading", READY_PHASE, "joining"})
 def rejoin_status(engine: Any) -> dict[str, object]:
     """ftengine's status fields of a rejoining engine not yet admitted: ``unhealthy`` (it
     serves nothing yet), phase ``ready`` (its engine core's start-up, weights and warm-up
-    included, is done: the agent starts after it); empty for any other engine."""
-    if not rejoining(engine.vllm_config.parallel_config):
-        return {}
+    included, is done: the agent starts after it); DP rank 0 relaunching its worker in
+    place: ``dead``, phase ``loading`` (``relaunch.py``); empty for any other engine."""
+    from ftengine.integrations.vllm.engine_core.relaunch_state import relaunch_status
+
+    relaunching = relaunch_status(engine)
+    if relaunching or not rejoining(engine.vllm_config.parallel_config):
+        return relaunching
     return {
         "status": "unhealthy",
         "phase": READY_PHASE,

@@ -87,7 +87,10 @@ def _agent_on_fault(on_fault: Callable[..., None]) -> Callable[..., None]:
                     park_if_coordinator_host,
                 )
 
-                park_if_coordinator_host(self)  # DEAD rank 0 keeps the DP coordinator up
+                if park_if_coordinator_host(self):  # DEAD rank 0 keeps the DP coordinator up
+                    from ftengine.integrations.vllm.engine_core.relaunch import start_relaunch
+
+                    start_relaunch(self)  # its worker died: a new one, then it rejoins
                 agent.after_fault()
                 self._push_status()  # the same status, now with the worker's ftengine phase
         finally:
