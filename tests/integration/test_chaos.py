@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 
 from ftengine.testbed.chaos.catalogue import ChaosKind
+from ftengine.testbed.chaos.cluster_options import PROCESS_KINDS
 
 pytestmark = pytest.mark.integration
 
@@ -62,7 +63,8 @@ def _campaign(tmp_path: Path) -> None:
     assert out.strip(), f"the campaign printed no report: {log}"
     report = json.loads(out)
     assert report["faults_injected"] >= FAULTS, log
-    assert set(report["by_kind"]) == {k.value for k in ChaosKind}, report["by_kind"]
+    kinds = {k.value for k in (*PROCESS_KINDS, ChaosKind.NET_CUT)}  # the cluster's, cut too
+    assert set(report["by_kind"]) == kinds, report["by_kind"]
     for key in ("hangs", "stuck_unhealthy", "split_brain", "wrong_tokens"):
         assert report[key] == 0, (key, report["violations"], log)
     assert report["stream_gaps_or_repeats"] == 0 and report["requests_lost"] == 0, report

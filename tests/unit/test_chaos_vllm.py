@@ -64,6 +64,8 @@ def test_the_plan_draws_only_what_vllm_supports_and_replays() -> None:
         (ChaosKind.TWO_RANKS, 4, [0, 1], ()),
         (ChaosKind.STEP_RAISE, 0, [0, 1, 2], (0,)),  # a step exception may hit rank 0
         (ChaosKind.STEP_RAISE, 2, [0, 1, 2], (2,)),
+        (ChaosKind.ENGINE_CORE, 0, [0, 1, 2], (1,)),  # never rank 0's: its server would stop
+        (ChaosKind.ENGINE_CORE, 1, [0], ()),
     ],
 )
 def test_victims(kind: ChaosKind, pick: int, live: list[int], expected: tuple[int, ...]) -> None:

@@ -57,6 +57,10 @@ def server(engine: EngineClient, *, guarded: bool = True) -> TestClient:
     async def apply() -> dict[str, str]:
         return {"message": "Request accepted"}
 
+    @app.get("/fault_tolerance/status")
+    async def status() -> dict[str, Any]:
+        return await engine.get_status()  # vLLM's route: the client's cached statuses
+
     if guarded:
         app.add_middleware(DeadRankGuard)
     return TestClient(app)
@@ -178,3 +182,29 @@ def test_a_refusal_names_why_the_engine_is_dead() -> None:
     reply = server(ReasonedEngineClient(why)).post("/v1/completions", json={})
     assert reply.status_code == 503
     assert why in reply.json()["error"]["message"]
+
+
+class GoneEngineClient(EngineClient):
+    """vLLM's client after its engine-core monitor saw the process exit: ``errored``, the
+    last pushed statuses still cached (``healthy``), ``check_health`` raising."""
+
+    errored = True
+
+    async def check_health(self) -> None:
+        raise RuntimeError("EngineDeadError")  # vLLM's /health then answers 503 itself
+
+
+def test_a_rank_whose_engine_core_exited_reports_dead_not_its_stale_cache() -> None:
+    stale = server(GoneEngineClient("healthy"), guarded=False).get("/fault_tolerance/status")
+    assert stale.json()["engines"][0]["status"] == "healthy"  # vLLM alone: its stale cache
+    client = server(GoneEngineClient("healthy"))
+    status = client.get("/fault_tolerance/status")
+    assert status.status_code == 200
+    (engine,) = status.json()["engines"]
+    assert (engine["id"], engine["status"], engine["phase"]) == (0, "dead", "dead")
+    assert "engine core process exited" in engine["fault_info"]
+    assert client.get("/health").status_code == 503
+    refused = client.post("/v1/completions", json={})
+    assert refused.status_code == 503 and "engine core process exited" in refused.text
+    alive = server(EngineClient("healthy"))  # not errored: vLLM's own answer
+    assert alive.post("/v1/completions", json={}).status_code == 200

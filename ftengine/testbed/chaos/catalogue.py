@@ -23,6 +23,7 @@ class ChaosKind(str, enum.Enum):
     TWO_RANKS = "two_ranks"
     RANK0 = "rank0"
     NET_CUT = "net_cut"
+    ENGINE_CORE = "engine_core"
 
 
 class When(str, enum.Enum):
@@ -45,6 +46,7 @@ RANKS_LOST: dict[ChaosKind, int] = {
     ChaosKind.TWO_RANKS: 2,
     ChaosKind.RANK0: 1,
     ChaosKind.NET_CUT: 1,
+    ChaosKind.ENGINE_CORE: 1,
 }
 
 # Kinds whose detection waits for a timeout (the op timeout or the heartbeat silence) rather

@@ -7,8 +7,9 @@ import attrs
 
 from ftengine.testbed.chaos.catalogue import ChaosKind
 
-# Every kind this cluster mode can inject (the network cut needs hosts in namespaces).
-PROCESS_KINDS = tuple(k for k in ChaosKind if k is not ChaosKind.NET_CUT)
+# Every kind this cluster mode can inject (the network cut needs hosts in namespaces; an
+# engine core is vLLM's process, which the cluster has none of).
+PROCESS_KINDS = tuple(k for k in ChaosKind if k not in (ChaosKind.NET_CUT, ChaosKind.ENGINE_CORE))
 
 
 @attrs.frozen

@@ -25,9 +25,11 @@ VLLM_KINDS = (
     ChaosKind.SIGSTOP,
     ChaosKind.TWO_RANKS,
     ChaosKind.RANK0,
+    ChaosKind.ENGINE_CORE,
 )
 """What vLLM supports here: an injected step exception (``FTENGINE_VLLM_FAULT_FILE``),
-SIGKILL / SIGSTOP of one worker, two workers at once, rank 0's worker."""
+SIGKILL / SIGSTOP of one worker, two workers at once, rank 0's worker, SIGKILL of one
+engine-core process (not rank 0's: its server would stop, and with it the DP coordinator)."""
 
 NOT_COVERED = {
     "reload_error": "not injected: vLLM's scale-down reloads experts inside the engine core "

@@ -211,8 +211,12 @@ class VllmTarget:
             staged.replace(self._fault_file)  # whole, as the worker reads it
         else:
             sig = signal.SIGSTOP if fault.kind is ChaosKind.SIGSTOP else signal.SIGKILL
+            running = self._running()
             for rank in hit:
-                os.kill(self._running().workers[rank], sig)
+                if fault.kind is ChaosKind.ENGINE_CORE:  # its worker follows it (death pipe)
+                    os.kill(running.deployment.pids()[rank]["engine_core"], sig)
+                else:
+                    os.kill(running.workers[rank], sig)
                 self.bench.fleet.traffic[rank].pause(0.0)  # no new streams to a rank that is gone
         return Injected(fault, at, hit, detectors(fault.kind, live, hit, fault.when), -1)
 

@@ -19,6 +19,12 @@ round trip) and, once every engine this server feeds is ``dead``:
 
 Requests already held when the engine died are handed to a survivor by the engine core
 (``engine_core/handoff.py``), not refused here.
+
+When the engine core process itself exits (killed, crashed), vLLM's engine-core monitor
+marks its client errored, but the FT statuses the engine core pushed stay cached, ``healthy``
+included: the guard then answers ``GET /fault_tolerance/status`` itself, every engine
+``dead`` saying why, so an orchestrator never reads a stale ``healthy`` from a rank with no
+engine.
 """
 
 from __future__ import annotations
@@ -44,6 +50,11 @@ OPEN_PREFIXES = ("/fault_tolerance/",)
 READS = ("GET", "HEAD")
 
 
+STATUS_PATH = "/fault_tolerance/status"
+ENGINE_GONE = (
+    "the engine core process exited (vLLM's client is errored): this rank serves nothing "
+    "until its server is restarted"
+)
 REJOINING_PHASES = ("loading", "ready", "joining")
 """ftengine phases of a restarted rank not yet admitted (``engine_core/rejoin.py``)."""
 
@@ -82,13 +93,17 @@ class DeadRankGuard:
         self.app = app
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        reasons = await self._dead(scope) if scope.get("type") == "http" else None
+        status = await self._status(scope) if scope.get("type") == "http" else None
+        reasons = dead_reasons(status) if status is not None and all_dead(status) else None
         if reasons is None:
             await self.app(scope, receive, send)
             return
         path, method = str(scope.get("path", "")), str(scope.get("method", "GET"))
         if path in HEALTH_PATHS:
             await _answer(send, b"", [])
+        elif path == STATUS_PATH and method == "GET" and status is not None:
+            body = json.dumps(status).encode()  # vLLM's route would answer its stale cache
+            await _answer(send, body, [(b"content-type", b"application/json")], 200)
         elif method in READS or path.startswith(OPEN_PREFIXES):
             await self.app(scope, receive, send)
         else:
@@ -101,8 +116,9 @@ class DeadRankGuard:
                        (b"retry-after", str(RETRY_AFTER_S).encode())]  # fmt: skip
             await _answer(send, refused_body(why), headers)
 
-    async def _dead(self, scope: Scope) -> list[str] | None:
-        """None unless every engine this server feeds is DEAD; then their reasons."""
+    async def _status(self, scope: Scope) -> dict[str, Any] | None:
+        """vLLM's ``get_status()`` answer (None when it has none), every engine ``dead``
+        with the reason once vLLM's client is errored (:func:`engine_gone`)."""
         app = scope.get("app")
         client = getattr(getattr(app, "state", None), "engine_client", None)
         get_status = getattr(client, "get_status", None)
@@ -113,10 +129,28 @@ class DeadRankGuard:
         except Exception:  # a status that cannot be read is vLLM's to report, not ours
             logger.debug("[FT] could not read the engines' status", exc_info=True)
             return None
-        return dead_reasons(status) if all_dead(status) else None
+        if not isinstance(status, dict):
+            return None
+        return engine_gone(status) if getattr(client, "errored", False) is True else status
 
 
-async def _answer(send: Send, body: bytes, headers: list[tuple[bytes, bytes]]) -> None:
+def engine_gone(status: dict[str, Any]) -> dict[str, Any]:
+    """``status`` once vLLM's client is errored (its engine core process exited: vLLM's
+    engine-core monitor saw it; the statuses the engine core pushed stay in the client's
+    cache, ``healthy`` included): every engine ``dead``, phase ``dead``, saying why."""
+    engines = status.get("engines")
+    listed = engines if isinstance(engines, list) else []
+    dead = [
+        {**engine, "status": "dead", "phase": "dead", "fault_info": ENGINE_GONE}
+        for engine in listed
+        if isinstance(engine, dict)
+    ]
+    return {**status, "engines": dead}
+
+
+async def _answer(
+    send: Send, body: bytes, headers: list[tuple[bytes, bytes]], code: int = 503
+) -> None:
     headers = [*headers, (b"content-length", str(len(body)).encode())]
-    await send({"type": "http.response.start", "status": 503, "headers": headers})
+    await send({"type": "http.response.start", "status": code, "headers": headers})
     await send({"type": "http.response.body", "body": body})
