@@ -17,10 +17,11 @@ from ftengine.testbed.chaos.campaign import rebuild_after
 from ftengine.testbed.chaos.catalogue import ChaosKind, PlannedFault, When, plan
 from ftengine.testbed.chaos.history import History
 from ftengine.testbed.chaos.invariants import FaultResult, check_request
-from ftengine.testbed.chaos.recovery import Orchestrator
+from ftengine.testbed.chaos.recovery import Decision, Orchestrator
 from ftengine.testbed.chaos.traffic import StreamRecord
 from ftengine.testbed.chaos.vllm_plan import (
     VLLM_KINDS,
+    as_dead,
     coalesced,
     decide,
     detection_bound,
@@ -125,6 +126,22 @@ def test_decide_scale_down_past_the_dead_cumulatively() -> None:
     decision = decide(engines, (1,), 0.0, 5.0)
     assert decision.action == "command" and decision.instruction == "scale_down"
     assert decision.targets == (0,) and decision.params == {"removed_dp_ranks": [1, 2]}
+
+
+def test_a_rank_rejoining_is_down_for_the_decision_never_commanded() -> None:
+    """Rank 0 relaunching its worker in place (``loading``, then ``ready``, which reads
+    ``unhealthy``) while its survivors still have to scale it down, or after they died too."""
+    ready = engine(0, "unhealthy", phase="ready")
+    peers = {1: engine(1, "unhealthy"), 2: engine(2, "unhealthy")}
+    decision = decide({0: ready, **peers}, (0,), 0.0, 5.0)
+    assert (decision.action, decision.targets) == ("command", (1, 2))
+    assert decision.params == {"removed_dp_ranks": [0]}
+    loading = engine(0, "dead", phase="loading")
+    assert decide({0: loading, **peers}, (0,), 0.0, 5.0).params == {"removed_dp_ranks": [0]}
+    gone = {1: engine(1, "dead"), 2: engine(2, "dead")}
+    assert decide({0: ready, **gone}, (0, 1), 0.0, 5.0) == Decision("done", state="dead")
+    assert as_dead(ready)["status"] == "dead"  # the fault's victim: not a member yet
+    assert as_dead(engine(1, "healthy", phase="healthy"))["status"] == "healthy"
 
 
 def test_decide_waits_for_a_slow_peer_then_fences_it() -> None:

@@ -14,6 +14,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from ftengine.integrations.vllm.engine_core.rejoin import REJOINING_PHASES
 from ftengine.testbed.chaos.catalogue import ChaosKind, PlannedFault, When
 from ftengine.testbed.chaos.invariants import FaultResult, check_fault
 from ftengine.testbed.chaos.recovery import Decision
@@ -121,7 +122,13 @@ def decide(
     """The next step of an orchestrator that sees ``engines`` (rank -> status), where only
     ``may_die`` may end dead and some engine has been ``unhealthy`` for ``faulted_for_s``."""
     removed = removed_ranks(engines)
-    live = {r: str(e.get("status")) for r, e in engines.items() if r not in removed}
+    # A rank rejoining (rank 0 relaunching its worker in place, or a restarted one) is no
+    # member until admitted: down for the decision, never a rank to command.
+    live = {
+        r: "dead" if e.get("phase") in REJOINING_PHASES else str(e.get("status"))
+        for r, e in engines.items()
+        if r not in removed
+    }
     down = {r for r, s in live.items() if s in DOWN}
     sick = tuple(sorted(r for r, s in live.items() if s == "unhealthy"))
     well = tuple(sorted(r for r, s in live.items() if s == "healthy"))
@@ -138,8 +145,10 @@ def decide(
 
 
 def as_dead(engine: dict[str, Any]) -> dict[str, Any]:
-    """An engine whose server stopped answering is dead, with that as its reason."""
-    if engine.get("status") == "unreachable":
+    """An engine whose server stopped answering is dead, with that as its reason; so is one
+    rejoining (rank 0 relaunched in place, ``ready`` before the fault's outcome): no member
+    until the heal admits it."""
+    if engine.get("status") == "unreachable" or engine.get("phase") in REJOINING_PHASES:
         return {**engine, "status": "dead"}
     return engine
 

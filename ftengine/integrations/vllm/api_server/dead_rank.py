@@ -34,6 +34,8 @@ import logging
 from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 
+from ftengine.integrations.vllm.engine_core.rejoin import REJOINING_PHASES
+
 logger = logging.getLogger(__name__)
 
 Scope = MutableMapping[str, Any]
@@ -55,8 +57,6 @@ ENGINE_GONE = (
     "the engine core process exited (vLLM's client is errored): this rank serves nothing "
     "until its server is restarted"
 )
-REJOINING_PHASES = ("loading", "ready", "joining")
-"""ftengine phases of a restarted rank not yet admitted (``engine_core/rejoin.py``)."""
 
 
 def all_dead(status: object) -> bool:
