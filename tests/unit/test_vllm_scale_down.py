@@ -228,6 +228,68 @@ def test_a_fault_during_scale_down_leaves_the_engine_dead_with_the_reason(
     assert core.status_type == EngineStatusType.DEAD
 
 
+def test_a_survivor_lost_while_the_group_forms_leaves_the_command_to_send_again(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Issue 30: a recovery step that fails once is no terminal DEAD. The new group did
+    not form (a survivor died meanwhile): UNHEALTHY, the workers not told, and the command
+    naming that rank too then completes."""
+    core, engine, worker = scale_down_core(monkeypatch)
+    attempts: list[list[int]] = []
+
+    def rendezvous(sentinel: Any, alive: list[int]) -> dict[str, Any]:
+        attempts.append(alive)
+        if len(attempts) == 1:
+            raise RuntimeError("Connection closed by peer")  # rank 2 died as it formed
+        return {DP_PORTS_KEY: [29500]}
+
+    monkeypatch.setattr(sd, "reinit_dp_group", rendezvous)
+    core.on_fault(RuntimeError("peer died"))
+    command(core, {"removed_dp_ranks": [3]})
+    result = answer(engine)
+    assert result["success"] is False and "send scale_down again" in result["reason"]
+    assert "Connection closed by peer" in result["reason"]
+    assert core.status_type == EngineStatusType.UNHEALTHY
+    assert "may be sent again" in str(core.fault_info)
+    assert worker.worker_sentinel.ft.commands.status()["removed_ranks"] == []  # not told
+    command(core, {"removed_dp_ranks": [2, 3]})
+    assert answer(engine)["success"] is True and attempts == [[0, 1, 2], [0, 1]]
+    assert core.status_type == EngineStatusType.HEALTHY
+
+
+def test_a_group_that_does_not_form_leaves_a_stand_in_the_next_attempt_destroys(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """vLLM destroys the old group before making the new one; when the new one fails, what
+    is left must take the next attempt's destroy (vLLM's unregisters the name: twice fails)."""
+    from ftengine.integrations.vllm.engine_core.dp_group import ClosedDpGroup
+
+    utils = pytest.importorskip(sd.DISTRIBUTED_MODULE)  # the names reinit_dp_group calls
+    destroyed: list[Any] = []
+    monkeypatch.setattr(utils, "stateless_destroy_torch_distributed_process_group",
+                        destroyed.append)  # fmt: skip
+
+    def no_group(*args: Any, **kwargs: Any) -> Any:
+        raise RuntimeError("Connection closed by peer")
+
+    monkeypatch.setattr(utils, "stateless_init_torch_distributed_process_group", no_group)
+    monkeypatch.setattr(sd, "await_store", lambda *a: None)
+    old_group = object()
+    parallel = attrs.make_class("P", ["data_parallel_rank", "world_size",
+                                      "data_parallel_master_ip", "cpu_distributed_timeout"])
+    config = attrs.make_class("C", ["parallel_config"])(parallel(1, 1, "127.0.0.1", None))
+    store = dist.HashStore()
+    engine = attrs.make_class("E", ["vllm_config", "dp_group", "dp_store"])(
+        config, old_group, store
+    )  # fmt: skip
+    store.set("ft_worker_dp_ports_0", "[29500]")
+    store.set("ft_engine_dp_port_0", "29501")
+    sentinel = attrs.make_class("S", ["engine", "_dp_reinit_epoch"])(engine, 0)
+    with pytest.raises(RuntimeError, match="Connection closed"):
+        sd.reinit_dp_group(sentinel, [0, 1])
+    assert destroyed == [old_group] and isinstance(engine.dp_group, ClosedDpGroup)
+
+
 class Rehoster:
     def __init__(self) -> None:
         self.calls: list[frozenset[int]] = []

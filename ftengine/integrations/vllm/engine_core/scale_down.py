@@ -11,8 +11,10 @@
   its epoch-numbered keys, published by the lowest survivor), then the command relayed to
   the workers with the ports (their FSM masks, rebuilds, re-hosts experts, runs a dummy
   batch), then HEALTHY. A refused command answers ``FaultToleranceResult(success=False,
-  reason)`` (vLLM's client puts it in ``ft_error``); a failure while scaling down leaves the
-  engine DEAD with the reason there too.
+  reason)`` (vLLM's client puts it in ``ft_error``); a survivor lost while the new DP group
+  forms leaves the engine UNHEALTHY (its workers untouched, its requests still held) for a
+  ``scale_down`` naming that rank too; a failure after that (the workers' rebuild) leaves
+  the engine DEAD with the reason there too.
 
 DP rank 0 in external-LB mode: its engine core leads the DP wave (``DPEngineCoreProc`` sends
 "wave complete" / "wave started" to the DP coordinator only where ``dp_rank == 0``), its
@@ -36,6 +38,7 @@ from typing import Any
 
 from ftengine.commands import REMOVED_KEY, parse_command, scale_down_problems
 from ftengine.errors import CommandRejected
+from ftengine.integrations.vllm.engine_core.dp_group import ClosedDpGroup
 from ftengine.integrations.vllm.messages import DP_PORTS_KEY, import_vllm
 from ftengine.integrations.vllm.rendezvous import await_store
 
@@ -54,6 +57,11 @@ DISTRIBUTED_MODULE = "vllm.distributed"
 NETWORK_MODULE = "vllm.utils.network_utils"
 WAVE_LEAD_ATTR = "dp_rank"
 """``DPEngineCoreProc.dp_rank``: read only to pick the DP rank that leads the wave (0)."""
+
+
+class RendezvousFailed(RuntimeError):
+    """The survivors' new DP group did not form (a member lost meanwhile); the workers were
+    not told, so the engine may run the command again."""
 
 
 def problems(sentinel: Any, params: dict[str, Any]) -> tuple[frozenset[int], list[str]]:
@@ -87,6 +95,17 @@ def scale_down(sentinel: Any, ft_request: Any) -> Any:
         )
     try:
         run(sentinel, ft_request, removed)
+    except RendezvousFailed as exc:
+        # Nothing of this engine but its DP group changed (the workers were not told): it
+        # stays UNHEALTHY, its held requests held, for a scale_down that names the rank
+        # lost meanwhile (vLLM's client puts the reason in ft_error).
+        reason = f"[FT] engine {rank}'s scale_down did not complete: {exc}"
+        logger.warning("%s", reason)
+        sentinel.fault_info = f"scale_down failed, may be sent again: {exc}"
+        sentinel._push_status()
+        return utils.FaultToleranceResult(
+            request_id=ft_request.request_id, success=False, reason=reason
+        )
     except Exception as exc:
         # A fault while scaling down is terminal (vLLM's client records the reason in
         # ft_error from the failed result that handle_command builds from this exception);
@@ -106,7 +125,13 @@ def run(sentinel: Any, ft_request: Any, removed: frozenset[int]) -> None:
     engine = sentinel.engine
     world = int(engine.vllm_config.parallel_config.data_parallel_size)
     alive = [r for r in range(world) if r not in removed]
-    ft_request.params.update(reinit_dp_group(sentinel, alive))
+    try:
+        ft_request.params.update(reinit_dp_group(sentinel, alive))
+    except Exception as exc:  # a survivor lost (or cut off) while the group forms
+        raise RendezvousFailed(
+            f"the survivors {alive} did not all meet in the new DP group ({type(exc).__name__}:"
+            f" {exc}); send scale_down again naming every rank lost since"
+        ) from exc
     ft_request.params[REMOVED_KEY] = sorted(removed)
     if hasattr(engine, WAVE_LEAD_ATTR):  # the lowest survivor leads the DP wave now
         setattr(engine, WAVE_LEAD_ATTR, alive.index(int(sentinel.engine_index)))
@@ -154,6 +179,8 @@ def reinit_dp_group(
     dist = import_vllm(DISTRIBUTED_MODULE)
     if engine.dp_group is not None:
         dist.stateless_destroy_torch_distributed_process_group(engine.dp_group)
+        engine.dp_group = ClosedDpGroup(rank)  # destroyed: a rendezvous that fails leaves
+        # the stand-in, which the next attempt's destroy accepts
     if dense != 0:  # no connect back-off: rank 0 makes the store after publishing the port
         await_store(parallel.data_parallel_master_ip, engine_port, parallel.cpu_distributed_timeout)
     engine.dp_group, engine.dp_store = dist.stateless_init_torch_distributed_process_group(
