@@ -275,8 +275,10 @@ def test_a_group_that_does_not_form_leaves_a_stand_in_the_next_attempt_destroys(
     monkeypatch.setattr(utils, "stateless_init_torch_distributed_process_group", no_group)
     monkeypatch.setattr(sd, "await_store", lambda *a: None)
     old_group = object()
-    parallel = attrs.make_class("P", ["data_parallel_rank", "world_size",
-                                      "data_parallel_master_ip", "cpu_distributed_timeout"])
+    parallel = attrs.make_class(
+        "P",
+        ["data_parallel_rank", "world_size", "data_parallel_master_ip", "cpu_distributed_timeout"],
+    )
     config = attrs.make_class("C", ["parallel_config"])(parallel(1, 1, "127.0.0.1", None))
     store = dist.HashStore()
     engine = attrs.make_class("E", ["vllm_config", "dp_group", "dp_store"])(
