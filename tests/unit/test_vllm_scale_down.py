@@ -5,7 +5,9 @@ relaying ``scale_down`` to its workers (accepted, refused, failed -> DEAD)."""
 
 from __future__ import annotations
 
+from datetime import timedelta
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import attrs
@@ -269,7 +271,10 @@ def test_a_group_that_does_not_form_leaves_a_stand_in_the_next_attempt_destroys(
     monkeypatch.setattr(utils, "stateless_destroy_torch_distributed_process_group",
                         destroyed.append)  # fmt: skip
 
+    waits: list[Any] = []
+
     def no_group(*args: Any, **kwargs: Any) -> Any:
+        waits.append(kwargs["timeout"])
         raise RuntimeError("Connection closed by peer")
 
     monkeypatch.setattr(utils, "stateless_init_torch_distributed_process_group", no_group)
@@ -290,6 +295,23 @@ def test_a_group_that_does_not_form_leaves_a_stand_in_the_next_attempt_destroys(
     with pytest.raises(RuntimeError, match="Connection closed"):
         sd.reinit_dp_group(sentinel, [0, 1])
     assert destroyed == [old_group] and isinstance(engine.dp_group, ClosedDpGroup)
+    assert waits == [timedelta(seconds=sd.RENDEZVOUS_MIN_S)]  # bounded: vLLM's is 30 min
+
+
+def test_a_rebuild_waits_the_op_timeout_for_its_members_at_least_the_floor() -> None:
+    def sentinel(op_s: float | None, flag: timedelta | None) -> Any:
+        parallel = SimpleNamespace(cpu_distributed_timeout=flag)
+        engine = SimpleNamespace(vllm_config=SimpleNamespace(parallel_config=parallel))
+        found = SimpleNamespace(engine=engine)
+        if op_s is not None:
+            setattr(found, sd.AGENT_ATTR, SimpleNamespace(
+                settings=SimpleNamespace(cpu_distributed_timeout_s=op_s)))  # fmt: skip
+        return found
+
+    assert sd.rendezvous_timeout(sentinel(45.0, None)) == timedelta(seconds=45)
+    assert sd.rendezvous_timeout(sentinel(5.0, None)) == timedelta(seconds=sd.RENDEZVOUS_MIN_S)
+    assert sd.rendezvous_timeout(sentinel(None, timedelta(seconds=60))) == timedelta(seconds=60)
+    assert sd.rendezvous_timeout(sentinel(None, None)) == timedelta(seconds=sd.RENDEZVOUS_MIN_S)
 
 
 class Rehoster:

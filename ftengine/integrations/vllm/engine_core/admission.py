@@ -43,6 +43,7 @@ import torch
 from ftengine.commands import ADDED_KEY, EPOCH_KEY, REMOVED_KEY, parse_command
 from ftengine.context import AdmissionContext
 from ftengine.errors import CommandRejected, FTEngineError
+from ftengine.integrations.vllm.engine_core.scale_down import AGENT_ATTR as AGENT_ATTR
 from ftengine.integrations.vllm.engine_core.scale_down import (
     EPOCH_ATTR,
     REMOVED_ATTR,
@@ -62,8 +63,6 @@ ADMIT_MARK = "ftengine-admission"
 DP_STORE_KEY = "dp_store"
 """``scale_up`` param of the returning rank: the survivors' DP store, ``host:port``."""
 ADMISSION_ATTR = "_ftengine_admission"
-AGENT_ATTR = "_ftengine_agent"
-"""On ``EngineCoreSentinel``: ftengine's ``EngineCoreAgent`` (``patches/engine_core.py``)."""
 UTILS_MODULE = "vllm.v1.fault_tolerance.utils"
 ENGINE_MODULE = "vllm.v1.engine"
 SERIAL_MODULE = "vllm.v1.serial_utils"

@@ -34,6 +34,7 @@ from __future__ import annotations
 import json
 import logging
 import time
+from datetime import timedelta
 from typing import Any
 
 from ftengine.commands import REMOVED_KEY, parse_command, scale_down_problems
@@ -48,6 +49,8 @@ INSTRUCTION = "scale_down"
 REMOVED_ATTR = "_ftengine_removed_dp_ranks"
 """On ``EngineCoreSentinel``: the original DP ranks removed so far (cumulative)."""
 EPOCH_ATTR = "_dp_reinit_epoch"
+AGENT_ATTR = "_ftengine_agent"
+"""On ``EngineCoreSentinel``: ftengine's ``EngineCoreAgent`` (``patches/engine_core.py``)."""
 STORE_ATTR = "_ftengine_dp_store"
 """On ``EngineCoreSentinel``: ``(host, port)`` of the DP store of ftengine's last rebuilt
 group (a returning rank joins through it: ``engine_core/admission.py``)."""
@@ -55,6 +58,8 @@ UTILS_MODULE = "vllm.v1.fault_tolerance.utils"
 ENGINE_MODULE = "vllm.v1.engine"
 DISTRIBUTED_MODULE = "vllm.distributed"
 NETWORK_MODULE = "vllm.utils.network_utils"
+RENDEZVOUS_MIN_S = 30.0
+"""The shortest wait of a DP group's rebuild for its members (:func:`rendezvous_timeout`)."""
 WAVE_LEAD_ATTR = "dp_rank"
 """``DPEngineCoreProc.dp_rank``: read only to pick the DP rank that leads the wave (0)."""
 
@@ -167,6 +172,7 @@ def reinit_dp_group(
     setattr(sentinel, EPOCH_ATTR, epoch + 1)
     rank = int(parallel.data_parallel_rank)
     dense = alive.index(rank)
+    timeout = rendezvous_timeout(sentinel)
     if rank == (alive[0] if publisher is None else publisher):
         free_port = import_vllm(NETWORK_MODULE).get_open_port
         worker_ports = [free_port() for _ in range(parallel.world_size)]
@@ -174,6 +180,7 @@ def reinit_dp_group(
         store.set(worker_key, json.dumps(worker_ports).encode())
         store.set(engine_key, str(engine_port).encode())
     else:
+        store.set_timeout(timeout)  # vLLM's DP store waits 30 min for a key by default
         worker_ports = json.loads(store.get(worker_key).decode())
         engine_port = int(store.get(engine_key).decode())
     dist = import_vllm(DISTRIBUTED_MODULE)
@@ -182,7 +189,7 @@ def reinit_dp_group(
         engine.dp_group = ClosedDpGroup(rank)  # destroyed: a rendezvous that fails leaves
         # the stand-in, which the next attempt's destroy accepts
     if dense != 0:  # no connect back-off: rank 0 makes the store after publishing the port
-        await_store(parallel.data_parallel_master_ip, engine_port, parallel.cpu_distributed_timeout)
+        await_store(parallel.data_parallel_master_ip, engine_port, timeout)
     engine.dp_group, engine.dp_store = dist.stateless_init_torch_distributed_process_group(
         parallel.data_parallel_master_ip,
         engine_port,
@@ -190,10 +197,26 @@ def reinit_dp_group(
         len(alive),
         backend="gloo",
         return_store=True,
-        timeout=parallel.cpu_distributed_timeout,
+        timeout=timeout,
     )
     setattr(sentinel, STORE_ATTR, (str(parallel.data_parallel_master_ip), engine_port))
     return {DP_PORTS_KEY: worker_ports}
+
+
+def rendezvous_timeout(sentinel: Any) -> timedelta:
+    """How long a rebuild of the DP group waits for a member: the per-op timeout (ftengine's
+    ``cpu_distributed_timeout_sec``, else vLLM's ``--cpu-distributed-timeout-seconds``), at
+    least :data:`RENDEZVOUS_MIN_S` (a survivor's command may wait for its own ``on_fault``
+    first). Unbounded (vLLM's default is 30 minutes), a member lost while the group forms
+    held the command, and vLLM's input thread with it, until the recovery deadline: the
+    survivor died with the requests it held (the vLLM chaos campaign, a SIGKILL landing in
+    a scale-down)."""
+    settings = getattr(getattr(sentinel, AGENT_ATTR, None), "settings", None)
+    seconds = getattr(settings, "cpu_distributed_timeout_s", None)
+    if not seconds:
+        flag = sentinel.engine.vllm_config.parallel_config.cpu_distributed_timeout
+        seconds = flag.total_seconds() if isinstance(flag, timedelta) else 0.0
+    return timedelta(seconds=max(float(seconds), RENDEZVOUS_MIN_S))
 
 
 def reinit_for_retry(sentinel: Any) -> dict[str, Any]:
