@@ -221,6 +221,31 @@ def test_the_same_command_again_replaces_a_pending_admission_another_is_refused(
     assert engine.rebuilt == [([0, 1, 2, 3], 0)]  # admitted once
 
 
+def test_a_returning_rank_told_to_join_with_others_takes_over_its_announcers_join() -> None:
+    """The campaign's race: the returning rank's announcer saw its admission key and started
+    its own join when the orchestrator's ``scale_up`` naming it and another rank arrived;
+    refused ("already admitting"), the orchestrator re-sent against survivors that had
+    admitted both meanwhile. The command now replaces the join not started (or answers with
+    the one under way)."""
+    parallel = SimpleNamespace(data_parallel_rank=2, data_parallel_size=3)
+    setattr(parallel, REJOIN_KEY, 1)
+    engine = SimpleNamespace(
+        vllm_config=SimpleNamespace(parallel_config=parallel),
+        input_queue=queue.Queue(), output_queue=queue.Queue(),
+    )  # fmt: skip
+    sentinel = SimpleNamespace(engine=engine, engine_index=2, status_type=EngineStatusType.HEALTHY)
+    own = adm.Admission(frozenset({2}), adm.policy_request_id(), ("127.0.0.1", 1))
+    setattr(sentinel, adm.ADMISSION_ATTR, own)
+    params = {"added_dp_ranks": [1, 2], "dp_store": "127.0.0.1:2"}
+    adm.handle_scale_up(sentinel, 0, 7, {"instruction": "scale_up", "params": params,
+                                         "request_id": "u9"})  # fmt: skip
+    with pytest.raises(adm.NotAdmitted, match="replaced by scale_up request u9"):
+        own.done.result(timeout=5)
+    taken = getattr(sentinel, adm.ADMISSION_ATTR)
+    assert (taken.added, taken.store, taken.request_id) == ({1, 2}, ("127.0.0.1", 2), "u9")
+    assert engine.input_queue.get_nowait()[0] == adm.ADMIT_MARK  # the busy loop joins
+
+
 def test_a_fault_before_the_admission_ends_it_saying_to_send_it_again(
     monkeypatch: pytest.MonkeyPatch, solo_group: Any
 ) -> None:

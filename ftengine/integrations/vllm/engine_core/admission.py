@@ -193,7 +193,9 @@ def problems(sentinel: Any, params: dict[str, Any]) -> tuple[Admission | None, l
         if getattr(sentinel, STORE_ATTR, None) is None:
             found.append(f"engine {rank} has no DP store of its own to admit ranks on")
     pending = getattr(sentinel, ADMISSION_ATTR, None)
-    if pending is not None and pending.added != added:
+    # A returning rank's own join under way (its announcer's, or an earlier command's) is
+    # the same admission whatever other ranks a command names: replaced, or answered with.
+    if pending is not None and pending.added != added and not rejoining(parallel):
         found.append(f"engine {rank} is already admitting ranks {sorted(pending.added)}; wait "
                      "for that command")  # fmt: skip
     if found:
