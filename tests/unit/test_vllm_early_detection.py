@@ -20,7 +20,7 @@ import pytest
 from ftengine.integrations.vllm.engine_core import worker_exit
 from ftengine.integrations.vllm.engine_core.dp_board import KEY
 from ftengine.integrations.vllm.engine_core.worker_exit import worker_dying
-from tests.unit.test_vllm_engine_agent import Sentinel, agent_for, markers
+from tests.unit.test_vllm_engine_agent import Sentinel, Status, agent_for, markers
 
 
 class PushingSentinel(Sentinel):
@@ -129,6 +129,21 @@ def test_an_engine_whose_worker_is_dying_publishes_dead_at_once(zombie: int) -> 
     agent._watch_peers()
     assert markers(sentinel) == []  # this engine goes DEAD by vLLM's monitor, not UNHEALTHY
     command_waits_for_on_fault(agent)  # a retry to this engine: vLLM's own DEAD first
+
+
+def test_an_unhealthy_engine_whose_worker_dies_reports_dead(zombie: int) -> None:
+    """The vLLM campaign: a worker SIGKILLed during a retry left its engine ``unhealthy``
+    (vLLM marks DEAD only at the busy loop's next fault, and a recovering engine is parked),
+    so the orchestrator retried it forever instead of scaling it down."""
+    sentinel = PushingSentinel(rank=1)
+    agent = agent_for(sentinel)
+    sentinel.agent = agent
+    sentinel.status_type = Status.UNHEALTHY
+    assert "status" not in agent.status_fields()  # recovering, its worker alive: vLLM's
+    sentinel.engine.model_executor = executor(zombie)
+    agent._watch_peers()
+    (pushed,) = sentinel.pushed
+    assert pushed["status"] == "dead" and "worker process died" in str(pushed["fault_info"])
 
 
 def test_a_survivor_reports_unhealthy_before_vllms_on_fault_runs() -> None:

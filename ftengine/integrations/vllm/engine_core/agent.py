@@ -301,13 +301,21 @@ class EngineCoreAgent:
     def status_fields(self) -> dict[str, object]:
         """ftengine's fields for the status vLLM pushes (the worker's last written FSM state)."""
         fields = worker_fields(self.status_file.read())
-        if getattr(self.engine.model_executor, "is_failed", False):
+        failed = bool(getattr(self.engine.model_executor, "is_failed", False))
+        if failed:
             fields["phase"] = Phase.DEAD.value  # the worker and its FSM are gone
-        anticipated = self.anticipated
-        if anticipated is not None and self._own_status() == "healthy":
+        anticipated, own = self.anticipated, self._own_status()
+        if anticipated is not None and own == "healthy":
             fields["status"] = anticipated
             if anticipated == "unhealthy":
                 fields["fault_info"] = PeerDead.__name__
+        elif own == "unhealthy" and (failed or self._dying):
+            # vLLM says DEAD only from its busy loop's next fault, which a recovering engine
+            # (parked, or running a command) never reaches: no retry can include it now
+            fields["status"] = "dead"
+            fields["fault_info"] = (
+                f"engine {self.rank}'s worker process died while the engine was recovering"
+            )
         store = getattr(self.sentinel, STORE_ATTR, None)
         if store is not None:  # where a restarted rank joins (engine_core/admission.py)
             fields["dp_store"] = f"{store[0]}:{store[1]}"
