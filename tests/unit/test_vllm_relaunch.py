@@ -9,6 +9,7 @@ leaves it parked DEAD, saying why. The real thing in real vLLM:
 from __future__ import annotations
 
 import inspect
+import queue
 import threading
 from types import SimpleNamespace
 from typing import Any, ClassVar
@@ -177,3 +178,17 @@ def test_only_a_dead_worker_is_relaunched() -> None:
     no_agent, _ = parked_rank0()
     setattr(no_agent, adm.AGENT_ATTR, None)
     assert rl.start_relaunch(no_agent) is None
+
+
+def test_retry_and_scale_down_to_a_rank_that_rejoins_are_refused_saying_so() -> None:
+    """vLLM would judge them on DEAD (loading) or HEALTHY (ready), which say neither."""
+    sentinel, _ = parked_rank0()
+    sentinel.engine.output_queue = queue.Queue()
+    body = {"instruction": "retry", "params": {}, "request_id": "r1"}
+    assert not adm.refuse_while_rejoining(sentinel, 0, 5, body)  # parked DEAD: vLLM's words
+    setattr(sentinel, state.RELAUNCH_ATTR, state.Relaunch(state.LOADING, "relaunching"))
+    assert adm.refuse_while_rejoining(sentinel, 0, 5, body)
+    client, outputs = sentinel.engine.output_queue.get_nowait()
+    result = outputs.utility_output.result.result
+    assert (client, result["request_id"], result["success"]) == (0, "r1", False)
+    assert "Rejecting retry on engine 0: it is rejoining (phase loading)" in result["reason"]

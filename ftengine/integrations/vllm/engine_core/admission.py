@@ -230,6 +230,31 @@ def handle_scale_up(sentinel: Any, client_idx: int, call_id: int, ft_args: dict[
     _answer_when_done(sentinel, admission, client_idx, call_id, ft_request.request_id)
 
 
+def refuse_while_rejoining(
+    sentinel: Any, client_idx: int, call_id: int, ft_args: dict[str, Any]
+) -> bool:
+    """vLLM's input thread, a command other than ``scale_up``: refused, saying why, while
+    this engine rejoins (DP rank 0 relaunching its worker in place, or ready and waiting to
+    be admitted: vLLM would judge it on a status of DEAD or HEALTHY that says neither);
+    False (vLLM decides) otherwise."""
+    parallel = sentinel.engine.vllm_config.parallel_config
+    from ftengine.integrations.vllm.engine_core.relaunch_state import relaunch_status
+
+    relaunching = relaunch_status(sentinel.engine)
+    if not relaunching and not rejoining(parallel):
+        return False
+    phase = relaunching.get("phase", "ready")
+    instruction = str(ft_args.get("instruction"))
+    reason = (
+        f"[FT] Rejecting {instruction} on engine {sentinel.engine_index}: it is rejoining "
+        f"(phase {phase}); it takes no {instruction} before scale_up admits it"
+    )
+    logger.warning(reason)
+    request_id = str(ft_args.get("request_id") or "")
+    _answer(sentinel, client_idx, call_id, request_id, False, reason)
+    return True
+
+
 def _answer_when_done(
     sentinel: Any, admission: Admission, client_idx: int, call_id: int, request_id: str
 ) -> None:

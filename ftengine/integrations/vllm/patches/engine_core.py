@@ -160,6 +160,10 @@ def _after_fault(handle: Callable[..., None]) -> Callable[..., None]:
 
             handle_scale_up(self, client_idx, call_id, ft_args)  # a HEALTHY engine's command
             return
+        from ftengine.integrations.vllm.engine_core.admission import refuse_while_rejoining
+
+        if isinstance(ft_args, dict) and refuse_while_rejoining(self, client_idx, call_id, ft_args):
+            return  # a rank relaunching or waiting to be admitted: neither DEAD nor HEALTHY
         handle(self, client_idx, call_id, ft_args)
 
     setattr(handle_when_faulted, PATCHED_MARK, handle)
