@@ -52,7 +52,7 @@ from ftengine.integrations.vllm.engine_core.scale_down import (
     WAVE_LEAD_ATTR,
 )
 from ftengine.integrations.vllm.messages import import_vllm
-from ftengine.integrations.vllm.patches.mechanism import Patch, VllmSeamMoved
+from ftengine.integrations.vllm.patches.mechanism import Patch, VllmSeamMoved, unchanged
 from ftengine.integrations.vllm.rejoin_flag import REJOIN_KEY
 
 logger = logging.getLogger(__name__)
@@ -62,19 +62,15 @@ ENGINE_MODULE = "vllm.v1.engine"
 SCHEDULER_MODULE = "vllm.v1.core.sched.scheduler"
 
 
-def _unchanged(original: Callable[..., Any]) -> Callable[..., Any]:
-    return original
-
-
 SEAMS = (
     Patch("vllm.v1.engine.core", "EngineCore", "_initialize_kv_caches", ("vllm_config",),
-          _unchanged),
+          unchanged),
     Patch("vllm.v1.executor.multiproc_executor", "MultiprocExecutor", "__init__",
-          ("vllm_config", "monitor_workers"), _unchanged),
+          ("vllm_config", "monitor_workers"), unchanged),
     Patch("vllm.v1.executor.abstract", "Executor", "register_failure_callback", ("callback",),
-          _unchanged),
+          unchanged),
     Patch(SCHEDULER_MODULE, "Scheduler", "reset_prefix_cache",
-          ("reset_running_requests", "reset_connector"), _unchanged),
+          ("reset_running_requests", "reset_connector"), unchanged),
 )  # fmt: skip
 """vLLM names a relaunch calls but never replaces (checked before it starts, and by a test)."""
 REQUEST_TYPES = ("ADD", "EXECUTOR_FAILED")

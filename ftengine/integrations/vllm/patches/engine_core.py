@@ -34,6 +34,7 @@ from ftengine.integrations.vllm.patches.mechanism import (
     VllmSeamMoved,
     marked,
     replacing,
+    unchanged,
 )
 
 CORE_MODULE = "vllm.v1.engine.core"
@@ -255,10 +256,6 @@ def _engine_scale_down(self: Any, ft_request: Any) -> Any:
     return scale_down(self, ft_request)
 
 
-def _checked_only(original: Callable[..., Any]) -> Callable[..., Any]:
-    return original  # a NewMethod's dispatch is checked, never replaced
-
-
 SCALE_DOWN_METHOD = NewMethod(
     CORE_SENTINEL_MODULE,
     "EngineCoreSentinel",
@@ -266,23 +263,19 @@ SCALE_DOWN_METHOD = NewMethod(
     _engine_scale_down,
     Patch(
         CORE_SENTINEL_MODULE, "EngineCoreSentinel", "handle_command",
-        ("client_idx", "call_id", "ft_args"), _checked_only,
+        ("client_idx", "call_id", "ft_args"), unchanged,
     ),
 )  # fmt: skip
-
-
-def _unchanged(original: Callable[..., Any]) -> Callable[..., Any]:
-    return original
 
 
 REINFERENCE_SEAMS = (
     Patch(
         SCHEDULER_MODULE, "Scheduler", "reset_prefix_cache",
-        ("reset_running_requests", "reset_connector"), _unchanged,
+        ("reset_running_requests", "reset_connector"), unchanged,
     ),
     Patch(
         SCHEDULER_MODULE, "Scheduler", "finish_requests", ("request_ids", "finished_status"),
-        _unchanged,
+        unchanged,
     ),
 )  # fmt: skip
 """vLLM names re-inference calls but never replaces (``integrations.vllm.engine_core.reinference``):

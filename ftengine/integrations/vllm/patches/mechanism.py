@@ -59,6 +59,12 @@ class Patch:
         return owner, original
 
 
+def unchanged(original: Callable[..., Any]) -> Callable[..., Any]:
+    """A :class:`Patch`'s ``make`` for a name ftengine calls but never replaces: the patch
+    only checks it (``Patch.target``)."""
+    return original
+
+
 def replacing(function: Callable[..., Any]) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
     """A :class:`Patch`'s ``make`` that puts ``function`` in the original's place."""
 
