@@ -14,6 +14,7 @@ from ftengine.testbed.bench.rejoin import (
     RejoinBenchError,
     RejoinSetup,
     Stream,
+    longest_gap,
     pause_caused,
     run_target,
     summarize_ratio,
@@ -32,6 +33,11 @@ def test_the_pause_is_the_longest_gap_overlapping_the_admission() -> None:
     assert longest == pytest.approx(0.7)  # 0.2 -> 0.9 straddles the window
     assert typical == pytest.approx(0.1)
     assert pause_caused([stream(0.0, 0.1)], start=5.0, end=6.0)[0] == 0.0
+
+
+def test_the_floor_is_the_longest_gap_of_any_fault_free_stream() -> None:
+    assert longest_gap([stream(0.0, 0.1, 0.6), stream(1.0, 1.2)]) == pytest.approx(0.5)
+    assert longest_gap([stream(0.0)]) == 0.0  # one chunk: no gap
 
 
 def test_the_ratio_is_of_medians_with_each_sides_spread() -> None:

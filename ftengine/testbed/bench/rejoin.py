@@ -20,6 +20,7 @@ from ftengine.testbed.bench.rejoin_measure import (
     RejoinBenchError,
     RejoinSetup,
     Stream,
+    longest_gap,
     pause_caused,
     summarize_ratio,
 )
@@ -30,6 +31,7 @@ __all__ = [
     "RejoinBenchError",
     "RejoinSetup",
     "Stream",
+    "longest_gap",
     "pause_caused",
     "run_target",
     "run_vllm",

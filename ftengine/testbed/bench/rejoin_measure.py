@@ -59,6 +59,14 @@ def pause_caused(streams: Sequence[Stream], start: float, end: float) -> tuple[f
     return max(inside), statistics.median(outside) if outside else 0.0
 
 
+def longest_gap(streams: Sequence[Stream]) -> float:
+    """The longest gap between two consecutive chunks of any of ``streams`` (0 without
+    one): read on fault-free streams of the full deployment, the machine's own stalls, the
+    floor ``rejoin_pause_s`` is read against beside the median."""
+    gaps = [b - a for s in streams for a, b in itertools.pairwise(s.chunk_times)]
+    return max(gaps, default=0.0)
+
+
 def summarize_ratio(before: Sequence[float], after: Sequence[float]) -> dict[str, Any]:
     """``after / before`` of the medians, with every trial and the spread of each side
     (max / min - 1) as the noise the ratio is read against."""

@@ -35,6 +35,7 @@ from ftengine.testbed.bench.rejoin_measure import (
     RejoinSetup,
     Stream,
     header,
+    longest_gap,
     pause_caused,
     summarize_ratio,
 )
@@ -180,6 +181,8 @@ def _measure(deployment: VllmDeployment, setup: RejoinSetup) -> dict[str, Any]:
     clean = _done(_streams(deployment, survivors, setup, model))
     reference = {s.request.prompt: s.tokens for s in clean}
     before = [_throughput(deployment, setup, model) for _ in range(setup.trials)]
+    # The same streams again, warm, no fault: the machine's own longest stall (the floor).
+    quiet = [_record(s) for s in _done(_streams(deployment, survivors, setup, model))]
     killed = time.monotonic()
     os.kill(deployment.pids()[victim]["worker"], signal.SIGKILL)
     if setup.policy != "auto":
@@ -211,13 +214,14 @@ def _measure(deployment: VllmDeployment, setup: RejoinSetup) -> dict[str, Any]:
     logs = {r: deployment.ranks[r].log_path for r in everyone}
     return {
         **header("vllm", setup, victim, in_flight, pause),
+        "fault_free_longest_chunk_gap_s": round(longest_gap(quiet), 4),
         "rejoin_total_s": round(finished - restarted, 4),
         "restart_to_ready_s": round(ready - restarted, 4),
         "admission_s": round(finished - admission_start, 4),
         **summarize_ratio(before, after),
         "requests_lost": len(lost),
         "lost_details": [r.detail for r in lost],
-        "outputs_match": all(r.tokens == tuple(reference[r.prompt]) for r in records),
+        "outputs_match": all(r.tokens == tuple(reference[r.prompt]) for r in [*records, *quiet]),
         "survivor_reloads": sum(_reloads(logs[r]) for r in survivors),
         "returning_rank_reloads_at_admission": _reloads(logs[victim]),
         "all_healthy": True,
