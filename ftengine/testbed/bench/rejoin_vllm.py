@@ -75,6 +75,7 @@ def _deployed(setup: RejoinSetup, options: Mapping[str, Any]) -> Iterator[VllmDe
             recovery_timeout_s=WAIT_S,
             startup_timeout_s=600.0,
             extra_args=("--cpu-distributed-timeout-seconds", str(OP_TIMEOUT_S)),
+            cpu_nap=options.get("cpu_wait") == "nap",
         )
         with VllmDeployment.start(config) as deployment:
             yield deployment
@@ -155,7 +156,8 @@ def _reloads(log: Path) -> int:
 
 def run_vllm(setup: RejoinSetup, options: Mapping[str, Any]) -> dict[str, Any]:
     """Run the measurement on a fresh vLLM deployment (module doc); ``options``:
-    ``checkpoint`` (None: a tiny generated Qwen3-MoE), ``log_dir`` (None: a temporary one)."""
+    ``checkpoint`` (None: a tiny generated Qwen3-MoE), ``log_dir`` (None: a temporary one),
+    ``cpu_wait`` (``yield``, vLLM's own, or ``nap``: ``ftengine.testbed.vllm.cpu_wait``)."""
     if not 0 <= setup.victim < setup.dp or setup.dp < 2:
         raise RejoinBenchError(f"victim {setup.victim} must be a DP rank of dp={setup.dp} >= 2")
     if setup.policy == "auto":
@@ -215,6 +217,7 @@ def _measure(deployment: VllmDeployment, setup: RejoinSetup) -> dict[str, Any]:
     return {
         **header("vllm", setup, victim, in_flight, pause),
         "fault_free_longest_chunk_gap_s": round(longest_gap(quiet), 4),
+        "cpu_wait": "nap" if deployment.config.cpu_nap else "yield",
         "rejoin_total_s": round(finished - restarted, 4),
         "restart_to_ready_s": round(ready - restarted, 4),
         "admission_s": round(finished - admission_start, 4),

@@ -36,6 +36,13 @@ def register(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--stream-tokens", type=int, default=400)
     parser.add_argument("--trials", type=int, default=3, help="throughput batches each side")
     parser.add_argument("--policy", choices=("orchestrator", "auto"), default="orchestrator")
+    parser.add_argument(
+        "--cpu-wait",
+        choices=("yield", "nap"),
+        default="yield",
+        help="vllm: how vLLM's queue waits give up the CPU: yield (vLLM's own) or nap (for "
+        "more busy processes than cores: ftengine.testbed.vllm.cpu_wait)",
+    )
     parser.set_defaults(func=run)
 
 
@@ -53,7 +60,11 @@ def run(args: argparse.Namespace) -> int:
         policy=args.policy,
     )
     try:
-        options = {"checkpoint": args.checkpoint, "log_dir": args.log_dir}
+        options = {
+            "checkpoint": args.checkpoint,
+            "log_dir": args.log_dir,
+            "cpu_wait": args.cpu_wait,
+        }
         result = run_target(args.target, setup, options)
     except FTEngineError as exc:
         print(f"ftengine bench rejoin: {exc}", file=sys.stderr)

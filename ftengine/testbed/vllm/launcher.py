@@ -37,6 +37,7 @@ from ftengine.backends.npu_config import FTENGINE_KEY, NpuFtConfig
 from ftengine.errors import ConfigError, FTEngineError
 from ftengine.integrations.vllm.status_file import ENGINE_CORE_TITLE, remove_dead_status_files
 from ftengine.testbed.vllm.admit import admit
+from ftengine.testbed.vllm.cpu_wait import with_nap
 
 API_SERVER_MODULE = "vllm.entrypoints.openai.api_server"
 # vLLM names its processes (setproctitle); the worker of rank r's engine is "VLLM::Worker".
@@ -105,6 +106,8 @@ class DeploymentConfig:
     start-up on 2 cores. ``handoff``: each rank's ``ftengine.handoff_urls`` are the other
     ranks' URLs, so a rank whose worker dies resumes its held requests there (needs
     ``"reinference": true``; ``ftengine.integrations.vllm.engine_core.handoff``).
+    ``cpu_nap``: vLLM's shared-memory queue waits nap instead of yielding the CPU, for more
+    busy processes than cores (``ftengine.testbed.vllm.cpu_wait``; off: vLLM's own).
     """
 
     checkpoint: Path = attrs.field(converter=Path, validator=_checkpoint)
@@ -124,6 +127,7 @@ class DeploymentConfig:
     log_dir: Path = attrs.field(default=Path("vllm-logs"), converter=Path)
     startup_timeout_s: float = 600.0
     handoff: bool = False
+    cpu_nap: bool = False
 
     def __attrs_post_init__(self) -> None:
         if self.port + self.dp_size - 1 > 65535:
@@ -408,6 +412,8 @@ def rank_env(config: DeploymentConfig, rank: int, base: Mapping[str, str]) -> di
         env["VLLM_PLUGINS"] = _with_ftengine(env["VLLM_PLUGINS"])
     cpus = sorted(os.sched_getaffinity(0))
     env.setdefault(OMP_BIND_ENV, str(cpus[rank % len(cpus)]))
+    if config.cpu_nap:  # vLLM's queue waits nap instead of yield (testbed/vllm/cpu_wait.py)
+        env = with_nap(env, config.log_dir)
     return env
 
 
