@@ -9,7 +9,6 @@ it) under a hard timeout, stopped by pid if it overruns."""
 
 from __future__ import annotations
 
-import json
 import subprocess
 import sys
 import tempfile
@@ -19,6 +18,7 @@ import pytest
 
 from ftengine.testbed.chaos.catalogue import ChaosKind
 from ftengine.testbed.chaos.cluster_options import PROCESS_KINDS
+from tests.campaign_support import run_campaign
 
 pytestmark = pytest.mark.integration
 
@@ -51,17 +51,9 @@ def _campaign(tmp_path: Path) -> None:
     command = [sys.executable, "-m", "ftengine", "chaos", "--faults", str(FAULTS), "--seed", "3"]
     # DP=3 keeps each rebuild (the campaign's slowest part) short on this 2-core machine.
     command += ["--netns", "--dp-size", "3", "--json", "--checkpoint", str(tmp_path / "ckpt")]
-    with (tmp_path / "progress.log").open("w") as progress:
-        child = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=progress, text=True)
-        try:
-            out, _ = child.communicate(timeout=CAMPAIGN_TIMEOUT_S)
-        finally:
-            if child.poll() is None:
-                child.terminate()  # the campaign ends cleanly on SIGTERM
-                child.wait(timeout=60)
-    log = (tmp_path / "progress.log").read_text()[-3000:]
-    assert out.strip(), f"the campaign printed no report: {log}"
-    report = json.loads(out)
+    command += ["--plot", str(tmp_path / "campaign.png")]  # throughput and faults over time
+    ran = run_campaign(command, CAMPAIGN_TIMEOUT_S, tmp_path / "progress.log")
+    report, log = ran.report, ran.log
     assert report["faults_injected"] >= FAULTS, log
     kinds = {k.value for k in (*PROCESS_KINDS, ChaosKind.NET_CUT)}  # the cluster's, cut too
     assert set(report["by_kind"]) == kinds, report["by_kind"]
@@ -74,6 +66,7 @@ def _campaign(tmp_path: Path) -> None:
     assert report["rejoin"] and report["rejoins"] >= 1, report["rejoins"]
     assert report["outcomes"].get("dead", 0) == 0, report["outcomes"]
     assert report["violations"] == [], report["violations"]
-    assert child.returncode == 0, log
+    assert ran.returncode == 0, log
+    assert (tmp_path / "campaign.png").read_bytes().startswith(b"\x89PNG"), log
     # Every namespace, bridge and veth the run made is gone.
     assert _ft_names(_links()) <= links and _ft_names(_namespaces()) <= spaces

@@ -9,7 +9,7 @@ The workers and the engine core's engine/executor are stand-ins (see
 from __future__ import annotations
 
 import queue
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any, cast
 
 import pytest
@@ -206,9 +206,20 @@ class Executor:
         self.workers = workers
         self.is_failed = False
 
-    def collective_rpc(self, method: str, args: tuple[Any, ...] = ()) -> list[Any]:
-        # the real Worker method, so the stand-in is driven exactly as vLLM drives a worker
-        return [getattr(gpu_worker.Worker, method)(w, *args) for w in self.workers]
+    def collective_rpc(
+        self,
+        method: str | Callable[..., Any],
+        timeout: float | None = None,
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> list[Any]:
+        # vLLM's parameters (MultiprocExecutor.collective_rpc); a name runs the real Worker
+        # method, so the stand-in is driven exactly as vLLM drives a worker; a function is
+        # called with the worker first, as vLLM's run_method does
+        kw = kwargs or {}
+        if isinstance(method, str):
+            return [getattr(gpu_worker.Worker, method)(w, *args, **kw) for w in self.workers]
+        return [method(w, *args, **kw) for w in self.workers]
 
 
 class Scheduler:

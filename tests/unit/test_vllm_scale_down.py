@@ -219,14 +219,38 @@ def test_vllms_engine_core_relays_scale_down_to_its_workers(
     assert "must include the ranks already removed [0]" in answer(engine)["reason"]
 
 
-def test_a_fault_during_scale_down_leaves_the_engine_dead_with_the_reason(
+def test_a_workers_failed_step_leaves_the_command_to_send_again_until_it_gives_up(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    core, engine, _ = scale_down_core(monkeypatch, ports=False)  # the worker cannot rebuild
+    """Issue 30: the workers' rebuild failing (here: no ports; in the campaign a survivor
+    killed during it) while their FSMs go back to quarantine is no terminal DEAD: the engine
+    stays UNHEALTHY with its requests held, the command may be sent again; once the
+    workers' policy has no attempt left (DEAD) the engine is DEAD with the reason."""
+    core, engine, worker = scale_down_core(monkeypatch, ports=False)  # it cannot rebuild
     core.on_fault(RuntimeError("peer died"))
     command(core, {"removed_dp_ranks": [3]})
     result = answer(engine)
     assert result["success"] is False and "new_stateless_dp_group_ports" in result["reason"]
+    assert core.status_type == EngineStatusType.UNHEALTHY
+    assert "may be sent again" in str(core.fault_info)
+    assert worker.worker_sentinel.ft.commands.status()["phase"] == "quarantined"
+    for attempt in range(2, 6):
+        command(core, {"removed_dp_ranks": [3]}, request_id=f"s{attempt}")
+        assert answer(engine)["success"] is False
+        if core.status_type == EngineStatusType.DEAD:
+            break
+    assert core.status_type == EngineStatusType.DEAD, core.fault_info  # bounded attempts
+    assert worker.worker_sentinel.ft.commands.status()["phase"] == "dead"
+
+
+def test_a_worker_that_cannot_be_asked_leaves_the_engine_dead(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    core, engine, _ = scale_down_core(monkeypatch, ports=False)
+    engine.model_executor.is_failed = True  # its process died: nothing to ask again
+    core.on_fault(RuntimeError("peer died"))
+    command(core, {"removed_dp_ranks": [3]})
+    assert answer(engine)["success"] is False
     assert core.status_type == EngineStatusType.DEAD
 
 

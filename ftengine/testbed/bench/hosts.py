@@ -16,7 +16,14 @@ Each trial is one deployment and two faults, in order:
   ``host_loss_detect_s`` (kill -> rank 0 ``unhealthy``), ``host_loss_interruption_s`` (kill
   -> rank 0 ``healthy`` again with both removed, in one scale-down), ``requests_lost_host_loss``.
 
-``heal_to_all_serving_s`` is null: the minority's rejoin needs scale-up (issue 28).
+- **Heal**: the partition undone, rank 3's server restarted on host 2 with its original
+  command (as an operator would; nothing restarts it by itself); it announces itself on the
+  survivors' DP store and their ``auto`` policy admits it with no command, the survivors
+  never restarted: ``heal_to_all_serving_s`` (heal -> rank 3 and rank 0 ``healthy``, only
+  host 1's ranks still removed; the restarted server's start-up included),
+  ``heal_admission_s`` (rank 3 ``ready`` -> admitted), ``heal_requests_exact`` (of
+  ``heal_requests``: streams on rank 3 and rank 0 afterwards with the fault-free tokens).
+
 Detection is timed by polling each server's ``/fault_tolerance/status`` every 20 ms.
 """
 
@@ -52,6 +59,8 @@ class HostsBenchConfig:
     stream_tokens: int = 48
     op_timeout_s: float = 5.0
     log_dir: Path = attrs.field(default=Path("vllm-bench-logs"), converter=Path)
+    cpu_nap: bool = False
+    """vLLM's queue waits nap instead of yield (``DeploymentConfig.cpu_nap``)."""
 
 
 class Stream(threading.Thread):
@@ -140,6 +149,7 @@ def _trial(config: HostsBenchConfig, trial: int) -> dict[str, Any]:
         log_dir=config.log_dir / f"trial{trial}",
         recovery_timeout_s=300.0,
         extra_args=("--cpu-distributed-timeout-seconds", str(int(config.op_timeout_s))),
+        cpu_nap=config.cpu_nap,
     )
     model, n = str(config.checkpoint), config.stream_tokens
     begun = time.monotonic()
@@ -155,6 +165,7 @@ def _trial(config: HostsBenchConfig, trial: int) -> dict[str, Any]:
         out: dict[str, Any] = {"startup_s": round(startup_s, 1), "rss_gb": round(rss / 2**30, 2)}
         out.update(_partition(spread, model, n, reference))
         out.update(_host_loss(spread, model, n, reference))
+        out.update(_heal(spread, model, n, reference))
     finally:
         spread.stop()
     out["leftovers"] = len(leftovers(tag))
@@ -236,11 +247,45 @@ def _host_loss(
     }
 
 
+ADMITTABLE = ("ready", "healthy")
+REJOIN_S = 600.0  # the restarted server's whole start on 2 shared cores, then admission
+
+
+def _heal(
+    spread: MultiHostDeployment, model: str, n: int, reference: list[list[int]]
+) -> dict[str, Any]:
+    """The cut undone, rank 3's server restarted; until rank 3 and rank 0 serve with only
+    the lost host's ranks removed; then the prompts streamed on both."""
+    urls = spread.urls
+    healed = time.monotonic()
+    spread.heal()
+    spread.started.restart(MINORITY)
+    # loading -> ready (started alone) -> healthy (admitted): the first answer past loading
+    ready = when(lambda: status(urls[MINORITY], MINORITY)["phase"] in ADMITTABLE, REJOIN_S)
+
+    def serving() -> bool:
+        mine = status(urls[MINORITY], MINORITY)["status"] == "healthy"
+        return mine and healthy_without(urls[0], 0, list(LOST_RANKS))()
+
+    all_serving = when(serving, REJOIN_S)
+    after = _done(started([Stream(urls[r], model, p, n) for r in (0, MINORITY) for p in PROMPTS]))
+    return {
+        "heal_to_all_serving_s": round(all_serving - healed, 3),
+        "heal_admission_s": round(all_serving - ready, 3),
+        "heal_requests": len(after),
+        "heal_requests_exact": sum(
+            s.finish_reason == "length" and s.tokens == reference[i % len(PROMPTS)]
+            for i, s in enumerate(after)
+        ),
+    }
+
+
 SUMMED = ("split_brain_answers", "requests_lost_majority", "requests_lost_host_loss",
           "minority_requests", "minority_requests_ended_with_reason", "minority_requests_hung",
-          "majority_requests", "leftovers")  # fmt: skip
+          "majority_requests", "leftovers", "heal_requests", "heal_requests_exact")  # fmt: skip
 TIMED = ("startup_s", "rss_gb", "host_loss_detect_s", "host_loss_interruption_s",
-         "partition_detect_s", "minority_stop_s", "partition_recovery_s")  # fmt: skip
+         "partition_detect_s", "minority_stop_s", "partition_recovery_s",
+         "heal_to_all_serving_s", "heal_admission_s")  # fmt: skip
 
 
 def run(config: HostsBenchConfig) -> dict[str, Any]:
@@ -258,7 +303,6 @@ def run(config: HostsBenchConfig) -> dict[str, Any]:
         result[f"{key}_range"] = [min(values), max(values)]
     for key in SUMMED:
         result[key] = sum(t[key] for t in trials)
-    result["heal_to_all_serving_s"] = None
-    result["heal_to_all_serving_note"] = "not measured: rejoin needs scale-up (issue 28)"
+    result["cpu_wait"] = "nap" if config.cpu_nap else "yield"
     result["per_trial"] = trials
     return result

@@ -23,6 +23,7 @@ from ftengine.testbed.bench.inflight_serve import MODEL, Server
 from ftengine.testbed.bench.inflight_stream import Stream, join_all, start_streams, wait_streaming
 from ftengine.testbed.bench.inflight_tally import durations, tally, targets_met
 from ftengine.testbed.bench.inflight_vllm import VllmRun, vllm_rows
+from ftengine.testbed.vllm.cpu_wait import CPU_WAITS
 
 PROMPTS = ((1, 2, 3, 4), (5, 6, 7), (8, 9, 10, 11, 12), (13, 14), (3, 1, 4, 1, 5, 9), (100, 7))
 MODES = {"reinference": (), "no_reinference": ("--no-reinference",)}
@@ -35,7 +36,8 @@ class InflightOptions:
     request included), the op timeout (seconds), the bound on each stream
     (``stream_timeout`` seconds); the vLLM rows run on ``vllm_checkpoint`` (none: not
     measured), rank r's server on ``vllm_port + r``, each deployment's rank logs under
-    ``vllm_log_dir`` (kept: a row that lost a request can be read afterwards)."""
+    ``vllm_log_dir`` (kept: a row that lost a request can be read afterwards), their queue
+    waits by ``cpu_wait`` (``yield``, vLLM's own, or ``nap``: ``DeploymentConfig.cpu_nap``)."""
 
     dp_size: int = attrs.field(default=4, validator=attrs.validators.ge(2))
     tokens: int = attrs.field(default=40, validator=attrs.validators.ge(4))
@@ -45,6 +47,7 @@ class InflightOptions:
     vllm_checkpoint: Path | None = None
     vllm_port: int = 8720
     vllm_log_dir: Path = Path("vllm-bench-logs/inflight")
+    cpu_wait: str = attrs.field(default="yield", validator=attrs.validators.in_(CPU_WAITS))
 
     def serve_args(self, mode: str, *extra: str) -> list[str]:
         return [
@@ -184,5 +187,10 @@ def _vllm_run(options: InflightOptions) -> VllmRun | None:
     if o.vllm_checkpoint is None:
         return None
     return VllmRun(
-        o.vllm_checkpoint, o.vllm_port, o.tokens, max(o.stream_timeout, 240.0), o.vllm_log_dir
+        o.vllm_checkpoint,
+        o.vllm_port,
+        o.tokens,
+        max(o.stream_timeout, 240.0),
+        o.vllm_log_dir,
+        cpu_nap=o.cpu_wait == "nap",
     )

@@ -4,7 +4,9 @@ injected fault on rank 1 (``FTENGINE_VLLM_FAULT_FILE``); once every engine is UN
 (rank 0 at once: rank 1 closes the DP group rank 0's step waits in) ``retry`` goes to every
 rank. With ftengine's defaults (the "reinference" row: no re-inference or handoff key) the
 engine cores hold the requests; with ``"reinference": false`` (the "no_reinference" row)
-vLLM aborts them. The reference and
+vLLM aborts them. The "retry_auto" row is the same fault under ``"policy": "auto"``
+and no command from the benchmark: the ranks' policies retry on their own (the step error
+seen at once by the peers, not at the op timeout). The reference and
 the baseline are the same requests' fault-free round on the same deployment (vLLM's own
 greedy tokens: the cluster's single-process reference is another model implementation).
 
@@ -39,13 +41,15 @@ OP_TIMEOUT_S = 5.0
 class VllmRun:
     """Where and how: the HF Qwen3-MoE ``checkpoint``, rank r's server on ``port + r``,
     ``tokens`` per request, ``stream_timeout`` seconds per stream, the rank logs of each
-    row under ``log_dir`` (``retry-reinference``, ``scale_down-no_reinference``, ...)."""
+    row under ``log_dir`` (``retry-reinference``, ``scale_down-no_reinference``, ...);
+    ``cpu_nap``: ``DeploymentConfig.cpu_nap``."""
 
     checkpoint: Path
     port: int
     tokens: int
     stream_timeout: float
     log_dir: Path = Path("vllm-bench-logs/inflight")
+    cpu_nap: bool = False
 
 
 def _streams(urls: Sequence[str], run: VllmRun, prompts: Sequence[Sequence[int]]) -> list[Stream]:
@@ -112,6 +116,30 @@ def _fault_round(
     return streams, fault_s
 
 
+def _epochs(urls: Sequence[str]) -> dict[int, int]:
+    return {int(e["id"]): int(e["epoch"]) for url in urls for e in _statuses(url)}
+
+
+def _auto_fault_round(
+    urls: Sequence[str], run: VllmRun, prompts: Sequence[Sequence[int]], fault_file: Path
+) -> tuple[list[Stream], float]:
+    """The injected fault on rank 1 and no command: done once every engine is healthy
+    again at a later epoch (their policies retried on their own)."""
+    streams = _streams(urls, run, prompts)
+    wait_streaming(streams, 2, 120.0)
+    before = _epochs(urls)
+    fault_s = time.monotonic()
+    fault_file.write_text("1")  # rank 1's next model step raises
+    deadline = fault_s + OP_TIMEOUT_S + 60
+    while not all(after > before[r] for r, after in _epochs(urls).items()):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"no retry of their own: epochs {before} -> {_epochs(urls)}")
+        time.sleep(0.02)
+    _wait_all(urls, "healthy", 60)
+    join_all(streams, run.stream_timeout)
+    return streams, fault_s
+
+
 def _scale_down_round(
     deployment: Any, run: VllmRun, prompts: Sequence[Sequence[int]]
 ) -> tuple[list[Stream], float]:
@@ -132,14 +160,19 @@ OFF = {"reinference": False}
 
 
 @contextlib.contextmanager
-def _deployed(run: VllmRun, reinference: bool, scratch: Path, row: str) -> Iterator[Any]:
-    """DP=2 EP=2 float32, rank 1's fault file at ``scratch/inject``, the rank logs in
-    ``run.log_dir / row-mode``."""
+def _deployed(
+    run: VllmRun, reinference: bool, scratch: Path, row: str, policy: str = "orchestrator"
+) -> Iterator[Any]:
+    """DP=2 EP=2 float32, ftengine's ``policy``, rank 1's fault file at ``scratch/inject``,
+    the rank logs in ``run.log_dir / row-mode``."""
     from ftengine.integrations.vllm.worker.fault_injection import FAULT_FILE_ENV
     from ftengine.testbed.vllm.launcher import DeploymentConfig, VllmDeployment
 
     # ftengine's defaults, or re-inference turned off
-    options = {"cpu_distributed_timeout_sec": OP_TIMEOUT_S} | ({} if reinference else OFF)
+    options: dict[str, object] = {"cpu_distributed_timeout_sec": OP_TIMEOUT_S}
+    options |= ({} if reinference else OFF) | (
+        {} if policy == "orchestrator" else {"policy": policy}
+    )
     config = DeploymentConfig(
         run.checkpoint,
         dp_size=2,
@@ -149,6 +182,7 @@ def _deployed(run: VllmRun, reinference: bool, scratch: Path, row: str) -> Itera
         env={FAULT_FILE_ENV: str(scratch / "inject")},
         log_dir=run.log_dir / f"{row}-{'reinference' if reinference else 'no_reinference'}",
         startup_timeout_s=600.0,
+        cpu_nap=run.cpu_nap,
     )
     with VllmDeployment.start(config) as deployment:
         yield deployment
@@ -178,6 +212,20 @@ def retry_row(run: VllmRun, prompts: Sequence[Sequence[int]], reinference: bool)
     return _counts(clean, streams, fault_s)
 
 
+def retry_auto_row(run: VllmRun, prompts: Sequence[Sequence[int]]) -> dict[str, Any]:
+    """One deployment under ``"policy": "auto"`` (ftengine's other defaults): warm-up, a
+    fault-free round, the fault, retried by the ranks' policies with no command."""
+    with (
+        tempfile.TemporaryDirectory(prefix="ftengine-inflight-vllm-") as scratch,
+        _deployed(run, True, Path(scratch), "retry_auto", policy="auto") as deployment,
+    ):
+        clean = _clean(deployment.urls, run, prompts)
+        streams, fault_s = _auto_fault_round(
+            deployment.urls, run, prompts, Path(scratch) / "inject"
+        )
+    return _counts(clean, streams, fault_s)
+
+
 def scale_down_row(
     run: VllmRun, prompts: Sequence[Sequence[int]], reinference: bool
 ) -> dict[str, Any]:
@@ -198,14 +246,18 @@ def scale_down_row(
     return {**row, "victim": {key: victim[key] for key in keys}}
 
 
+ROWS = ("retry", "retry_auto", "scale_down")
+
+
 def vllm_rows(run: VllmRun | None, prompts: Sequence[Sequence[int]]) -> dict[str, Any]:
-    """``{retry: {reinference, no_reinference}, scale_down: {...}}``; both say why not
-    without a checkpoint."""
+    """``{retry: {reinference, no_reinference}, retry_auto: {reinference}, scale_down:
+    {...}}``; each says why not without a checkpoint."""
     if run is None:
         why = "not measured: pass --vllm-checkpoint (a Hugging Face Qwen3-MoE directory)"
-        return {"retry": why, "scale_down": why}
+        return dict.fromkeys(ROWS, why)
     modes = ("reinference", "no_reinference")
     return {
-        name: {mode: row(run, prompts, mode == "reinference") for mode in modes}
-        for name, row in (("retry", retry_row), ("scale_down", scale_down_row))
+        "retry": {mode: retry_row(run, prompts, mode == "reinference") for mode in modes},
+        "retry_auto": {"reinference": retry_auto_row(run, prompts)},
+        "scale_down": {mode: scale_down_row(run, prompts, mode == "reinference") for mode in modes},
     }

@@ -65,12 +65,14 @@ class BenchConfig:
     overhead_only: bool = False
     """Only the FT-on launch beside its baseline, measured; no kills, retry or scale-down."""
     baseline: str = "off"
+    """The overhead's other side: ``off`` (no FT at all), or ``inert`` (vLLM's FT and
+    ftengine, the engine-core agents' beats made inert): ftengine's agent alone."""
     overhead_method: str = "alternating"
     """``--overhead-only``'s method: ``alternating`` (one deployment at a time, FT on and off
     launched by turns, ``overhead_launches`` each) or ``interleaved`` (side by side)."""
     overhead_launches: int = 6
-    """The overhead's other side: ``off`` (no FT at all), or ``inert`` (vLLM's FT and
-    ftengine, the engine-core agents' beats made inert): ftengine's agent alone."""
+    cpu_nap: bool = False
+    """Every launch's vLLM queue waits nap instead of yield (``DeploymentConfig.cpu_nap``)."""
 
 
 def vllm_version() -> str:
@@ -202,13 +204,18 @@ def _launch(
             additional_config=additional,
             env=env,
             log_dir=config.log_dir / f"launch{index}-{'ft' if ft else 'off'}",
+            cpu_nap=config.cpu_nap,
         )
     )
 
 
 def run(config: BenchConfig) -> dict[str, object]:
     """Every launch, measured; one JSON-able object."""
-    head: dict[str, object] = {"vllm_version": vllm_version(), "dp_size": config.dp_size}
+    head: dict[str, object] = {
+        "vllm_version": vllm_version(),
+        "dp_size": config.dp_size,
+        "cpu_wait": "nap" if config.cpu_nap else "yield",
+    }
     if config.overhead_only:
         return {**head, "baseline": config.baseline, "ft_overhead_ratio": run_overhead(config)}
     kills = head if config.scale_down_only else run_kills(config)

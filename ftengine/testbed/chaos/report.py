@@ -12,6 +12,7 @@ from ftengine.testbed.chaos.catalogue import ChaosKind
 from ftengine.testbed.chaos.census import Leftovers
 from ftengine.testbed.chaos.findings import summary_fields
 from ftengine.testbed.chaos.invariants import check_request
+from ftengine.testbed.chaos.timeline import timeline
 
 
 def summary(campaign: Campaign, leftovers: Leftovers, duration_s: float) -> dict[str, Any]:
@@ -38,28 +39,39 @@ def _verdicts(campaign: Campaign) -> list[list[str]] | None:
 
 
 def plot(campaign: Campaign, path: Path, seed: int) -> None:
-    """Detection and recovery time of every fault, by fault number, coloured by kind (the
-    dashed line: the detection bound of a stopped worker)."""
+    """Throughput and faults over time (``timeline``): the tokens streamed per second with a
+    line at each fault's injection, coloured by kind; below, each fault's detection and
+    recovery time at its injection (the dashed line: a stopped worker's detection bound)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    results = campaign.found.results
-    fig, axes = plt.subplots(2, 1, figsize=(10, 6), sharex=True)
-    kinds = sorted({r.kind.value for r in results})
+    history = campaign.history
+    line = timeline(history.entries(), campaign.records(), campaign.found.results, history.origin)
+    fig, axes = plt.subplots(3, 1, figsize=(11, 8), sharex=True)
+    bins = [(i + 0.5) * line.bin_s for i in range(len(line.tokens_per_s))]
+    axes[0].plot(bins, line.tokens_per_s, color="black", lw=1.0)
+    kinds = sorted({mark.kind for mark in line.faults})
+    palette = plt.get_cmap("tab10")
+    colours = {kind: palette(i % 10) for i, kind in enumerate(kinds)}
+    for mark in line.faults:
+        axes[0].axvline(mark.at_s, color=colours[mark.kind], lw=0.8, alpha=0.7)
     for kind in kinds:
-        rows = [r for r in results if r.kind.value == kind]
-        for axis, field in zip(axes, ("detect_s", "recover_s"), strict=True):
-            points = [(r.index, getattr(r, field)) for r in rows if getattr(r, field) is not None]
-            axis.scatter([p[0] for p in points], [p[1] for p in points], s=14, label=kind)
-    bound = campaign.target.detection_bound(ChaosKind.SIGSTOP)
-    axes[0].axhline(bound, color="grey", ls="--", lw=0.8)
-    axes[0].set_ylabel("detection (s)")
-    axes[1].set_ylabel("recovery (s)")
-    axes[1].set_xlabel("fault number")
-    axes[0].legend(fontsize=7, ncol=4)
-    fig.suptitle(f"ftengine chaos: {len(results)} faults, seed {seed}")
+        marks = [m for m in line.faults if m.kind == kind]
+        for axis, field in zip(axes[1:], ("detect_s", "recover_s"), strict=True):
+            points = [(m.at_s, getattr(m, field)) for m in marks if getattr(m, field) is not None]
+            axis.scatter([p[0] for p in points], [p[1] for p in points], s=14,
+                         color=colours[kind], label=kind)  # fmt: skip
+    axes[1].axhline(
+        campaign.target.detection_bound(ChaosKind.SIGSTOP), color="grey", ls="--", lw=0.8
+    )
+    axes[0].set_ylabel(f"tokens / s ({line.bin_s:.0f} s bins)")
+    axes[1].set_ylabel("detection (s)")
+    axes[2].set_ylabel("recovery (s)")
+    axes[2].set_xlabel("seconds from the campaign's start")
+    axes[1].legend(fontsize=7, ncol=5)
+    fig.suptitle(f"ftengine chaos: {len(campaign.found.results)} faults, seed {seed}")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

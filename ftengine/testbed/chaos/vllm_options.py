@@ -44,6 +44,8 @@ class VllmCampaignOptions:
     Off by default: on 2 cores a server starting beside a busy survivor got ~1.5 % of a CPU
     and missed the heal's deadline (minutes in ``import torch``); the clients pause until it
     is ``ready`` and stream again through its admission (the rejoin test serves throughout)."""
+    cpu_nap: bool = False
+    """vLLM's queue waits nap instead of yield (``DeploymentConfig.cpu_nap``)."""
 
     @property
     def clients(self) -> int:
@@ -61,4 +63,5 @@ class VllmCampaignOptions:
             recovery_timeout_s=self.recovery_timeout_s, additional_config={"ftengine": ftengine},
             extra_args=("--served-model-name", MODEL_NAME), env={FAULT_FILE_ENV: str(fault_file)},
             log_dir=self.log_dir / f"gen{generation}", startup_timeout_s=self.startup_timeout_s,
+            cpu_nap=self.cpu_nap,
         )  # fmt: skip

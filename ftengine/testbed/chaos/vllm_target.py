@@ -337,6 +337,7 @@ class VllmTarget:
             "dp_size": o.dp_size,
             "clients": o.clients,
             "op_timeout_s": o.op_timeout_s,
+            "cpu_wait": "nap" if o.cpu_nap else "yield",
             "fences": self.fences,
             "unplanned_faults": campaign.unplanned,
             "skipped": campaign.skipped,

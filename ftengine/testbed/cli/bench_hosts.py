@@ -8,6 +8,8 @@ import json
 import sys
 from pathlib import Path
 
+from ftengine.testbed.cli.launch import add_cpu_wait_arg
+
 BENCH = "hosts"
 
 
@@ -22,6 +24,7 @@ def register(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--trials", type=int, default=1, help="deployments (each: both faults)")
     parser.add_argument("--port", type=int, default=8600, help="rank r serves on PORT + r")
     parser.add_argument("--log-dir", type=Path, default=Path("vllm-bench-logs"))
+    add_cpu_wait_arg(parser)
     parser.add_argument("--json", action="store_true", help="print only the JSON object")
     parser.set_defaults(func=run)
 
@@ -39,7 +42,13 @@ def run(args: argparse.Namespace) -> int:
         from ftengine.weights.checkpoint_gen import make_checkpoint
 
         checkpoint = make_checkpoint(args.log_dir / "qwen3-moe", **TINY_SHAPE)
-    config = HostsBenchConfig(checkpoint, trials=args.trials, port=args.port, log_dir=args.log_dir)
+    config = HostsBenchConfig(
+        checkpoint,
+        trials=args.trials,
+        port=args.port,
+        log_dir=args.log_dir,
+        cpu_nap=args.cpu_wait == "nap",
+    )
     result = run_bench(config)
     if not args.json:
         print(f"ftengine bench hosts: {args.trials} trial(s), logs in {args.log_dir}")

@@ -52,6 +52,7 @@ def register(parser: argparse.ArgumentParser) -> None:
         default=Path("vllm-bench-logs/inflight"),
         help="each vLLM row's rank logs go to DIR/ROW-MODE (kept after the run)",
     )
+    launch.add_cpu_wait_arg(parser)
     launch.add_checkpoint_args(parser, launch.CheckpointSize())
     parser.set_defaults(func=run)
 

@@ -12,6 +12,7 @@ from pathlib import Path
 
 from ftengine.errors import FTEngineError
 from ftengine.testbed.cli.extras import testbed_extra
+from ftengine.testbed.cli.launch import add_cpu_wait_arg
 
 BENCH = "rejoin"
 
@@ -36,13 +37,7 @@ def register(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--stream-tokens", type=int, default=400)
     parser.add_argument("--trials", type=int, default=3, help="throughput batches each side")
     parser.add_argument("--policy", choices=("orchestrator", "auto"), default="orchestrator")
-    parser.add_argument(
-        "--cpu-wait",
-        choices=("yield", "nap"),
-        default="yield",
-        help="vllm: how vLLM's queue waits give up the CPU: yield (vLLM's own) or nap (for "
-        "more busy processes than cores: ftengine.testbed.vllm.cpu_wait)",
-    )
+    add_cpu_wait_arg(parser)
     parser.set_defaults(func=run)
 
 

@@ -9,6 +9,8 @@ import json
 import sys
 from pathlib import Path
 
+from ftengine.testbed.cli.launch import add_cpu_wait_arg
+
 BENCH = "vllm"
 
 
@@ -56,6 +58,7 @@ def register(parser: argparse.ArgumentParser) -> None:
         default=6,
         help="alternating: launches per side (>= 2; default 6)",
     )
+    add_cpu_wait_arg(parser)
     parser.add_argument("--json", action="store_true", help="print only the JSON object")
     parser.set_defaults(func=run)
 
@@ -87,6 +90,7 @@ def run(args: argparse.Namespace) -> int:
         baseline=args.baseline,
         overhead_method=args.overhead_method,
         overhead_launches=args.overhead_launches,
+        cpu_nap=args.cpu_wait == "nap",
     )
     result = run_bench(config)
     print(json.dumps(result, indent=None if args.json else 2))

@@ -14,6 +14,7 @@ from pathlib import Path
 
 from ftengine.cli.options import at_least
 from ftengine.testbed.cli.extras import testbed_extra
+from ftengine.testbed.cli.launch import add_cpu_wait_arg
 
 COMMAND = "chaos-vllm"
 
@@ -48,6 +49,8 @@ def register(parser: argparse.ArgumentParser) -> None:
         help="the survivors' clients keep streaming while a healed rank's server starts "
         "(default: they pause until it is ready, then stream through its admission)",
     )
+    parser.add_argument("--plot", type=Path, default=None, help="write a PNG of the run here")
+    add_cpu_wait_arg(parser)
     parser.set_defaults(func=run)
 
 
@@ -67,12 +70,13 @@ def run(args: argparse.Namespace) -> int:
         clients_per_rank=args.clients_per_rank, max_tokens=args.max_tokens,
         op_timeout_s=args.op_timeout, port=args.port, log_dir=args.log_dir,
         rejoin=not args.no_rejoin, serve_during_restart=args.serve_during_restart,
+        cpu_nap=args.cpu_wait == "nap",
     )  # fmt: skip
 
     def progress(line: str) -> None:
         if not args.quiet:
             print(f"chaos-vllm {time.strftime('%H:%M:%S')} {line}", file=sys.stderr, flush=True)
 
-    report = run_campaign(VllmTarget(options, progress), progress)
+    report = run_campaign(VllmTarget(options, progress), progress, plot=args.plot)
     print(json.dumps(report, indent=2))
     return 1 if report["violations"] else 0

@@ -95,6 +95,19 @@ def add_cluster_args(parser: argparse.ArgumentParser, *, policy: str = "orchestr
     )
 
 
+def add_cpu_wait_arg(parser: argparse.ArgumentParser) -> None:
+    """``--cpu-wait {yield,nap}`` (default ``yield``) for a bench that launches real vLLM."""
+    from ftengine.testbed.vllm.cpu_wait import CPU_WAITS
+
+    parser.add_argument(
+        "--cpu-wait",
+        choices=CPU_WAITS,
+        default=CPU_WAITS[0],
+        help="vllm: how vLLM's queue waits give up the CPU: yield (vLLM's own) or nap (for "
+        "more busy processes than cores: ftengine.testbed.vllm.cpu_wait)",
+    )
+
+
 def add_run_args(
     parser: argparse.ArgumentParser, size: CheckpointSize, *, policy: str = "orchestrator"
 ) -> None:

@@ -25,6 +25,8 @@ from pathlib import Path
 
 NAP_S = 1e-4
 DIR_NAME = "cpu-nap"
+CPU_WAITS = ("yield", "nap")
+"""The benches' ``--cpu-wait``: ``yield`` (vLLM's own) or ``nap`` (``DeploymentConfig.cpu_nap``)."""
 SITECUSTOMIZE = f'''"""ftengine test bed (testbed/vllm/cpu_wait.py): os.sched_yield naps."""
 import os
 import time

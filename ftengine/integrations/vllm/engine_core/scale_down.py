@@ -13,8 +13,9 @@
   batch), then HEALTHY. A refused command answers ``FaultToleranceResult(success=False,
   reason)`` (vLLM's client puts it in ``ft_error``); a survivor lost while the new DP group
   forms leaves the engine UNHEALTHY (its workers untouched, its requests still held) for a
-  ``scale_down`` naming that rank too; a failure after that (the workers' rebuild) leaves
-  the engine DEAD with the reason there too.
+  ``scale_down`` naming that rank too; so does a failure after that (the workers' rebuild)
+  while every worker lives with its FSM back in quarantine (its policy's attempts left);
+  otherwise (a worker gone, or out of attempts) the engine is DEAD with the reason there.
 
 DP rank 0 in external-LB mode: its engine core leads the DP wave (``DPEngineCoreProc`` sends
 "wave complete" / "wave started" to the DP coordinator only where ``dp_rank == 0``), its
@@ -100,21 +101,24 @@ def scale_down(sentinel: Any, ft_request: Any) -> Any:
         )
     try:
         run(sentinel, ft_request, removed)
-    except RendezvousFailed as exc:
-        # Nothing of this engine but its DP group changed (the workers were not told): it
-        # stays UNHEALTHY, its held requests held, for a scale_down that names the rank
-        # lost meanwhile (vLLM's client puts the reason in ft_error).
-        reason = f"[FT] engine {rank}'s scale_down did not complete: {exc}"
-        logger.warning("%s", reason)
-        sentinel.fault_info = f"scale_down failed, may be sent again: {exc}"
-        sentinel._push_status()
-        return utils.FaultToleranceResult(
-            request_id=ft_request.request_id, success=False, reason=reason
-        )
     except Exception as exc:
-        # A fault while scaling down is terminal (vLLM's client records the reason in
-        # ft_error from the failed result that handle_command builds from this exception);
-        # what re-inference held ends now, with the reason, rather than at the deadline.
+        # A new DP group that did not form (the workers were not told), or the workers'
+        # step failing once (a survivor lost during their rebuild) with their FSMs back in
+        # quarantine within their policy's attempts: the engine stays UNHEALTHY, its held
+        # requests held, for a scale_down naming the rank lost meanwhile (issue 30: no
+        # terminal DEAD for a one-shot recovery error; vLLM's client puts the reason in
+        # ft_error).
+        if isinstance(exc, RendezvousFailed) or workers_wait_again(sentinel):
+            reason = f"[FT] engine {rank}'s scale_down did not complete: {exc}"
+            logger.warning("%s", reason)
+            sentinel.fault_info = f"scale_down failed, may be sent again: {exc}"
+            sentinel._push_status()
+            return utils.FaultToleranceResult(
+                request_id=ft_request.request_id, success=False, reason=reason
+            )
+        # Otherwise terminal (vLLM's client records the reason in ft_error from the failed
+        # result that handle_command builds from this exception); what re-inference held
+        # ends now, with the reason, rather than at the deadline.
         from ftengine.integrations.vllm.engine_core.reinference import abort_held
 
         sentinel.status_type = import_vllm(ENGINE_MODULE).EngineStatusType.DEAD
@@ -123,6 +127,28 @@ def scale_down(sentinel: Any, ft_request: Any) -> Any:
         logger.exception("[FT] Engine %d: scale_down failed; status -> DEAD", rank)
         raise
     return utils.FaultToleranceResult(request_id=ft_request.request_id, success=True)
+
+
+WAITING_PHASE = "quarantined"
+"""A worker FSM's phase between a failed recovery step and the next command."""
+
+
+def workers_wait_again(sentinel: Any) -> bool:
+    """Whether every worker of the engine lives and its FSM is back in quarantine after a
+    failed command (its policy gave it another attempt; past its attempts it is DEAD)."""
+    from ftengine.integrations.vllm.worker.adapter import worker_phase
+
+    executor = sentinel.engine.model_executor
+    if getattr(executor, "is_failed", False):
+        return False
+    try:
+        phases = executor.collective_rpc(worker_phase, timeout=5.0)
+    except Exception:  # a worker gone or hung: nothing to send the command to again
+        logger.warning(
+            "[FT] engine %d: its workers' phase could not be read", sentinel.engine_index
+        )
+        return False
+    return bool(phases) and all(phase == WAITING_PHASE for phase in phases)
 
 
 def run(sentinel: Any, ft_request: Any, removed: frozenset[int]) -> None:

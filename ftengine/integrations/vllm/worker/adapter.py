@@ -165,6 +165,14 @@ def adopt_fault(wrapper: Any, kind: str) -> None:
         adopt(FaultKind(kind))
 
 
+def worker_phase(wrapper: Any) -> str | None:
+    """Runs in the worker, asked by the engine core (``collective_rpc``): its FSM's phase
+    (``quarantined``, ``healthy``, ``dead``, ...), or None before ftengine's pieces exist."""
+    worker = getattr(wrapper, "worker", wrapper)
+    ft = getattr(getattr(worker, "worker_sentinel", None), "ft", None)
+    return None if ft is None else str(ft.commands.status()["phase"])
+
+
 @contextlib.contextmanager
 def _current_config(worker: WorkerLike) -> Iterator[None]:
     """vLLM's ``set_current_vllm_config(worker.vllm_config)``, as vLLM's own sentinel does."""
