@@ -39,6 +39,7 @@ from typing import Any
 import attrs
 import httpx
 
+from ftengine.testbed.vllm.cpu_wait import cpu_wait_name
 from ftengine.testbed.vllm.hosts import HostLayout, MultiHostDeployment, leftovers
 from ftengine.testbed.vllm.launcher import DeploymentConfig, _tree
 
@@ -303,6 +304,6 @@ def run(config: HostsBenchConfig) -> dict[str, Any]:
         result[f"{key}_range"] = [min(values), max(values)]
     for key in SUMMED:
         result[key] = sum(t[key] for t in trials)
-    result["cpu_wait"] = "nap" if config.cpu_nap else "yield"
+    result["cpu_wait"] = cpu_wait_name(config.cpu_nap)
     result["per_trial"] = trials
     return result

@@ -23,7 +23,7 @@ from ftengine.testbed.bench.inflight_serve import MODEL, Server
 from ftengine.testbed.bench.inflight_stream import Stream, join_all, start_streams, wait_streaming
 from ftengine.testbed.bench.inflight_tally import durations, tally, targets_met
 from ftengine.testbed.bench.inflight_vllm import VllmRun, vllm_rows
-from ftengine.testbed.vllm.cpu_wait import CPU_WAITS
+from ftengine.testbed.vllm.cpu_wait import CPU_WAITS, naps
 
 PROMPTS = ((1, 2, 3, 4), (5, 6, 7), (8, 9, 10, 11, 12), (13, 14), (3, 1, 4, 1, 5, 9), (100, 7))
 MODES = {"reinference": (), "no_reinference": ("--no-reinference",)}
@@ -192,5 +192,5 @@ def _vllm_run(options: InflightOptions) -> VllmRun | None:
         o.tokens,
         max(o.stream_timeout, 240.0),
         o.vllm_log_dir,
-        cpu_nap=o.cpu_wait == "nap",
+        cpu_nap=naps(o.cpu_wait),
     )

@@ -39,6 +39,7 @@ from ftengine.testbed.bench.rejoin_measure import (
     pause_caused,
     summarize_ratio,
 )
+from ftengine.testbed.vllm.cpu_wait import cpu_wait_name, naps
 from ftengine.testbed.vllm.demo import TINY_SHAPE
 from ftengine.testbed.vllm.launcher import DeploymentConfig, VllmDeployment, free_port_run
 from ftengine.weights.checkpoint_gen import make_checkpoint
@@ -75,7 +76,7 @@ def _deployed(setup: RejoinSetup, options: Mapping[str, Any]) -> Iterator[VllmDe
             recovery_timeout_s=WAIT_S,
             startup_timeout_s=600.0,
             extra_args=("--cpu-distributed-timeout-seconds", str(OP_TIMEOUT_S)),
-            cpu_nap=options.get("cpu_wait") == "nap",
+            cpu_nap=naps(options.get("cpu_wait")),
         )
         with VllmDeployment.start(config) as deployment:
             yield deployment
@@ -217,7 +218,7 @@ def _measure(deployment: VllmDeployment, setup: RejoinSetup) -> dict[str, Any]:
     return {
         **header("vllm", setup, victim, in_flight, pause),
         "fault_free_longest_chunk_gap_s": round(longest_gap(quiet), 4),
-        "cpu_wait": "nap" if deployment.config.cpu_nap else "yield",
+        "cpu_wait": cpu_wait_name(deployment.config.cpu_nap),
         "rejoin_total_s": round(finished - restarted, 4),
         "restart_to_ready_s": round(ready - restarted, 4),
         "admission_s": round(finished - admission_start, 4),

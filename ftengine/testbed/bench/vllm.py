@@ -34,6 +34,7 @@ from ftengine.testbed.bench.vllm_overhead import (
     overhead,
 )
 from ftengine.testbed.bench.vllm_scale_down import scale_down_figures
+from ftengine.testbed.vllm.cpu_wait import cpu_wait_name
 from ftengine.testbed.vllm.launcher import DeploymentConfig, VllmDeployment
 
 PROMPT = "w1 w2 w3 w4"
@@ -214,7 +215,7 @@ def run(config: BenchConfig) -> dict[str, object]:
     head: dict[str, object] = {
         "vllm_version": vllm_version(),
         "dp_size": config.dp_size,
-        "cpu_wait": "nap" if config.cpu_nap else "yield",
+        "cpu_wait": cpu_wait_name(config.cpu_nap),
     }
     if config.overhead_only:
         return {**head, "baseline": config.baseline, "ft_overhead_ratio": run_overhead(config)}

@@ -41,6 +41,7 @@ from ftengine.testbed.chaos.vllm_plan import (
 )
 from ftengine.testbed.chaos.vllm_recover import VllmChannel, VllmRules
 from ftengine.testbed.chaos.vllm_watch import StatusWatch
+from ftengine.testbed.vllm.cpu_wait import cpu_wait_name
 from ftengine.testbed.vllm.launcher import VllmDeployment
 
 STEP_S = 0.25  # a planned "step" of delay: vLLM exposes no step counter over HTTP
@@ -337,7 +338,7 @@ class VllmTarget:
             "dp_size": o.dp_size,
             "clients": o.clients,
             "op_timeout_s": o.op_timeout_s,
-            "cpu_wait": "nap" if o.cpu_nap else "yield",
+            "cpu_wait": cpu_wait_name(o.cpu_nap),
             "fences": self.fences,
             "unplanned_faults": campaign.unplanned,
             "skipped": campaign.skipped,

@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 from ftengine.testbed.cli.launch import add_cpu_wait_arg
+from ftengine.testbed.vllm.cpu_wait import naps
 
 BENCH = "hosts"
 
@@ -47,7 +48,7 @@ def run(args: argparse.Namespace) -> int:
         trials=args.trials,
         port=args.port,
         log_dir=args.log_dir,
-        cpu_nap=args.cpu_wait == "nap",
+        cpu_nap=naps(args.cpu_wait),
     )
     result = run_bench(config)
     if not args.json:

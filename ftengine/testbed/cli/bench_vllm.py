@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 from ftengine.testbed.cli.launch import add_cpu_wait_arg
+from ftengine.testbed.vllm.cpu_wait import naps
 
 BENCH = "vllm"
 
@@ -90,7 +91,7 @@ def run(args: argparse.Namespace) -> int:
         baseline=args.baseline,
         overhead_method=args.overhead_method,
         overhead_launches=args.overhead_launches,
-        cpu_nap=args.cpu_wait == "nap",
+        cpu_nap=naps(args.cpu_wait),
     )
     result = run_bench(config)
     print(json.dumps(result, indent=None if args.json else 2))

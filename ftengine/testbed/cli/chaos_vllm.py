@@ -15,6 +15,7 @@ from pathlib import Path
 from ftengine.cli.options import at_least
 from ftengine.testbed.cli.extras import testbed_extra
 from ftengine.testbed.cli.launch import add_cpu_wait_arg
+from ftengine.testbed.vllm.cpu_wait import naps
 
 COMMAND = "chaos-vllm"
 
@@ -70,7 +71,7 @@ def run(args: argparse.Namespace) -> int:
         clients_per_rank=args.clients_per_rank, max_tokens=args.max_tokens,
         op_timeout_s=args.op_timeout, port=args.port, log_dir=args.log_dir,
         rejoin=not args.no_rejoin, serve_during_restart=args.serve_during_restart,
-        cpu_nap=args.cpu_wait == "nap",
+        cpu_nap=naps(args.cpu_wait),
     )  # fmt: skip
 
     def progress(line: str) -> None:

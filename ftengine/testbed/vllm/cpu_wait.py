@@ -27,6 +27,18 @@ NAP_S = 1e-4
 DIR_NAME = "cpu-nap"
 CPU_WAITS = ("yield", "nap")
 """The benches' ``--cpu-wait``: ``yield`` (vLLM's own) or ``nap`` (``DeploymentConfig.cpu_nap``)."""
+
+
+def naps(cpu_wait: str | None) -> bool:
+    """Whether the ``--cpu-wait`` choice ``cpu_wait`` is ``nap`` (``DeploymentConfig.cpu_nap``)."""
+    return cpu_wait == CPU_WAITS[1]
+
+
+def cpu_wait_name(cpu_nap: bool) -> str:
+    """The ``cpu_wait`` a JSON records for a deployment's ``cpu_nap``."""
+    return CPU_WAITS[1] if cpu_nap else CPU_WAITS[0]
+
+
 SITECUSTOMIZE = f'''"""ftengine test bed (testbed/vllm/cpu_wait.py): os.sched_yield naps."""
 import os
 import time

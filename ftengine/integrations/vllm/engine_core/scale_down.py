@@ -40,6 +40,7 @@ from typing import Any
 
 from ftengine.commands import REMOVED_KEY, parse_command, scale_down_problems
 from ftengine.errors import CommandRejected
+from ftengine.faults import Phase
 from ftengine.integrations.vllm.engine_core.dp_group import ClosedDpGroup
 from ftengine.integrations.vllm.messages import DP_PORTS_KEY, import_vllm
 from ftengine.integrations.vllm.rendezvous import await_store
@@ -129,7 +130,7 @@ def scale_down(sentinel: Any, ft_request: Any) -> Any:
     return utils.FaultToleranceResult(request_id=ft_request.request_id, success=True)
 
 
-WAITING_PHASE = "quarantined"
+WAITING_PHASE = Phase.QUARANTINED.value
 """A worker FSM's phase between a failed recovery step and the next command."""
 
 
