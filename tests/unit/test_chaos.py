@@ -201,6 +201,12 @@ def test_the_tally_counts_each_request_once() -> None:
     got = (counts.completed, counts.aborted_with_reason, counts.lost, counts.refused)
     assert got == (2, 1, 1, 1)
     assert counts.wrong_tokens == 1
+    assert counts.answered_after_refusal == 0
+    records[0].refusals = 2  # refused twice (503), then answered on another server
+    records[3].refusals = 5  # refused to the end
+    counts = tally(records, [check_request(r, REFERENCE, 4) for r in records])
+    assert (counts.completed, counts.refused, counts.answered_after_refusal) == (2, 1, 1)
+    assert counts.fields()["requests_answered_after_refusal"] == 1
 
 
 def test_violations_are_blamed_on_the_fault_injected_last_before() -> None:

@@ -24,7 +24,12 @@ from ftengine.testbed.chaos.findings import (
 )
 from ftengine.testbed.chaos.history import History
 from ftengine.testbed.chaos.invariants import FaultResult
-from ftengine.testbed.chaos.shares import answered_share, by_kind_shares
+from ftengine.testbed.chaos.shares import (
+    REASON_CHARS,
+    answered_share,
+    by_kind_shares,
+    unanswered_reasons,
+)
 from ftengine.testbed.chaos.traffic import StreamRecord
 
 
@@ -135,6 +140,7 @@ def test_the_shared_summary_counts_streams_faults_and_the_runs_violations() -> N
     assert found["detect_s"] == {"sigkill": {"median": 0.5, "p90": 0.5, "max": 0.5}}
     assert found["outcomes"] == {"settled": 1}
     assert found["requests_answered_share"] == round(2 / 3, 4)  # the wrong one ran to length
+    assert found["unanswered_reasons"] == {"ended None": 1}
     assert found["per_kind"]["sigkill"]["requests"] == 2  # ended after the fault at 1.0 s
     assert found["per_kind"]["none"]["requests"] == 1  # the unended one, blamed on its start
     assert sorted((v["invariant"], v["fault"]) for v in found["violations"]) == [
@@ -217,3 +223,8 @@ def test_per_kind_the_share_of_faults_left_dead_and_why_and_of_requests_answered
     }  # fmt: skip
     assert answered_share(records) == 0.4
     assert answered_share([]) is None
+    # why the three others were not: the abort's reason, the client's error, each once
+    assert unanswered_reasons(records) == {"x": 1, "HTTP 503: dead": 1, "reset": 1}
+    long = StreamRecord(5, 0, 0.0, finish_reason="abort", stop_reason="y" * 500 + "\nmore")
+    assert unanswered_reasons([long, long]) == {"y" * REASON_CHARS: 2}
+    assert unanswered_reasons([StreamRecord(6, 0, 0.0, [[5]])]) == {"ended None": 1}

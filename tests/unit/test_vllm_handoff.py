@@ -27,7 +27,12 @@ import pytest
 from ftengine.errors import ConfigError
 from ftengine.integrations.vllm.engine_core import handoff
 from ftengine.integrations.vllm.engine_core.handoff import HANDOFF_ATTR, Handoff, refusal
-from ftengine.integrations.vllm.engine_core.reinference import abort, hold_or_abort, install
+from ftengine.integrations.vllm.engine_core.reinference import (
+    abort,
+    hold_or_abort,
+    install,
+    release_dead,
+)
 from ftengine.integrations.vllm.engine_core.survivors import (
     KEY,
     FixedSurvivors,
@@ -287,6 +292,25 @@ def test_a_dead_engine_with_survivors_hands_its_held_requests_over(survivor: Sur
     ho: Handoff = getattr(sentinel, HANDOFF_ATTR)
     assert ho.model == "tiny-served" and ho.deadline_s == options.recovery_timeout_s
     finish(ho)
+    outs = outputs(sentinel.engine)["h"]
+    assert streamed(outs) == fault_free([3, 1], 6)[2:]
+    assert outs[-1].finish_reason == v1.FinishReason.LENGTH
+
+
+def test_an_engine_dead_after_a_failed_scale_down_hands_its_held_requests_over(
+    survivor: Survivor,
+) -> None:
+    """Issue 30: a survivor whose ``scale_down`` failed for good is DEAD while the other
+    survivors serve: what it held (a peer's fault) resumes there, not aborted."""
+    held = request("h", [3, 1], emitted=2, max_tokens=6)
+    engine = ServingEngine(FakeScheduler([held], []), model_executor=Executor(is_failed=False))
+    sentinel = Sentinel(engine)
+    install(sentinel, settings(reinference=True, handoff_urls=[survivor.url]),
+            check_reinference_seams)  # fmt: skip
+    hold_or_abort(sentinel, RuntimeError("Connection closed by peer"), None)
+    assert sentinel.status_type == v1.EngineStatusType.UNHEALTHY and outputs(engine) == {}
+    release_dead(sentinel, "engine 1's scale_down failed: 1/2 clients joined")
+    finish(getattr(sentinel, HANDOFF_ATTR))
     outs = outputs(sentinel.engine)["h"]
     assert streamed(outs) == fault_free([3, 1], 6)[2:]
     assert outs[-1].finish_reason == v1.FinishReason.LENGTH

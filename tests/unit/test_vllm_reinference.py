@@ -23,6 +23,7 @@ from ftengine.integrations.vllm.engine_core.reinference import (
     abort_held,
     hold_or_abort,
     install,
+    release_dead,
 )
 from ftengine.integrations.vllm.patches import engine_core as patches
 from ftengine.integrations.vllm.patches.engine_core import (
@@ -233,14 +234,26 @@ def test_a_dead_engine_aborts_what_it_held_saying_so() -> None:
     assert sentinel.status_type == v1.EngineStatusType.DEAD
 
 
-def test_an_engine_dead_after_a_failed_scale_down_aborts_what_it_held() -> None:
+def test_an_engine_dead_after_a_failed_scale_down_with_no_survivor_aborts_what_it_held() -> None:
+    """A single rank (no handoff): aborted with the reason (with survivors they are handed
+    over: test_vllm_handoff)."""
     sentinel = held_sentinel()
     hold_or_abort(sentinel, RuntimeError("peer died"), vllm_abort_all)
     assert aborts(sentinel.engine) == {}  # held for the recovery
-    abort_held(sentinel, "engine 0's scale_down failed: peer gone")
+    release_dead(sentinel, "engine 0's scale_down failed: peer gone")
     reasons = aborts(sentinel.engine)
     assert set(reasons) == {"r0", "r1", "w0"} and sentinel.engine.scheduler.requests == {}
     assert all("scale_down failed: peer gone" in str(r) for r in reasons.values())
+    release_dead(Sentinel(sentinel.engine), "no hold: nothing to do")  # re-inference off
+
+
+def test_an_engine_whose_policy_gave_up_aborts_what_it_held() -> None:
+    sentinel = held_sentinel()
+    hold_or_abort(sentinel, RuntimeError("peer died"), vllm_abort_all)
+    abort_held(sentinel, "engine 0 gave up: the minority of a partition")
+    reasons = aborts(sentinel.engine)
+    assert set(reasons) == {"r0", "r1", "w0"} and sentinel.engine.scheduler.requests == {}
+    assert all("minority of a partition" in str(r) for r in reasons.values())
     abort_held(Sentinel(sentinel.engine), "no hold: nothing to do")  # re-inference off
 
 

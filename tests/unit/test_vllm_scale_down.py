@@ -246,12 +246,21 @@ def test_a_workers_failed_step_leaves_the_command_to_send_again_until_it_gives_u
 def test_a_worker_that_cannot_be_asked_leaves_the_engine_dead(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
+    """...and what it held goes to a survivor (re-inference's ``release_dead``: handed off,
+    or aborted with the reason where none can take it: test_vllm_handoff)."""
+    from ftengine.integrations.vllm.engine_core import reinference
+
+    released: list[str] = []
+    monkeypatch.setattr(reinference, "release_dead", lambda s, why: released.append(why))
     core, engine, _ = scale_down_core(monkeypatch, ports=False)
-    engine.model_executor.is_failed = True  # its process died: nothing to ask again
     core.on_fault(RuntimeError("peer died"))
+    assert core.status_type == EngineStatusType.UNHEALTHY
+    engine.model_executor.is_failed = True  # its process died since: nothing to ask again
     command(core, {"removed_dp_ranks": [3]})
     assert answer(engine)["success"] is False
     assert core.status_type == EngineStatusType.DEAD
+    [why] = released
+    assert why.startswith("engine 1's scale_down failed: ") and "new_stateless" in why, why
 
 
 def test_a_survivor_lost_while_the_group_forms_leaves_the_command_to_send_again(

@@ -17,6 +17,8 @@ from typing import Any
 import attrs
 import httpx
 
+from ftengine.testbed.refusal import retry_after_s
+
 DATA = "data: "
 DONE = "[DONE]"
 
@@ -42,10 +44,6 @@ class StreamRequest:
             "ignore_eos": True,
             "return_token_ids": True,
         }
-
-
-RETRY_AFTER_CAP_S = 1.0
-"""The longest a refused stream waits before asking again (the server says 1 s)."""
 
 
 class Stream(threading.Thread):
@@ -94,7 +92,7 @@ class Stream(threading.Thread):
         ):
             if answer.status_code == 503 and not self.chunks:
                 answer.read()
-                time.sleep(min(float(answer.headers.get("Retry-After", 1)), RETRY_AFTER_CAP_S))
+                time.sleep(retry_after_s(answer.headers))
                 return False
             if answer.status_code != 200:
                 answer.read()

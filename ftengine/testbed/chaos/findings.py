@@ -16,7 +16,7 @@ from ftengine.testbed.chaos.catalogue import Injected, PlannedFault
 from ftengine.testbed.chaos.census import Leftovers
 from ftengine.testbed.chaos.history import History
 from ftengine.testbed.chaos.invariants import FaultResult, Violation, fault_at, tally
-from ftengine.testbed.chaos.shares import answered_share, by_kind_shares
+from ftengine.testbed.chaos.shares import answered_share, by_kind_shares, unanswered_reasons
 from ftengine.testbed.chaos.traffic import StreamRecord
 
 
@@ -199,6 +199,7 @@ def summary_fields(
         "split_brain": names["split_brain"],
         **tally(checked, verdicts).fields(),
         "requests_answered_share": answered_share(records),
+        "unanswered_reasons": unanswered_reasons(records),
         "per_kind": by_kind_shares(found.results, records, found.injections),
         "orphans": leftovers.count,
         "orphan_detail": leftovers.to_dict(),

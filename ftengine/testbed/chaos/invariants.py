@@ -105,11 +105,13 @@ class RequestTally:
     refused: int = 0
     wrong_tokens: int = 0
     gaps_or_repeats: int = 0
+    answered_after_refusal: int = 0  # completed once asked again (a 503 or no server first)
 
     def fields(self) -> dict[str, int]:
         """The counts as a campaign's JSON names them."""
         return {
             "requests_completed": self.completed,
+            "requests_answered_after_refusal": self.answered_after_refusal,
             "requests_lost": self.lost,
             "requests_aborted_with_reason": self.aborted_with_reason,
             "requests_refused_503": self.refused,
@@ -140,7 +142,7 @@ def check_request(record: StreamRecord, reference: Sequence[int], max_tokens: in
 def tally(records: Sequence[StreamRecord], verdicts: Sequence[list[str]]) -> RequestTally:
     """Count completed, lost, aborted-with-reason, wrong and gapped requests."""
     counts = {"completed": 0, "lost": 0, "aborted_with_reason": 0, "refused": 0}
-    wrong = gaps = 0
+    wrong = gaps = after_refusal = 0
     for record, problems in zip(records, verdicts, strict=True):
         names = {p.split(":", 1)[0] for p in problems}
         wrong += "wrong_tokens" in names
@@ -149,11 +151,14 @@ def tally(records: Sequence[StreamRecord], verdicts: Sequence[list[str]]) -> Req
             counts["lost"] += 1
         elif answered(record):
             counts["completed"] += 1
+            after_refusal += record.refusals > 0
         elif refused(record):
             counts["refused"] += 1
         else:
             counts["aborted_with_reason"] += 1
-    return RequestTally(wrong_tokens=wrong, gaps_or_repeats=gaps, **counts)
+    return RequestTally(
+        wrong_tokens=wrong, gaps_or_repeats=gaps, answered_after_refusal=after_refusal, **counts
+    )
 
 
 def fault_at(starts: Sequence[float], indices: Sequence[int], at: float) -> int | None:

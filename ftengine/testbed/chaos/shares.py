@@ -84,6 +84,19 @@ def by_kind_shares(
     }
 
 
+def unanswered_reasons(records: Sequence[StreamRecord]) -> dict[str, int]:
+    """Why the requests not answered were not, most common first: each one's ``stop_reason``
+    (an abort's, a stream's error event's), else its client's error, else how it ended,
+    shortened to :data:`REASON_CHARS` (the lines' ids and times vary after that)."""
+    reasons: collections.Counter[str] = collections.Counter()
+    for record in records:
+        if answered(record):
+            continue
+        why = record.stop_reason or record.error or f"ended {record.finish_reason!r}"
+        reasons[str(why).splitlines()[0][:REASON_CHARS]] += 1
+    return dict(reasons.most_common())
+
+
 def answered_share(records: Sequence[StreamRecord]) -> float | None:
     """Requests answered over all requests asked, the whole run."""
     return _share(sum(answered(r) for r in records), len(records))

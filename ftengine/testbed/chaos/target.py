@@ -21,10 +21,17 @@ from ftengine.testbed.chaos.traffic import PROMPTS, StreamRecord, Traffic
 
 class Fleet:
     """The campaign's streaming clients: one :class:`Traffic` per URL the target serves on
-    (``traffic[r]`` streams to ``urls[r]``)."""
+    (``traffic[r]`` streams to ``urls[r]``; a request refused there is asked on the others,
+    as a load balancer would)."""
 
     def __init__(self, traffic: Sequence[Traffic]) -> None:
         self.traffic = list(traffic)
+        for each in self.traffic:  # a request refused on one server is asked on the others
+            each.alternates = self.serving_urls
+
+    def serving_urls(self) -> list[str]:
+        """The URLs streamed to now (a paused client's server is left out: restarting)."""
+        return [url for t in self.traffic if (url := t.streaming_to) is not None]
 
     def start(self, urls: Sequence[str]) -> None:
         for traffic, url in zip(self.traffic, urls, strict=True):

@@ -1,7 +1,11 @@
 """Continuous concurrent streaming traffic through the OpenAI completions endpoint: each
 client thread streams one completion after another (greedy, ``return_token_ids``) and keeps
 a :class:`StreamRecord` of every chunk, so the invariants can check each stream token by
-token against the fault-free reference."""
+token against the fault-free reference. A request refused before admission (503, or no
+server listening) is asked again after the answer's ``Retry-After``, on the next server the
+campaign streams to, as the ``openai`` client and a load balancer do (``refusal.py``),
+until its time budget or the campaign's pause: one request the user asked, however many
+attempts it took (``refusals``)."""
 
 from __future__ import annotations
 
@@ -9,12 +13,13 @@ import json
 import random
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import attrs
 import httpx
 
 from ftengine.testbed.chaos.history import History
+from ftengine.testbed.refusal import RETRY_AFTER_CAP_S, retry_after_s
 
 BACKOFF_S = 0.2
 PROMPTS = ([1, 2, 3, 4], [5, 6, 7], [8, 9, 10, 11, 12], [13, 14], [3, 1, 4, 1, 5, 9], [100, 7])
@@ -34,6 +39,8 @@ class StreamRecord:
     stop_reason: str | None = None
     error: str | None = None
     ended: float | None = None
+    refusals: int = 0  # attempts refused before one was admitted (each asked again)
+    url: str | None = None  # the server of its last attempt
 
     @property
     def tokens(self) -> list[int]:
@@ -86,6 +93,9 @@ class Traffic:
         self._stopped = False
         self._in_flight = 0
         self._rngs = [random.Random(seed * 1000 + i) for i in range(clients)]
+        # The other servers a refused request may be asked on (the fleet's: those streamed
+        # to now); none: only this traffic's own.
+        self.alternates: Callable[[], Sequence[str]] = tuple
         self._threads = [
             threading.Thread(target=self._loop, args=(i,), name=f"chaos-client-{i}", daemon=True)
             for i in range(clients)
@@ -160,6 +170,14 @@ class Traffic:
                         self._in_flight -= 1
                         self._cond.notify_all()
 
+    def _open_now(self) -> bool:
+        with self._cond:
+            return self._open and not self._stopped
+
+    def _servers(self, url: str) -> list[str]:
+        """``url`` first, then the other servers streamed to now, in the fleet's order."""
+        return [url, *(u for u in self.alternates() if u != url)]
+
     def _stream(self, http: httpx.Client, url: str, record: StreamRecord) -> None:
         body = {
             "model": "chaos",
@@ -170,15 +188,18 @@ class Traffic:
             "ignore_eos": True,
             "return_token_ids": True,
         }
-        try:
-            with http.stream("POST", f"{url}/v1/completions", json=body) as response:
-                if response.status_code != 200:
-                    response.read()
-                    record.error = f"HTTP {response.status_code}: {response.text[:300]}"
-                else:
-                    _read_stream(response, record)
-        except (httpx.HTTPError, ValueError) as exc:
-            record.error = f"{type(exc).__name__}: {exc}"
+        deadline = record.started + self._timeout_s
+        while True:
+            servers = self._servers(url)
+            wait = self._attempt(http, servers[record.refusals % len(servers)], body, record)
+            if wait is None:
+                break
+            record.refusals += 1
+            if time.monotonic() + wait > deadline or not self._open_now():
+                break  # refused to the end: its last refusal is its error
+            time.sleep(wait)
+            if not self._open_now():
+                break
         if record.error is not None or record.finish_reason != "length":
             time.sleep(BACKOFF_S)  # a refused client does not spin
             self._history.add(
@@ -189,4 +210,30 @@ class Traffic:
                 stop_reason=record.stop_reason,
                 error=record.error,
                 tokens=len(record.tokens),
+                refusals=record.refusals,
+                url=record.url,
             )
+
+    @staticmethod
+    def _attempt(
+        http: httpx.Client, url: str, body: dict[str, object], record: StreamRecord
+    ) -> float | None:
+        """One POST of ``body`` to ``url``; seconds to wait before asking again when it was
+        refused before admission (a 503, or nothing listening), else None (it ran: how it
+        ended is in ``record``)."""
+        record.url, record.error = url, None
+        try:
+            with http.stream("POST", f"{url}/v1/completions", json=body) as response:
+                if response.status_code != 200:
+                    response.read()
+                    record.error = f"HTTP {response.status_code}: {response.text[:300]}"
+                    if response.status_code == 503 and not record.chunks:
+                        return retry_after_s(response.headers)
+                else:
+                    _read_stream(response, record)
+        except httpx.ConnectError as exc:  # nothing was sent: not admitted anywhere
+            record.error = f"{type(exc).__name__}: {exc}"
+            return RETRY_AFTER_CAP_S
+        except (httpx.HTTPError, ValueError) as exc:
+            record.error = f"{type(exc).__name__}: {exc}"
+        return None

@@ -121,11 +121,30 @@ class Hold:
 
 
 def abort_held(sentinel: Any, why: str) -> None:
-    """An engine that went DEAD outside ``on_fault`` (a failed ``scale_down``): abort what
-    it holds, with the reason, so no client waits for a recovery that will not come."""
+    """An engine that stops outside ``on_fault`` where nobody may serve its requests (its
+    policy gave up: a partition's minority): abort what it holds, with the reason, so no
+    client waits for a recovery that will not come."""
     hold: Hold | None = getattr(sentinel, HOLD_ATTR, None)
     if hold is not None:
         hold.release(sentinel.engine, Reinference.dead(why))
+
+
+def release_dead(sentinel: Any, why: str) -> None:
+    """An engine DEAD with survivors serving (its worker died, or its ``scale_down`` failed
+    for good): what it holds is handed to a survivor where it has a :class:`handoff.Handoff`
+    (several ranks); what cannot be (or everything, without one) is aborted with the reason."""
+    hold: Hold | None = getattr(sentinel, HOLD_ATTR, None)
+    if hold is None:
+        return
+    engine = sentinel.engine
+    reason = Reinference.dead(why)
+    refused = handoff.release_dead(sentinel, engine, held_requests(engine), reason)
+    if refused is None:
+        hold.release(engine, reason)
+        return
+    for abort_reason, requests in refused.items():
+        abort(engine, requests, abort_reason)
+    hold.since = None
 
 
 def held_requests(engine: Any) -> list[Any]:
@@ -236,15 +255,10 @@ def hold_or_abort(
     sentinel.status_type = statuses.DEAD if dead else statuses.UNHEALTHY
     sentinel.fault_info = type(exc).__name__
     if dead:
-        why = f"engine {sentinel.engine_index}'s worker process died ({type(exc).__name__})"
         # With survivors to hand them to (several ranks) they resume there instead.
-        refused = handoff.release_dead(
-            sentinel, engine, held_requests(engine), Reinference.dead(why)
+        release_dead(
+            sentinel, f"engine {sentinel.engine_index}'s worker process died ({type(exc).__name__})"
         )
-        if refused is None:
-            hold.release(engine, Reinference.dead(why))
-        for reason, requests in (refused or {}).items():
-            abort(engine, requests, reason)
     else:
         hold.hold(engine, own_fault(exc, peers or {}))
     logger.info(

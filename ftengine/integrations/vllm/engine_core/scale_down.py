@@ -119,11 +119,12 @@ def scale_down(sentinel: Any, ft_request: Any) -> Any:
             )
         # Otherwise terminal (vLLM's client records the reason in ft_error from the failed
         # result that handle_command builds from this exception); what re-inference held
-        # ends now, with the reason, rather than at the deadline.
-        from ftengine.integrations.vllm.engine_core.reinference import abort_held
+        # goes to a survivor now, as a dead worker's does (aborted with the reason where
+        # none can take it), rather than waiting for the deadline.
+        from ftengine.integrations.vllm.engine_core.reinference import release_dead
 
         sentinel.status_type = import_vllm(ENGINE_MODULE).EngineStatusType.DEAD
-        abort_held(sentinel, f"engine {rank}'s scale_down failed: {exc}")
+        release_dead(sentinel, f"engine {rank}'s scale_down failed: {exc}")
         sentinel._push_status()
         logger.exception("[FT] Engine %d: scale_down failed; status -> DEAD", rank)
         raise

@@ -1,0 +1,192 @@
+"""The campaigns' streaming clients ask a refused request again (issue 30's answered share):
+a 503 before any token, or no server listening, is asked again after its ``Retry-After``,
+on the next server the fleet streams to, as the ``openai`` client and a load balancer do;
+a request refused to the end (its budget, or the campaign's pause) is counted refused."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import attrs
+import pytest
+
+from ftengine.testbed.chaos.history import History
+from ftengine.testbed.chaos.invariants import answered, check_request, refused
+from ftengine.testbed.chaos.target import Fleet
+from ftengine.testbed.chaos.traffic import PROMPTS, StreamRecord, Traffic
+from ftengine.testbed.refusal import RETRY_AFTER_CAP_S, retry_after_s
+
+MAX_TOKENS = 3
+
+
+def tokens_of(prompt: list[int]) -> list[int]:
+    """The fake server's greedy answer to ``prompt``."""
+    return [(sum(prompt) + i) % 97 for i in range(MAX_TOKENS)]
+
+
+@attrs.define
+class Server:
+    """Refuses the first ``refuse`` asks (503, ``Retry-After: retry_after``; -1: always),
+    then streams :func:`tokens_of` the prompt."""
+
+    refuse: int = 0
+    retry_after: str = "0"
+    asks: int = 0
+    url: str = ""
+
+    def answer(self, handler: BaseHTTPRequestHandler) -> None:
+        body = json.loads(handler.rfile.read(int(handler.headers["Content-Length"])))
+        self.asks += 1
+        if self.refuse < 0 or self.asks <= self.refuse:
+            handler.send_response(503)
+            handler.send_header("Retry-After", self.retry_after)
+            handler.end_headers()
+            handler.wfile.write(b'{"error": {"message": "engine 1 is DEAD", "code": 503}}')
+            return
+        handler.send_response(200)
+        handler.send_header("Content-Type", "text/event-stream")
+        handler.end_headers()
+        for i, token in enumerate(tokens_of(body["prompt"])):
+            finish = "length" if i == MAX_TOKENS - 1 else None
+            choice = {"index": 0, "text": "x", "token_ids": [token], "finish_reason": finish}
+            handler.wfile.write(f"data: {json.dumps({'choices': [choice]})}\n\n".encode())
+        handler.wfile.write(b"data: [DONE]\n\n")
+
+
+@contextlib.contextmanager
+def one_server(server: Server) -> Iterator[Server]:
+    """``server`` listening on a free port for the ``with`` block."""
+
+    class Handler(BaseHTTPRequestHandler):
+        def log_message(self, *args: object) -> None:  # quiet
+            pass
+
+        def do_POST(self) -> None:
+            server.answer(self)
+
+    http = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    server.url = f"http://127.0.0.1:{http.server_address[1]}"
+    threading.Thread(target=http.serve_forever, daemon=True).start()
+    try:
+        yield server
+    finally:
+        http.shutdown()
+        http.server_close()
+
+
+@pytest.fixture
+def servers() -> Iterator[list[Server]]:
+    """A DEAD rank's server (refuses every ask) and a serving one."""
+    with one_server(Server(refuse=-1)) as dead, one_server(Server()) as serving:
+        yield [dead, serving]
+
+
+def traffic(timeout_s: float = 20.0) -> Traffic:
+    return Traffic(PROMPTS, MAX_TOKENS, clients=1, seed=3, history=History(), timeout_s=timeout_s)
+
+
+def first_record(fleet_or_traffic: Traffic, timeout_s: float = 20.0) -> StreamRecord:
+    deadline = time.monotonic() + timeout_s
+    while not any(r.ended is not None for r in fleet_or_traffic.records):
+        assert time.monotonic() < deadline, fleet_or_traffic.records
+        time.sleep(0.01)
+    return next(r for r in fleet_or_traffic.records if r.ended is not None)
+
+
+def test_a_request_refused_by_a_dead_ranks_server_is_answered_by_the_next_one(
+    servers: list[Server],
+) -> None:
+    dead, serving = servers
+    refused_side, other = traffic(), traffic()
+    fleet = Fleet([refused_side, other])
+    fleet.start([dead.url, serving.url])
+    try:
+        record = first_record(refused_side)
+    finally:
+        assert fleet.stop(10.0) == 0
+    prompt = PROMPTS[record.prompt]
+    assert answered(record) and record.tokens == tokens_of(list(prompt)), record
+    assert record.refusals == 1 and record.url == serving.url and dead.asks >= 1
+    assert check_request(record, tokens_of(list(prompt)), MAX_TOKENS) == []
+
+
+def test_a_server_that_refuses_a_few_times_answers_the_same_request_after() -> None:
+    server = Server(refuse=3)
+    with one_server(server):
+        alone = traffic()
+        alone.start(server.url)  # no fleet: no other server to ask
+        try:
+            record = first_record(alone)
+        finally:
+            assert alone.stop(10.0)
+    assert answered(record) and record.refusals == 3 and record.url == server.url
+
+
+def test_a_request_refused_to_the_end_of_its_budget_is_refused_with_the_reason() -> None:
+    server = Server(refuse=-1, retry_after="0")
+    with one_server(server):
+        alone = traffic(timeout_s=0.5)
+        alone.start(server.url)
+        try:
+            record = first_record(alone)
+        finally:
+            alone.stop(10.0)
+    assert refused(record) and not answered(record) and record.refusals >= 2, record
+    assert "engine 1 is DEAD" in str(record.error)
+    assert check_request(record, [1, 2, 3], MAX_TOKENS) == []  # a refusal, not a loss
+
+
+def test_the_campaigns_pause_ends_a_refused_request_rather_than_waiting_its_budget() -> None:
+    server = Server(refuse=-1, retry_after="1")
+    with one_server(server):
+        alone = traffic(timeout_s=600.0)
+        alone.start(server.url)
+        while server.asks == 0:
+            time.sleep(0.01)
+        started = time.monotonic()
+        assert alone.pause(10.0)  # returns once the refused request gave up
+        waited = time.monotonic() - started
+        alone.stop(10.0)
+    assert waited < RETRY_AFTER_CAP_S + 2.0, waited  # one Retry-After, not the 600 s budget
+    assert all(refused(r) for r in alone.records), alone.records
+
+
+def test_nothing_listening_is_asked_again_on_the_next_server(servers: list[Server]) -> None:
+    _, serving = servers
+    with socket.socket() as probe:  # a port nobody listens on
+        probe.bind(("127.0.0.1", 0))
+        closed = f"http://127.0.0.1:{probe.getsockname()[1]}"
+    gone, other = traffic(), traffic()
+    fleet = Fleet([gone, other])
+    fleet.start([closed, serving.url])
+    try:
+        record = first_record(gone)
+    finally:
+        fleet.stop(10.0)
+    assert answered(record) and record.refusals == 1 and record.url == serving.url
+
+
+def test_a_paused_clients_server_is_not_asked() -> None:
+    first, second = traffic(), traffic()
+    fleet = Fleet([first, second])
+    fleet.traffic[0].resume("http://a")
+    fleet.traffic[1].resume("http://b")
+    assert fleet.serving_urls() == ["http://a", "http://b"]
+    second.pause(1.0)
+    assert fleet.serving_urls() == ["http://a"]
+
+
+@pytest.mark.parametrize(
+    ("header", "want"),
+    [({"Retry-After": "0"}, 0.0), ({"Retry-After": "0.25"}, 0.25), ({}, 1.0),
+     ({"Retry-After": "120"}, RETRY_AFTER_CAP_S),
+     ({"Retry-After": "Wed, 21 Oct 2026 07:28:00 GMT"}, RETRY_AFTER_CAP_S)],
+)  # fmt: skip
+def test_retry_after_is_read_in_seconds_and_capped(header: dict[str, str], want: float) -> None:
+    assert retry_after_s(header) == want
