@@ -23,6 +23,18 @@ class CampaignRun:
     log: str
 
 
+def network_names() -> set[str]:
+    """The links and network namespaces named as ftengine's test bed names them (``ft``
+    and a run's tag): what a campaign on hosts must leave as it found."""
+    found = set()
+    for argv in (["ip", "-br", "link"], ["ip", "netns", "list"]):
+        text = subprocess.run(argv, capture_output=True, text=True, check=False).stdout
+        found |= {
+            line.split()[0].split("@")[0] for line in text.splitlines() if line.startswith("ft")
+        }
+    return found
+
+
 def run_campaign(command: list[str], timeout_s: float, progress: Path) -> CampaignRun:
     """Run ``command`` with its progress (stderr) in ``progress``; its JSON report."""
     with progress.open("w") as sink:

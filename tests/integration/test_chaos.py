@@ -9,7 +9,6 @@ it) under a hard timeout, stopped by pid if it overruns."""
 
 from __future__ import annotations
 
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -18,24 +17,12 @@ import pytest
 
 from ftengine.testbed.chaos.catalogue import ChaosKind
 from ftengine.testbed.chaos.cluster_options import PROCESS_KINDS
-from tests.campaign_support import run_campaign
+from tests.campaign_support import network_names, run_campaign
 
 pytestmark = pytest.mark.integration
 
 FAULTS = 20
 CAMPAIGN_TIMEOUT_S = 900
-
-
-def _links() -> str:
-    return subprocess.run(["ip", "-br", "link"], capture_output=True, text=True).stdout
-
-
-def _namespaces() -> str:
-    return subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
-
-
-def _ft_names(text: str) -> set[str]:
-    return {line.split()[0].split("@")[0] for line in text.splitlines() if line.startswith("ft")}
 
 
 @pytest.mark.timeout(CAMPAIGN_TIMEOUT_S + 60)
@@ -47,7 +34,7 @@ def test_a_short_campaign_holds_every_invariant() -> None:
 
 
 def _campaign(tmp_path: Path) -> None:
-    links, spaces = _ft_names(_links()), _ft_names(_namespaces())
+    before = network_names()
     command = [sys.executable, "-m", "ftengine", "chaos", "--faults", str(FAULTS), "--seed", "3"]
     # DP=3 keeps each rebuild (the campaign's slowest part) short on this 2-core machine.
     command += ["--netns", "--dp-size", "3", "--json", "--checkpoint", str(tmp_path / "ckpt")]
@@ -69,4 +56,4 @@ def _campaign(tmp_path: Path) -> None:
     assert ran.returncode == 0, log
     assert (tmp_path / "campaign.png").read_bytes().startswith(b"\x89PNG"), log
     # Every namespace, bridge and veth the run made is gone.
-    assert _ft_names(_links()) <= links and _ft_names(_namespaces()) <= spaces
+    assert network_names() <= before, "the campaign left links or namespaces"

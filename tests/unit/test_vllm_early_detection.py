@@ -31,6 +31,8 @@ class PushingSentinel(Sentinel):
         super().__init__(rank=rank)
         self.pushed: list[dict[str, object]] = []
         self.agent: Any = None
+        self.engine_index = rank  # vLLM's attributes
+        self.parallel_config = self.engine.vllm_config.parallel_config
 
     def _push_status(self) -> None:
         self.pushed.append(self.agent.status_fields())
@@ -178,3 +180,61 @@ def test_an_unhealthy_peer_gets_no_early_report_and_commands_do_not_wait() -> No
     start = time.monotonic()
     agent.await_fault()
     assert time.monotonic() - start < 0.1
+
+
+def late_death_sentinel(
+    monkeypatch: pytest.MonkeyPatch, rank: int = 1
+) -> tuple[PushingSentinel, Any, list[str]]:
+    """A recovering (UNHEALTHY, parked) engine of a DP=2 deployment; what ``went_dead``
+    hands to ``release_dead`` is recorded."""
+    from ftengine.integrations.vllm.engine_core import reinference
+
+    released: list[str] = []
+    monkeypatch.setattr(reinference, "release_dead", lambda s, why: released.append(why))
+    sentinel = PushingSentinel(rank=rank)
+    agent = agent_for(sentinel)
+    sentinel.agent = agent
+    sentinel.status_type = Status.UNHEALTHY
+    return sentinel, agent, released
+
+
+def test_a_worker_that_dies_while_its_engine_recovers_leaves_it_dead_its_requests_handed_off(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Issue 30's chaos campaign: a worker SIGKILLed during a retry left its engine parked
+    UNHEALTHY (vLLM makes DEAD only at the busy loop's next fault), holding two streams until
+    its server was restarted under them. Now it goes DEAD as on_fault would: once the
+    executor reads failed, its held requests to ``release_dead`` (a survivor), once."""
+    sentinel, agent, released = late_death_sentinel(monkeypatch)
+    assert agent.settle_late_death() is False and released == []  # its worker lives
+    sentinel.engine.model_executor.is_failed = True
+    agent.command_started()  # a retry under way on vLLM's input thread: it settles it
+    assert agent.settle_late_death() is False and sentinel.status_type == Status.UNHEALTHY
+    agent.command_ended()
+    assert sentinel.status_type == Status.DEAD
+    assert released == ["engine 1's worker process died while the engine was recovering"]
+    assert sentinel.fault_info == released[0]
+    assert sentinel.pushed[-1]["phase"] == "dead"  # pushed (vLLM puts "status": "dead")
+    assert agent.settle_late_death() is False and len(released) == 1  # once
+
+
+def test_the_agents_tick_settles_a_late_death_but_not_while_on_fault_runs(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    sentinel, agent, released = late_death_sentinel(monkeypatch)
+    sentinel.engine.model_executor.is_failed = True
+    agent.note_fault(RuntimeError("peer died"))  # vLLM's on_fault under way: not ours yet
+    agent._tick()
+    assert released == [] and sentinel.status_type == Status.UNHEALTHY
+    agent.release_commands()
+    agent._tick()
+    assert sentinel.status_type == Status.DEAD and len(released) == 1
+
+
+def test_a_healthy_engine_whose_worker_dies_is_left_to_vllms_on_fault(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    sentinel, agent, released = late_death_sentinel(monkeypatch)
+    sentinel.status_type = Status.HEALTHY  # its busy loop's next step faults: vLLM's DEAD
+    sentinel.engine.model_executor.is_failed = True
+    assert agent.settle_late_death() is False and released == []

@@ -24,6 +24,7 @@ class ChaosKind(str, enum.Enum):
     RANK0 = "rank0"
     NET_CUT = "net_cut"
     ENGINE_CORE = "engine_core"
+    HOST = "host"  # every process of every rank on one host, at once (real vLLM on hosts)
 
 
 class When(str, enum.Enum):
@@ -47,6 +48,7 @@ RANKS_LOST: dict[ChaosKind, int] = {
     ChaosKind.RANK0: 1,
     ChaosKind.NET_CUT: 1,
     ChaosKind.ENGINE_CORE: 1,
+    ChaosKind.HOST: 2,  # the layout's ranks on the host (the campaign's victims say which)
 }
 
 # Kinds whose detection waits for a timeout (the op timeout or the heartbeat silence) rather

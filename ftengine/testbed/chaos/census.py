@@ -1,6 +1,7 @@
 """What a campaign's run left behind, on either target: every pid and port its deployments
 used is noted, and :meth:`Census.leftovers` lists those still alive (zombies count as gone)
-or still listening once the run ended."""
+or still listening once the run ended, and what a deployment over namespace hosts left of
+its namespaces, links and files when it stopped (``note_network``)."""
 
 from __future__ import annotations
 
@@ -14,17 +15,23 @@ import psutil
 
 @attrs.frozen
 class Leftovers:
-    """What a run left behind: processes still alive and ports still listening."""
+    """What a run left behind: processes still alive, ports still listening, and network
+    namespaces, links or hosts files its deployments did not remove."""
 
     processes: tuple[int, ...]
     ports: tuple[int, ...]
+    network: tuple[str, ...] = ()
 
     @property
     def count(self) -> int:
-        return len(self.processes) + len(self.ports)
+        return len(self.processes) + len(self.ports) + len(self.network)
 
     def to_dict(self) -> dict[str, Any]:
-        return {"processes": list(self.processes), "ports": list(self.ports)}
+        return {
+            "processes": list(self.processes),
+            "ports": list(self.ports),
+            "network": list(self.network),
+        }
 
 
 def listening_here() -> set[int]:
@@ -53,14 +60,22 @@ class Census:
     poll_s: float
     pids: set[int] = attrs.field(factory=set)
     ports: set[int] = attrs.field(factory=set)
+    network: list[str] = attrs.field(factory=list)
 
     def note(self, pids: Iterable[int], ports: Iterable[int]) -> None:
         self.pids.update(pids)
         self.ports.update(ports)
 
+    def note_network(self, left: Iterable[str]) -> None:
+        """What a stopped deployment left of its namespaces, links and files (``ip``'s
+        lines naming them)."""
+        self.network.extend(left)
+
     def leftovers(self) -> Leftovers:
-        """Processes still alive (zombies count as gone) and ports still listening."""
-        return wait_for_leftovers(self.pids, self.ports, self.listening, self.grace_s, self.poll_s)
+        """Processes still alive (zombies count as gone), ports still listening, and what
+        :meth:`note_network` was told."""
+        found = wait_for_leftovers(self.pids, self.ports, self.listening, self.grace_s, self.poll_s)
+        return attrs.evolve(found, network=tuple(self.network))
 
 
 def wait_for_leftovers(

@@ -5,11 +5,15 @@ configuration each generation of the campaign starts."""
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import attrs
 
 from ftengine.integrations.vllm.worker.fault_injection import FAULT_FILE_ENV
 from ftengine.testbed.vllm.launcher import DeploymentConfig
+
+if TYPE_CHECKING:  # (hosts.py loads the CPU cluster's package: only a run on hosts needs it)
+    from ftengine.testbed.vllm.hosts import HostLayout
 
 MODEL_NAME = "chaos"  # what the chaos traffic asks for (vLLM's --served-model-name)
 
@@ -46,6 +50,18 @@ class VllmCampaignOptions:
     is ``ready`` and stream again through its admission (the rejoin test serves throughout)."""
     cpu_nap: bool = False
     """vLLM's queue waits nap instead of yield (``DeploymentConfig.cpu_nap``)."""
+    hosts: int = 1
+    """Network-namespace hosts the ranks are spread over (``HostLayout.even``; root and
+    ``ip``): 2 or more add the loss of a whole host to the plan (``vllm_plan.HOST_KINDS``)."""
+
+    @property
+    def layout(self) -> HostLayout | None:
+        """Where the ranks run: None on one host (the root namespace)."""
+        if self.hosts <= 1:
+            return None
+        from ftengine.testbed.vllm.hosts import HostLayout
+
+        return HostLayout.even(self.dp_size, self.hosts)
 
     @property
     def clients(self) -> int:

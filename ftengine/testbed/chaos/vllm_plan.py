@@ -12,13 +12,16 @@ core keeps the DP coordinator up): neither needs a rebuild."""
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ftengine.integrations.vllm.engine_core.rejoin import REJOINING_PHASES
 from ftengine.testbed.chaos.catalogue import ChaosKind, PlannedFault, When
 from ftengine.testbed.chaos.invariants import FaultResult, check_fault
 from ftengine.testbed.chaos.recovery import Decision
 from ftengine.testbed.chaos.traffic import StreamRecord
+
+if TYPE_CHECKING:  # (hosts.py loads the CPU cluster's package: only a run on hosts needs it)
+    from ftengine.testbed.vllm.hosts import HostLayout
 
 VLLM_KINDS = (
     ChaosKind.STEP_RAISE,
@@ -30,7 +33,13 @@ VLLM_KINDS = (
 )
 """What vLLM supports here: an injected step exception (``FTENGINE_VLLM_FAULT_FILE``),
 SIGKILL / SIGSTOP of one worker, two workers at once, rank 0's worker, SIGKILL of one
-engine-core process (not rank 0's: its server would stop, and with it the DP coordinator)."""
+engine-core process (not rank 0's: its server would stop, and with it the DP coordinator).
+On several hosts (``--hosts``) :data:`HOST_KINDS` adds the loss of a whole host."""
+
+HOST_KINDS = (ChaosKind.HOST,)
+"""What a deployment over network-namespace hosts adds: every process of every rank on one
+host SIGKILLed at once (never rank 0's host: it holds vLLM's DP coordinator and store, which
+no survivor takes over yet)."""
 
 NOT_COVERED = {
     "reload_error": "not injected: vLLM's scale-down reloads experts inside the engine core "
@@ -40,17 +49,32 @@ NOT_COVERED = {
     "shard_removed": "not injected: as shard_truncated",
     "net_cut": "not injected: vLLM's ranks run in the root network namespace here",
 }
+NOT_COVERED_ON_HOSTS = {
+    **{k: v for k, v in NOT_COVERED.items() if k != "net_cut"},
+    "net_cut": "not injected: a partition between vLLM hosts (ftengine bench hosts, "
+    "tests/integration/test_vllm_hosts.py) is not in the campaign's plan yet",
+}
 
 DOWN = ("dead", "unreachable")
 """Statuses of an engine that will not serve again (``unreachable``: its server stopped)."""
 
 
-def victims(fault: PlannedFault, live: Sequence[int]) -> tuple[int, ...]:
+def victims(
+    fault: PlannedFault, live: Sequence[int], layout: HostLayout | None = None
+) -> tuple[int, ...]:
     """The ranks ``fault`` hits among ``live``: rank 0 for ``rank0``; any live rank for a
-    step exception; else ranks other than 0 (rank 0's loss is its own kind)."""
+    step exception; for ``host`` the live ranks of one host of ``layout`` other than rank
+    0's; else ranks other than 0 (rank 0's loss is its own kind)."""
     ranks = sorted(live)
     if fault.kind is ChaosKind.RANK0:
         return (0,) if 0 in ranks else ()
+    if fault.kind is ChaosKind.HOST:
+        if layout is None:
+            return ()
+        hosts = [h for h in range(1, layout.hosts) if set(layout.ranks_on(h)) & set(ranks)]
+        if not hosts:
+            return ()
+        return tuple(r for r in layout.ranks_on(hosts[fault.pick % len(hosts)]) if r in ranks)
     pool = ranks if fault.kind is ChaosKind.STEP_RAISE else [r for r in ranks if r != 0]
     count = max(1, fault.ranks_lost)
     if len(pool) < count:
@@ -59,25 +83,37 @@ def victims(fault: PlannedFault, live: Sequence[int]) -> tuple[int, ...]:
     return tuple(sorted(pool[(start + i) % len(pool)] for i in range(count)))
 
 
-def follows(fault: PlannedFault, follow: PlannedFault | None, live: Sequence[int]) -> bool:
+def follows(
+    fault: PlannedFault,
+    follow: PlannedFault | None,
+    live: Sequence[int],
+    layout: HostLayout | None = None,
+) -> bool:
     """Whether ``follow`` lands during ``fault``'s recovery: planned so, a SIGKILL (the one
     recovery-phase fault injected here: a survivor's worker killed right after the first
     command), and a survivor other than rank 0 left for it with one rank beyond."""
     if follow is None or follow.when is not When.RECOVERY or follow.kind is not ChaosKind.SIGKILL:
         return False
-    hit = set(victims(fault, live)) if fault.ranks_lost else set()
+    hit = set(victims(fault, live, layout)) if fault.ranks_lost else set()
     rest = [r for r in live if r not in hit]
     return len(rest) >= 2 and any(r != 0 for r in rest)
 
 
-def rebuild_first(fault: PlannedFault, live: Sequence[int], extra_lost: int = 0) -> str | None:
+def rebuild_first(
+    fault: PlannedFault,
+    live: Sequence[int],
+    extra_lost: int = 0,
+    layout: HostLayout | None = None,
+) -> str | None:
     """Why the deployment must be rebuilt before ``fault`` (None: it can run now)."""
     # A step exception may come after a scale-down too: the retry rebuilds among the
     # survivors (``scale_down.reinit_for_retry``).
-    if not victims(fault, live):
+    hit = victims(fault, live, layout)
+    if not hit:
         return f"no victim for {fault.kind.value} among live ranks {list(live)}"
-    if len(live) - fault.ranks_lost - extra_lost < 1:
-        return f"{len(live)} ranks left, {fault.kind.value} takes {fault.ranks_lost + extra_lost}"
+    lost = len(hit) if fault.kind is ChaosKind.HOST else fault.ranks_lost
+    if len(live) - lost - extra_lost < 1:
+        return f"{len(live)} ranks left, {fault.kind.value} takes {lost + extra_lost}"
     return None
 
 

@@ -13,7 +13,7 @@ import tempfile
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import httpx
 import psutil
@@ -27,7 +27,9 @@ from ftengine.testbed.chaos.target import Bench, Ran
 from ftengine.testbed.chaos.traffic import PROMPTS, StreamRecord
 from ftengine.testbed.chaos.vllm_options import MODEL_NAME, VllmCampaignOptions
 from ftengine.testbed.chaos.vllm_plan import (
+    HOST_KINDS,
     NOT_COVERED,
+    NOT_COVERED_ON_HOSTS,
     VLLM_KINDS,
     as_dead,
     coalesced,
@@ -44,14 +46,25 @@ from ftengine.testbed.chaos.vllm_watch import StatusWatch
 from ftengine.testbed.vllm.cpu_wait import cpu_wait_name
 from ftengine.testbed.vllm.launcher import VllmDeployment
 
+if TYPE_CHECKING:  # (hosts.py loads the CPU cluster's package: only a run on hosts needs it)
+    from ftengine.testbed.vllm.hosts import MultiHostDeployment
+
 STEP_S = 0.25  # a planned "step" of delay: vLLM exposes no step counter over HTTP
 
 
 class _Running:
-    """One started deployment, what watches it and drives its recovery, and its workers."""
+    """One started deployment (``spread``: over namespace hosts, else None), what watches it
+    and drives its recovery, and its workers."""
 
-    def __init__(self, deployment: VllmDeployment, channel: VllmChannel, grace_s: float) -> None:
+    def __init__(
+        self,
+        deployment: VllmDeployment,
+        channel: VllmChannel,
+        grace_s: float,
+        spread: MultiHostDeployment | None = None,
+    ) -> None:
         self.deployment = deployment
+        self.spread = spread
         self.channel = channel
         self.watch = channel.watch
         self.workers = channel.workers
@@ -88,13 +101,21 @@ class VllmTarget:
         self._fault_file = self._scratch / "inject"
 
     def plan(self) -> list[PlannedFault]:
-        return plan(self.options.seed, self.options.faults, VLLM_KINDS)
+        kinds = VLLM_KINDS + (HOST_KINDS if self.options.layout is not None else ())
+        return plan(self.options.seed, self.options.faults, kinds)
 
     # -- deployments ----------------------------------------------------------------------
     def start(self) -> None:
         began = time.monotonic()
         config = self.options.deployment(self._fault_file, len(self.start_s))
-        deployment = VllmDeployment.start(config)
+        layout, spread = self.options.layout, None
+        if layout is not None:
+            from ftengine.testbed.vllm.hosts import MultiHostDeployment
+
+            spread = MultiHostDeployment.start(config, layout)
+        deployment = VllmDeployment.start(config) if spread is None else spread.started
+        for line in [] if spread is None else spread.describe():
+            self.progress(line)
         pids = deployment.pids()
         tree = [p.pid for r in deployment.ranks for p in _tree(r.process.pid)]
         self.bench.census.note(tree, [config.port + r for r in range(config.dp_size)])
@@ -104,7 +125,7 @@ class VllmTarget:
             command_timeout_s=self.options.op_timeout_s * 2 + 30.0,
             on_fence=lambda rank: self.bench.fleet.traffic[rank].pause(0.0),
         )  # fmt: skip
-        self.running = _Running(deployment, channel, grace_s=self.options.op_timeout_s + 2.0)
+        self.running = _Running(deployment, channel, self.options.op_timeout_s + 2.0, spread)
         self.start_s.append(time.monotonic() - began)
         self.bench.history.add("launch", pids=pids, start_s=round(self.start_s[-1], 1))
         self.progress(f"deployment {len(self.start_s)} up in {self.start_s[-1]:.1f} s: {pids}")
@@ -115,7 +136,13 @@ class VllmTarget:
             self.fences += len(running.channel.fenced)
             running.orchestrator.close()
             running.watch.stop()
-            running.deployment.stop()
+            if running.spread is None:
+                running.deployment.stop()
+            else:
+                from ftengine.testbed.vllm.hosts import leftovers
+
+                running.spread.stop()  # processes, then its namespaces, links and files
+                self.bench.census.note_network(leftovers(running.spread.hosts.tag))
         self._fault_file.unlink(missing_ok=True)
 
     def close(self) -> None:
@@ -183,10 +210,10 @@ class VllmTarget:
         return sorted(r for r, e in engines.items() if r not in removed and e["status"] != "dead")
 
     def follows(self, fault: PlannedFault, follow: PlannedFault | None) -> bool:
-        return follows(fault, follow, self.live())
+        return follows(fault, follow, self.live(), self.options.layout)
 
     def rebuild_first(self, fault: PlannedFault, follow: PlannedFault | None) -> str | None:
-        return rebuild_first(fault, self.live(), 1 if follow else 0)
+        return rebuild_first(fault, self.live(), 1 if follow else 0, self.options.layout)
 
     def wait_steps(self, steps: int) -> None:
         time.sleep(steps * STEP_S)
@@ -204,15 +231,19 @@ class VllmTarget:
 
     # -- a fault --------------------------------------------------------------------------
     def inject(self, fault: PlannedFault, live: Sequence[int]) -> Injected:
-        hit = victims(fault, live)
+        hit = victims(fault, live, self.options.layout)
         at = time.monotonic()
-        if fault.kind is ChaosKind.STEP_RAISE:
+        running = self._running()
+        if fault.kind is ChaosKind.HOST and running.spread is not None:
+            at = running.spread.kill_host(running.spread.layout.host_of(hit[0]))
+            for rank in hit:
+                self.bench.fleet.traffic[rank].pause(0.0)  # no new streams to a host that is gone
+        elif fault.kind is ChaosKind.STEP_RAISE:
             staged = self._fault_file.with_suffix(".tmp")
             staged.write_text(str(hit[0]))
             staged.replace(self._fault_file)  # whole, as the worker reads it
         else:
             sig = signal.SIGSTOP if fault.kind is ChaosKind.SIGSTOP else signal.SIGKILL
-            running = self._running()
             for rank in hit:
                 if fault.kind is ChaosKind.ENGINE_CORE:  # its worker follows it (death pipe)
                     os.kill(running.deployment.pids()[rank]["engine_core"], sig)
@@ -331,8 +362,9 @@ class VllmTarget:
         o = self.options
         return {
             "streams_coalesced": self._coalesced(campaign),
-            "not_covered": NOT_COVERED,
+            "not_covered": NOT_COVERED if o.layout is None else NOT_COVERED_ON_HOSTS,
             "vllm": True,
+            "hosts": None if o.layout is None else list(o.layout.ranks_per_host),
             "seed": o.seed,
             "policy": "orchestrator",
             "dp_size": o.dp_size,

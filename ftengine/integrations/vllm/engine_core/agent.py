@@ -163,6 +163,8 @@ class EngineCoreAgent:
         self._recovering = threading.Event()  # the agent's own retry / scale_down runs
         self._idle = threading.Event()  # the opposite, for commands to wait on
         self._idle.set()
+        self._commands = 0  # vLLM's input thread is handling this many FT commands
+        self._settled_dead = False  # a worker death while recovering was made DEAD
         self._lock = threading.Lock()
         self.thread = threading.Thread(target=self._run, name="ftengine-agent", daemon=True)
         self.watch = threading.Thread(target=self._watch, name="ftengine-watch", daemon=True)
@@ -204,6 +206,37 @@ class EngineCoreAgent:
             self.pending = None
             self.blamed = None  # note_fault has named the fault's rank already
             self.anticipated = None  # vLLM's own status says it now
+
+    def command_started(self) -> None:
+        """vLLM's input thread begins an FT command (the patched ``handle_command``)."""
+        with self._lock:
+            self._commands += 1
+
+    def command_ended(self) -> None:
+        """It ended: a worker that died during it leaves the engine DEAD now."""
+        with self._lock:
+            self._commands -= 1
+        self.settle_late_death()
+
+    def settle_late_death(self) -> bool:
+        """This engine's worker died while the engine was recovering (UNHEALTHY, parked or in
+        a command that failed): DEAD now, its requests to a survivor (``late_death``), once,
+        when neither vLLM's ``on_fault``, a command nor the agent's own recovery runs."""
+        if not getattr(self.engine.model_executor, "is_failed", False):
+            return False
+        if self._own_status() != "unhealthy" or not self._faulted.is_set():
+            return False
+        with self._lock:
+            if self._settled_dead or self._commands or not self._idle.is_set():
+                return False
+            self._settled_dead = True
+        from ftengine.integrations.vllm.engine_core.late_death import went_dead
+
+        went_dead(
+            self.sentinel,
+            f"engine {self.rank}'s worker process died while the engine was recovering",
+        )
+        return True
 
     def release_commands(self) -> None:
         """After the patched ``on_fault`` pushed its last status: a held command may run (its
@@ -281,6 +314,7 @@ class EngineCoreAgent:
             self.proposal = self.decided = self.outvoted = None
             self.admissible = frozenset()
             self._dying = False
+            self._settled_dead = False
             self._store_failures = 0
         self._faulted.set()
         return urls
@@ -354,6 +388,7 @@ class EngineCoreAgent:
         self._keep_dp_timeout()
         if self.fenced is not None:
             return  # a minority engine reads no DP store: its host may be across the cut
+        self.settle_late_death()
         was_dying = self._dying
         self._dying = was_dying or worker_dying(self.engine.model_executor)
         news = rung or self._dying != was_dying or self._mine() != self.board.published

@@ -165,7 +165,14 @@ def _after_fault(handle: Callable[..., None]) -> Callable[..., None]:
 
         if isinstance(ft_args, dict) and refuse_while_rejoining(self, client_idx, call_id, ft_args):
             return  # a rank relaunching or waiting to be admitted: neither DEAD nor HEALTHY
-        handle(self, client_idx, call_id, ft_args)
+        if agent is None:
+            handle(self, client_idx, call_id, ft_args)
+            return
+        agent.command_started()
+        try:
+            handle(self, client_idx, call_id, ft_args)
+        finally:
+            agent.command_ended()  # its worker died during it: DEAD now (late_death.py)
 
     setattr(handle_when_faulted, PATCHED_MARK, handle)
     return handle_when_faulted
