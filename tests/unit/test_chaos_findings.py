@@ -28,6 +28,7 @@ from ftengine.testbed.chaos.shares import (
     REASON_CHARS,
     answered_share,
     by_kind_shares,
+    minority_side,
     unanswered_reasons,
 )
 from ftengine.testbed.chaos.traffic import StreamRecord
@@ -213,13 +214,14 @@ def test_per_kind_the_share_of_faults_left_dead_and_why_and_of_requests_answered
     shares = by_kind_shares(results, records, [shot(kill, 1.0), shot(raised, 10.0)])
     assert shares == {
         "none": {"faults": 0, "dead": 0, "dead_share": None, "dead_reasons": {},
-                 "requests": 1, "answered": 1, "answered_share": 1.0},
+                 "requests": 1, "answered": 1, "answered_share": 1.0, "minority_ended": 0},
         # settled: the victim and a rank removed before are dead, but the recovery was not
         "sigkill": {"faults": 1, "dead": 0, "dead_share": 0.0, "dead_reasons": {},
-                    "requests": 2, "answered": 1, "answered_share": 0.5},
+                    "requests": 2, "answered": 1, "answered_share": 0.5, "minority_ended": 0},
         "reload_error": {"faults": 1, "dead": 1, "dead_share": 1.0,
                          "dead_reasons": {"scale_down failed: reload": 1},
-                         "requests": 2, "answered": 0, "answered_share": 0.0},
+                         "requests": 2, "answered": 0, "answered_share": 0.0,
+                         "minority_ended": 0},
     }  # fmt: skip
     assert answered_share(records) == 0.4
     assert answered_share([]) is None
@@ -228,6 +230,28 @@ def test_per_kind_the_share_of_faults_left_dead_and_why_and_of_requests_answered
     long = StreamRecord(5, 0, 0.0, finish_reason="abort", stop_reason="y" * 500 + "\nmore")
     assert unanswered_reasons([long, long]) == {"y" * REASON_CHARS: 2}
     assert unanswered_reasons([StreamRecord(6, 0, 0.0, [[5]])]) == {"ended None": 1}
+
+
+def test_what_a_partitions_minority_ended_or_refused_is_out_of_the_answered_shares() -> None:
+    """Issue 30: requests answered >= 95 % of those asked outside the minority side."""
+    cut = planned(0, ChaosKind.NET_CUT)
+    result = FaultResult(
+        index=0, kind=ChaosKind.NET_CUT, when=When.STEADY, step=-1, victims=(2,),
+        detect_s=3.1, recover_s=5.0, outcome="settled", engines=(),
+    )  # fmt: skip
+    why = "engine 2 gave up: network partition: engine 2 reaches live DP ranks [2] of [0, 1, 2]"
+    records = [
+        StreamRecord(0, 0, 0.0, [[5]], finish_reason="length", ended=2.0),
+        StreamRecord(1, 0, 0.0, [[5]], finish_reason="abort", stop_reason=why, ended=3.0),
+        StreamRecord(2, 0, 0.0, error=f"HTTP 503: {why}", ended=4.0),  # refused to the end
+        StreamRecord(3, 0, 0.0, [[5]], finish_reason="abort", stop_reason="other", ended=5.0),
+    ]
+    assert [minority_side(r) for r in records] == [False, True, True, False]
+    assert answered_share(records) == 0.5  # 1 of the 2 asked outside the minority
+    row = by_kind_shares([result], records, [shot(cut, 1.0)])["net_cut"]
+    assert (row["requests"], row["answered"], row["minority_ended"]) == (2, 1, 2)
+    # an answered request names no partition: never taken out
+    assert not minority_side(StreamRecord(4, 0, 0.0, [[5]], finish_reason="length"))
 
 
 def test_what_a_hosts_deployment_left_of_its_network_is_a_leftover() -> None:

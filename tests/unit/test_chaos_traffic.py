@@ -1,7 +1,9 @@
 """The campaigns' streaming clients ask a refused request again (issue 30's answered share):
 a 503 before any token, or no server listening, is asked again after its ``Retry-After``,
 on the next server the fleet streams to, as the ``openai`` client and a load balancer do;
-a request refused to the end (its budget, or the campaign's pause) is counted refused."""
+a request refused to the end (its budget, or the campaign's pause) is counted refused. A
+stream cut mid-way (its server killed with its host) is resumed on another server from the
+tokens it has, and its tokens are the uncut stream's."""
 
 from __future__ import annotations
 
@@ -25,24 +27,32 @@ from ftengine.testbed.refusal import RETRY_AFTER_CAP_S, retry_after_s
 MAX_TOKENS = 3
 
 
-def tokens_of(prompt: list[int]) -> list[int]:
-    """The fake server's greedy answer to ``prompt``."""
-    return [(sum(prompt) + i) % 97 for i in range(MAX_TOKENS)]
+def tokens_of(prompt: list[int], count: int = MAX_TOKENS) -> list[int]:
+    """The fake server's greedy answer to ``prompt``: each token a function of every token
+    before it, as a model's (so a continuation from prompt + emitted tokens is the same)."""
+    seq = list(prompt)
+    for _ in range(count):
+        seq.append(sum(seq) % 97)
+    return seq[len(prompt) :]
 
 
 @attrs.define
 class Server:
     """Refuses the first ``refuse`` asks (503, ``Retry-After: retry_after``; -1: always),
-    then streams :func:`tokens_of` the prompt."""
+    then streams :func:`tokens_of` the prompt (``max_tokens`` of them); with ``cut_after``,
+    closes the connection after that many tokens instead (a server killed mid-stream)."""
 
     refuse: int = 0
     retry_after: str = "0"
     asks: int = 0
     url: str = ""
+    cut_after: int | None = None
+    prompts: list[list[int]] = attrs.field(factory=list)
 
     def answer(self, handler: BaseHTTPRequestHandler) -> None:
         body = json.loads(handler.rfile.read(int(handler.headers["Content-Length"])))
         self.asks += 1
+        self.prompts.append(list(body["prompt"]))
         if self.refuse < 0 or self.asks <= self.refuse:
             handler.send_response(503)
             handler.send_header("Retry-After", self.retry_after)
@@ -51,9 +61,16 @@ class Server:
             return
         handler.send_response(200)
         handler.send_header("Content-Type", "text/event-stream")
+        if self.cut_after is not None:  # a body it promises and never ends, as a killed one
+            handler.send_header("Content-Length", str(1 << 20))
         handler.end_headers()
-        for i, token in enumerate(tokens_of(body["prompt"])):
-            finish = "length" if i == MAX_TOKENS - 1 else None
+        count = int(body["max_tokens"])
+        for i, token in enumerate(tokens_of(body["prompt"], count)):
+            if i == self.cut_after:
+                handler.wfile.flush()
+                handler.connection.shutdown(socket.SHUT_RDWR)  # no end of the chunked body
+                return
+            finish = "length" if i == count - 1 else None
             choice = {"index": 0, "text": "x", "token_ids": [token], "finish_reason": finish}
             handler.wfile.write(f"data: {json.dumps({'choices': [choice]})}\n\n".encode())
         handler.wfile.write(b"data: [DONE]\n\n")
@@ -180,6 +197,38 @@ def test_a_paused_clients_server_is_not_asked() -> None:
     assert fleet.serving_urls() == ["http://a", "http://b"]
     second.pause(1.0)
     assert fleet.serving_urls() == ["http://a"]
+
+
+def test_a_stream_cut_mid_way_is_resumed_on_another_server_from_its_tokens() -> None:
+    with one_server(Server(cut_after=1)) as killed, one_server(Server()) as serving:
+        cut_side, other = traffic(), traffic()
+        fleet = Fleet([cut_side, other])
+        fleet.start([killed.url, serving.url])
+        try:
+            record = first_record(cut_side)
+        finally:
+            fleet.stop(10.0)
+    prompt = list(PROMPTS[record.prompt])
+    want = tokens_of(prompt)
+    assert answered(record) and record.tokens == want and record.resumes == 1, record
+    assert check_request(record, want, MAX_TOKENS) == []  # no gap, no repeat
+    assert prompt + want[:1] in serving.prompts  # asked for the rest only
+    assert record.url == serving.url and record.refusals == 0
+
+
+def test_a_cut_stream_with_no_other_server_keeps_its_error() -> None:
+    with one_server(Server(cut_after=1)) as killed:
+        alone = traffic()
+        alone.start(killed.url)
+        try:
+            record = first_record(alone)
+        finally:
+            alone.stop(10.0)
+    assert not answered(record) and record.resumes == 0 and len(record.tokens) == 1
+    assert "RemoteProtocolError" in str(record.error), record
+    assert check_request(record, tokens_of(list(PROMPTS[record.prompt])), MAX_TOKENS) == [
+        f"lost: ended None error {record.error!r}"
+    ]
 
 
 @pytest.mark.parametrize(

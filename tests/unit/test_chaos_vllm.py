@@ -29,6 +29,7 @@ from ftengine.testbed.chaos.vllm_plan import (
     VLLM_KINDS,
     as_dead,
     coalesced,
+    cut_hosts,
     decide,
     detection_bound,
     detectors,
@@ -36,6 +37,7 @@ from ftengine.testbed.chaos.vllm_plan import (
     judge,
     rebuild_first,
     removed_ranks,
+    stopping,
     victims,
 )
 from ftengine.testbed.chaos.vllm_recover import VllmChannel, VllmRules
@@ -74,6 +76,9 @@ def test_the_plan_draws_only_what_vllm_supports_and_replays() -> None:
         (ChaosKind.STEP_RAISE, 2, [0, 1, 2], (2,)),
         (ChaosKind.ENGINE_CORE, 0, [0, 1, 2], (1,)),  # never rank 0's: its server would stop
         (ChaosKind.ENGINE_CORE, 1, [0], ()),
+        (ChaosKind.POISON, 0, [0, 1, 2], (0,)),  # sent to any rank, rank 0's server too
+        (ChaosKind.POISON, 4, [0, 1, 2], (1,)),
+        (ChaosKind.NET_CUT, 0, [0, 1, 2], ()),  # one host: nothing to cut
     ],
 )
 def test_victims(kind: ChaosKind, pick: int, live: list[int], expected: tuple[int, ...]) -> None:
@@ -99,6 +104,32 @@ def test_a_hosts_victims_are_its_live_ranks_never_rank_0s_host(
     assert victims(fault(ChaosKind.HOST, pick), live) == ()  # one host: no host to lose
 
 
+@pytest.mark.parametrize(
+    ("layout", "pick", "live", "expected"),
+    [
+        ((2, 1), 0, [0, 1, 2], (2,)),  # host 1 cut off: 1 of 3 live ranks
+        ((2, 2), 0, [0, 1, 2, 3], (2, 3)),  # an even split: rank 0's side keeps serving
+        ((1, 1, 1), 1, [0, 1, 2], (2,)),
+        ((1, 2), 0, [0, 1, 2], ()),  # host 1 holds the majority: it would serve, not stop
+        ((1, 2), 0, [0, 2], (2,)),  # rank 1 removed: an even split, rank 0's side serves
+        ((2, 1, 1), 0, [0, 1, 2, 3], (2,)),
+    ],
+)
+def test_a_cut_off_host_is_one_the_other_hosts_outvote(
+    layout: tuple[int, ...], pick: int, live: list[int], expected: tuple[int, ...]
+) -> None:
+    assert victims(fault(ChaosKind.NET_CUT, pick), live, HostLayout(layout)) == expected
+
+
+def test_a_cuts_sides_are_the_victims_host_and_all_the_others() -> None:
+    assert cut_hosts((2,), HostLayout((2, 1))) == ([0], [1])
+    assert cut_hosts((3,), HostLayout((2, 1, 1))) == ([0, 1], [2])
+    assert rebuild_first(fault(ChaosKind.NET_CUT), [0, 1, 2], layout=HostLayout((2, 1))) is None
+    assert "no victim" in str(
+        rebuild_first(fault(ChaosKind.NET_CUT), [0, 1, 2], layout=HostLayout((1, 2)))
+    )
+
+
 def test_a_host_loss_takes_its_live_ranks_and_needs_a_survivor() -> None:
     two_by_two = HostLayout((2, 2))
     assert rebuild_first(fault(ChaosKind.HOST), [0, 1, 2, 3], layout=two_by_two) is None
@@ -115,10 +146,12 @@ def test_on_hosts_the_plan_adds_a_hosts_loss_and_the_cluster_never_draws_it(
     assert on_hosts.layout == HostLayout((2, 2))
     assert VllmCampaignOptions(tmp_path, dp_size=4).layout is None
     drawn = plan(3, 12, VLLM_KINDS + HOST_KINDS)
-    assert ChaosKind.HOST in {f.kind for f in drawn[: len(VLLM_KINDS) + 1]}  # every kind first
+    first = {f.kind for f in drawn[: len(VLLM_KINDS) + 2]}  # every kind first
+    assert {ChaosKind.HOST, ChaosKind.NET_CUT} <= first
     assert ChaosKind.HOST not in PROCESS_KINDS  # the cluster's namespaces hold one rank each
-    assert NOT_COVERED_ON_HOSTS.keys() == NOT_COVERED.keys()
-    assert "partition" in NOT_COVERED_ON_HOSTS["net_cut"]
+    assert ChaosKind.POISON not in PROCESS_KINDS  # (the cluster's serving tests cover it)
+    assert NOT_COVERED.keys() - NOT_COVERED_ON_HOSTS.keys() == {"net_cut"}  # injected on hosts
+    assert "namespace" in NOT_COVERED["net_cut"]
 
 
 def test_rebuild_first_when_a_fault_cannot_run_on_what_is_left() -> None:
@@ -157,6 +190,8 @@ def test_detection_bounds_and_who_must_see_the_fault() -> None:
     assert detection_bound(ChaosKind.SIGKILL, 3.0) == 3.0
     assert detection_bound(ChaosKind.SIGSTOP, 3.0) == 4.0
     assert detection_bound(ChaosKind.STEP_RAISE, 3.0) == 4.0  # peers see it at the op timeout
+    assert detection_bound(ChaosKind.POISON, 3.0) == 4.0  # a step exception of its own
+    assert detection_bound(ChaosKind.NET_CUT, 3.0) == 4.0  # silence, or the op timeout
     assert detectors(ChaosKind.SIGSTOP, [0, 1, 2], (1,)) == (0, 2)  # the stopped one cannot
     assert detectors(ChaosKind.SIGKILL, [0, 1, 2], (1,)) == (0, 1, 2)
     assert detectors(ChaosKind.SIGKILL, [0, 1], (1,), When.RECOVERY) == (1,)  # peers faulted
@@ -190,6 +225,23 @@ def test_a_rank_rejoining_is_down_for_the_decision_never_commanded() -> None:
     assert decide({0: ready, **gone}, (0, 1), 0.0, 5.0) == Decision("done", state="dead")
     assert as_dead(ready)["status"] == "dead"  # the fault's victim: not a member yet
     assert as_dead(engine(1, "healthy", phase="healthy"))["status"] == "healthy"
+
+
+def test_a_partitions_stopping_minority_is_down_for_the_decision() -> None:
+    """Seen on hosts: the cut-off rank reported ``unhealthy`` for a moment before it went
+    ``dead``; a retry of all three then waited 30 s for it. Its status says it is stopping."""
+    why = "network partition: engine 2 reaches live DP ranks [2] of [0, 1, 2], not a majority"
+    cut = engine(2, "unhealthy", fault_info=why)
+    peers = {0: engine(0, "unhealthy"), 1: engine(1, "unhealthy")}
+    decision = decide({**peers, 2: cut}, (2,), 0.0, 5.0)
+    assert (decision.instruction, decision.targets) == ("scale_down", (0, 1))
+    assert decision.params == {"removed_dp_ranks": [2]}
+    # the majority not faulted yet: wait for it, never fence it for the minority's sake
+    assert decide({0: engine(0, "healthy"), 1: engine(1, "healthy"), 2: cut}, (2,), 9.0, 5.0) == (
+        Decision("wait")
+    )
+    assert stopping(cut) and not stopping(engine(2, "unhealthy", fault_info="PeerDead"))
+    assert not stopping(engine(2, "dead", fault_info=why))  # dead already: down as such
 
 
 def test_decide_waits_for_a_slow_peer_then_fences_it() -> None:

@@ -494,6 +494,31 @@ def test_a_store_closed_by_the_survivors_scale_down_falls_back_on_the_board(
         SurvivorDirectory(engine, 2, 3, "http://h2:1", last_read=dict)()
 
 
+def test_a_new_store_nobody_wrote_on_yet_falls_back_on_the_board(
+    dp_store: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Measured on hosts (chaos-vllm --hosts 2, seed 22): rank 1's worker killed during the
+    survivors' scale-down past host 1; its engine core read the scale-down's new store,
+    where rank 0 had not yet written its URL, and aborted its held requests ("none
+    published one"). The board's URLs hand them off; a store that holds some wins."""
+    engine = dp_engine(dp_store, 1, 3)
+    board = {0: "http://h0:1", 2: "http://h2:1"}
+    directory = SurvivorDirectory(engine, 1, 3, "http://h1:1", last_read=lambda: board)
+    assert directory() == ("http://h2:1", "http://h0:1")
+    assert "no API server published on the current DP store yet" in caplog.text
+    dp_store.set(KEY.format(rank=0), "http://new0:1")
+    assert directory() == ("http://new0:1",)
+    assert SurvivorDirectory(engine, 1, 3, "http://h1:1", last_read=dict)() == ("http://new0:1",)
+    empty = dp_engine(
+        pytest.importorskip("torch.distributed").TCPStore(
+            "127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=2)
+        ),
+        1,
+        3,
+    )
+    assert SurvivorDirectory(empty, 1, 3, "http://h1:1", last_read=dict)() == ()
+
+
 def test_the_board_carries_each_engines_api_server() -> None:
     from ftengine.integrations.vllm.engine_core.dp_board import Entry, StatusBoard
     from tests.unit.test_vllm_engine_agent import Store

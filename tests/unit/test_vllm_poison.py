@@ -93,10 +93,44 @@ def test_a_poison_request_is_found_by_lone_re_runs_and_aborted_alone() -> None:
     assert (reruns["r0"], reruns["r1"]) == (1, 1)
 
 
+def test_new_arrivals_wait_for_the_probes_step_so_its_fault_is_its_own() -> None:
+    """Seen on hosts (chaos-vllm --hosts 2, seed 113): the poison request re-run beside
+    requests that had just arrived faulted three times with them and was aborted by the
+    re-run limit, its reason not naming it. New arrivals now wait for the probe's step."""
+    sentinel = held_sentinel(max_reinference=3, running=1, waiting=0)
+    hold_or_abort(sentinel, RuntimeError("worker failed"), vllm_abort_all)  # r0: the poison
+    scheduler = sentinel.engine.scheduler
+    for rid in ("n0", "n1"):  # the clients' next requests, arrived since the fault
+        request = FakeRequest(rid)
+        scheduler.requests[rid] = request
+        scheduler.waiting.append(request)
+    assert scheduled(sentinel) == ["r0"]  # the probe alone
+    schedule(sentinel, ["r0"])
+    hold_or_abort(sentinel, RuntimeError("worker failed again"), vllm_abort_all)
+    reasons = aborts(sentinel.engine)
+    assert list(reasons) == ["r0"]
+    assert str(reasons["r0"]).startswith("poison request: re-run alone on rank 0 after a fault")
+    assert scheduled(sentinel) == ["n0", "n1"]  # nobody suspected: they run at once
+
+
+def test_an_arrival_waits_one_step_per_suspect_then_runs_with_them() -> None:
+    sentinel = held_sentinel(running=2, waiting=0)
+    hold_or_abort(sentinel, RuntimeError("worker failed"), vllm_abort_all)
+    scheduler = sentinel.engine.scheduler
+    request = FakeRequest("n0")
+    scheduler.requests["n0"] = request
+    scheduler.waiting.append(request)
+    assert scheduled(sentinel) == ["r0"]
+    run_clean_step(sentinel, ["r0"])
+    assert scheduled(sentinel) == ["r1"]  # r0 clean and running; n0 still waits
+    run_clean_step(sentinel, ["r0", "r1"])
+    assert scheduled(sentinel) == ["n0"]
+
+
 def test_a_fault_while_a_not_yet_clean_mate_ran_suspects_everyone_again() -> None:
     sentinel = held_sentinel(running=2, waiting=1)
     hold_or_abort(sentinel, RuntimeError("worker failed"), vllm_abort_all)
-    run_clean_step(sentinel, ["r0", "w0"])  # w0 never faulted: it runs freely
+    run_clean_step(sentinel, ["r0", "w0"])  # w0 scheduled beside the probe all the same
     run_clean_step(sentinel, ["r1"])
     assert getattr(sentinel.engine.scheduler, PROBE_ATTR).probe.suspects == []
     hold_or_abort(sentinel, RuntimeError("worker failed"), vllm_abort_all)  # nobody was probed

@@ -45,7 +45,12 @@ def test_a_minority_engine_faults_then_stops_naming_the_partition() -> None:
     assert agent.fenced is not None and "network partition" in agent.fenced
     assert len(markers(sentinel)) == 1  # vLLM's own fault path runs first
     assert sentinel.status_type == Status.HEALTHY
+    # reported unhealthy at once, saying it is stopping (an orchestrator must not retry it:
+    # seen on hosts, a retry of all three waited 30 s for the cut-off one)
+    fields = agent.status_fields()
+    assert fields["status"] == "unhealthy" and "network partition" in str(fields["fault_info"])
     sentinel.status_type = Status.UNHEALTHY  # vLLM's on_fault ran
+    assert "network partition" in str(agent.status_fields()["fault_info"])
     agent.guard_step()
     assert sentinel.status_type == Status.DEAD
     assert "network partition" in str(sentinel.fault_info)
@@ -58,6 +63,7 @@ def test_a_majority_engine_takes_a_silent_peer_for_dead_and_faults() -> None:
     sentinel, agent = agent_seeing(0, Probes(frozenset({1, 2, 3}), frozenset({1, 2})))
     agent.guard_step()
     assert agent.fenced is None
+    assert "network partition" not in str(agent.status_fields().get("fault_info"))
     assert agent.peers == {3: "dead"} and agent.gone == {3}
     assert len(markers(sentinel)) == 1
     sentinel.status_type = Status.UNHEALTHY

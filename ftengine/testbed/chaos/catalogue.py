@@ -25,6 +25,7 @@ class ChaosKind(str, enum.Enum):
     NET_CUT = "net_cut"
     ENGINE_CORE = "engine_core"
     HOST = "host"  # every process of every rank on one host, at once (real vLLM on hosts)
+    POISON = "poison"  # a request whose every step after its first token raises (real vLLM)
 
 
 class When(str, enum.Enum):
@@ -49,6 +50,7 @@ RANKS_LOST: dict[ChaosKind, int] = {
     ChaosKind.NET_CUT: 1,
     ChaosKind.ENGINE_CORE: 1,
     ChaosKind.HOST: 2,  # the layout's ranks on the host (the campaign's victims say which)
+    ChaosKind.POISON: 0,  # its rank faults, is retried; the request alone is aborted
 }
 
 # Kinds whose detection waits for a timeout (the op timeout or the heartbeat silence) rather

@@ -9,9 +9,12 @@ from ftengine.testbed.chaos.catalogue import ChaosKind
 
 # Every kind this cluster mode can inject (the network cut needs hosts in namespaces; an
 # engine core is vLLM's process, which the cluster has none of; a host of several ranks is
-# the real-vLLM campaign's: the cluster's namespaces hold one rank each).
+# the real-vLLM campaign's: the cluster's namespaces hold one rank each; so is the poison
+# request, the cluster's re-inference of which its serving tests cover).
 PROCESS_KINDS = tuple(
-    k for k in ChaosKind if k not in (ChaosKind.NET_CUT, ChaosKind.ENGINE_CORE, ChaosKind.HOST)
+    k
+    for k in ChaosKind
+    if k not in (ChaosKind.NET_CUT, ChaosKind.ENGINE_CORE, ChaosKind.HOST, ChaosKind.POISON)
 )
 
 

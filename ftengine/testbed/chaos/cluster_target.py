@@ -36,9 +36,15 @@ from ftengine.testbed.cluster import ClusterConfig, ClusterError, reference_gene
 from ftengine.testbed.cluster.netns import Hosts
 from ftengine.weights.index import CheckpointIndex
 
+POISON_NOT_COVERED = {
+    "poison": "not injected here: the CPU cluster's re-inference of a poison request is "
+    "covered by its serving tests (tests/integration/test_serving_reinference.py); the "
+    "real-vLLM campaign injects it"
+}
 NOT_COVERED = {
     "net_cut": "not injected: this cluster mode runs every worker in the root network "
-    "namespace (run with --netns for hosts in network namespaces), so a link cannot be cut alone"
+    "namespace (run with --netns for hosts in network namespaces), so a link cannot be cut alone",
+    **POISON_NOT_COVERED,
 }
 
 
@@ -302,7 +308,7 @@ class ClusterTarget:
         return {
             "only": None if o.only is None else list(o.only),
             "unplanned_faults": campaign.unplanned,
-            "not_covered": {} if o.netns else NOT_COVERED,
+            "not_covered": POISON_NOT_COVERED if o.netns else NOT_COVERED,
             "netns": o.netns,
             "rejoin": o.rejoin,
             "rejoins": len(campaign.rejoin_s),

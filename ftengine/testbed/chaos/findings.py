@@ -16,7 +16,12 @@ from ftengine.testbed.chaos.catalogue import Injected, PlannedFault
 from ftengine.testbed.chaos.census import Leftovers
 from ftengine.testbed.chaos.history import History
 from ftengine.testbed.chaos.invariants import FaultResult, Violation, fault_at, tally
-from ftengine.testbed.chaos.shares import answered_share, by_kind_shares, unanswered_reasons
+from ftengine.testbed.chaos.shares import (
+    answered_share,
+    by_kind_shares,
+    minority_side,
+    unanswered_reasons,
+)
 from ftengine.testbed.chaos.traffic import StreamRecord
 
 
@@ -194,11 +199,12 @@ def summary_fields(
         "faults_planned": len(campaign.plan),
         "interrupted": campaign.interrupted.is_set(),
         **fault_counts(found.results),
-        "hangs": names["stuck_unhealthy"] + len(hang_entries) + unfinished,
+        "hangs": names["stuck_unhealthy"] + names["hang"] + len(hang_entries) + unfinished,
         "stuck_unhealthy": names["stuck_unhealthy"],
         "split_brain": names["split_brain"],
         **tally(checked, verdicts).fields(),
         "requests_answered_share": answered_share(records),
+        "requests_ended_by_minority": sum(minority_side(r) for r in records),
         "unanswered_reasons": unanswered_reasons(records),
         "per_kind": by_kind_shares(found.results, records, found.injections),
         "orphans": leftovers.count,

@@ -16,7 +16,7 @@ from typing import Any
 
 import attrs
 
-from ftengine.testbed.chaos.catalogue import SILENT_KINDS, ChaosKind, When
+from ftengine.testbed.chaos.catalogue import RANKS_LOST, SILENT_KINDS, ChaosKind, When
 from ftengine.testbed.chaos.traffic import StreamRecord
 
 
@@ -75,7 +75,7 @@ def check_fault(result: FaultResult, op_timeout_s: float) -> list[str]:
         if engine["status"] == "dead" and not (engine.get("ft_error") or engine.get("fault_info")):
             problems.append(f"dead_without_reason: engine {engine['id']}")
     by_id = {e["id"]: e for e in result.engines}
-    if result.kind is not ChaosKind.STEP_RAISE:
+    if RANKS_LOST[result.kind]:  # (a step exception or a poison request kills no one)
         alive = [v for v in result.victims if by_id.get(v, {}).get("status") != "dead"]
         if alive:
             problems.append(f"victims_dead: victims {alive} are not dead")
@@ -106,12 +106,14 @@ class RequestTally:
     wrong_tokens: int = 0
     gaps_or_repeats: int = 0
     answered_after_refusal: int = 0  # completed once asked again (a 503 or no server first)
+    resumed_after_cut: int = 0  # completed on another server after its connection broke
 
     def fields(self) -> dict[str, int]:
         """The counts as a campaign's JSON names them."""
         return {
             "requests_completed": self.completed,
             "requests_answered_after_refusal": self.answered_after_refusal,
+            "requests_resumed_after_cut": self.resumed_after_cut,
             "requests_lost": self.lost,
             "requests_aborted_with_reason": self.aborted_with_reason,
             "requests_refused_503": self.refused,
@@ -142,7 +144,7 @@ def check_request(record: StreamRecord, reference: Sequence[int], max_tokens: in
 def tally(records: Sequence[StreamRecord], verdicts: Sequence[list[str]]) -> RequestTally:
     """Count completed, lost, aborted-with-reason, wrong and gapped requests."""
     counts = {"completed": 0, "lost": 0, "aborted_with_reason": 0, "refused": 0}
-    wrong = gaps = after_refusal = 0
+    wrong = gaps = after_refusal = after_cut = 0
     for record, problems in zip(records, verdicts, strict=True):
         names = {p.split(":", 1)[0] for p in problems}
         wrong += "wrong_tokens" in names
@@ -152,13 +154,15 @@ def tally(records: Sequence[StreamRecord], verdicts: Sequence[list[str]]) -> Req
         elif answered(record):
             counts["completed"] += 1
             after_refusal += record.refusals > 0
+            after_cut += record.resumes > 0
         elif refused(record):
             counts["refused"] += 1
         else:
             counts["aborted_with_reason"] += 1
     return RequestTally(
-        wrong_tokens=wrong, gaps_or_repeats=gaps, answered_after_refusal=after_refusal, **counts
-    )
+        wrong_tokens=wrong, gaps_or_repeats=gaps, answered_after_refusal=after_refusal,
+        resumed_after_cut=after_cut, **counts,
+    )  # fmt: skip
 
 
 def fault_at(starts: Sequence[float], indices: Sequence[int], at: float) -> int | None:

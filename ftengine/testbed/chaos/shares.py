@@ -2,7 +2,9 @@
 whose recovery ended DEAD (the deployment could not recover), and why, and the share of the
 requests it touched that were answered. A request is counted against the fault injected
 last before it ended (as its problems are blamed); one that ended before the first fault
-counts under ``"none"``."""
+counts under ``"none"``. A request the minority side of a partition ended or refused, naming
+the partition (``quorum.PARTITION``), was asked on the side that must stop: it counts in
+``minority_ended``, not in the shares (issue 30: answered "outside the minority side")."""
 
 from __future__ import annotations
 
@@ -10,6 +12,7 @@ import collections
 from collections.abc import Sequence
 from typing import Any
 
+from ftengine.integrations.vllm.engine_core.quorum import PARTITION
 from ftengine.testbed.chaos.catalogue import Injected
 from ftengine.testbed.chaos.invariants import FaultResult, answered, fault_at
 from ftengine.testbed.chaos.traffic import StreamRecord
@@ -34,6 +37,11 @@ def dead_reasons(result: FaultResult) -> list[str]:
     return reasons
 
 
+def minority_side(record: StreamRecord) -> bool:
+    """Not answered, and ended or refused by a partition's minority side, which said so."""
+    return not answered(record) and PARTITION in f"{record.stop_reason} {record.error}"
+
+
 def _share(part: int, whole: int) -> float | None:
     return None if whole == 0 else round(part / whole, 4)
 
@@ -45,7 +53,8 @@ def by_kind_shares(
 ) -> dict[str, dict[str, Any]]:
     """Per fault kind: ``faults``, ``dead`` (faults whose recovery ended DEAD),
     ``dead_share``, ``dead_reasons`` (reason: count), ``requests`` (those counted
-    against a fault of the kind), ``answered`` and ``answered_share``."""
+    against a fault of the kind, but those ``minority_ended``), ``answered`` and
+    ``answered_share``."""
     shots = sorted(injections, key=lambda shot: shot.at)
     starts, indices = [s.at for s in shots], [s.fault.index for s in shots]
     kind_of = {s.fault.index: s.fault.kind.value for s in shots}
@@ -56,6 +65,7 @@ def by_kind_shares(
             "reasons": collections.Counter(),
             "requests": 0,
             "answered": 0,
+            "minority_ended": 0,
         }
     )
     for result in results:
@@ -68,6 +78,9 @@ def by_kind_shares(
         ended = record.ended if record.ended is not None else record.started
         blamed = fault_at(starts, indices, ended)
         row = rows[NO_FAULT if blamed is None else kind_of[blamed]]
+        if minority_side(record):
+            row["minority_ended"] += 1
+            continue
         row["requests"] += 1
         row["answered"] += answered(record)
     return {
@@ -79,6 +92,7 @@ def by_kind_shares(
             "requests": row["requests"],
             "answered": row["answered"],
             "answered_share": _share(row["answered"], row["requests"]),
+            "minority_ended": row["minority_ended"],
         }
         for kind, row in sorted(rows.items())
     }
@@ -98,5 +112,7 @@ def unanswered_reasons(records: Sequence[StreamRecord]) -> dict[str, int]:
 
 
 def answered_share(records: Sequence[StreamRecord]) -> float | None:
-    """Requests answered over all requests asked, the whole run."""
-    return _share(sum(answered(r) for r in records), len(records))
+    """Requests answered over all requests asked outside a partition's minority side, the
+    whole run."""
+    asked = [r for r in records if not minority_side(r)]
+    return _share(sum(answered(r) for r in asked), len(asked))

@@ -5,7 +5,11 @@ token against the fault-free reference. A request refused before admission (503,
 server listening) is asked again after the answer's ``Retry-After``, on the next server the
 campaign streams to, as the ``openai`` client and a load balancer do (``refusal.py``),
 until its time budget or the campaign's pause: one request the user asked, however many
-attempts it took (``refusals``)."""
+attempts it took (``refusals``). A stream whose connection breaks before its finish
+reason (its server was killed, with its host) is resumed on the next server from the
+tokens it has, as ftengine's own hand-off resumes a DEAD rank's (prompt + emitted token
+ids, what is left of ``max_tokens``, greedy: the same tokens), as a router in front of the
+servers would (``resumes``); one cut with no other server to ask keeps its error."""
 
 from __future__ import annotations
 
@@ -22,6 +26,7 @@ from ftengine.testbed.chaos.history import History
 from ftengine.testbed.refusal import RETRY_AFTER_CAP_S, retry_after_s
 
 BACKOFF_S = 0.2
+CUT = "cut"  # an attempt whose connection broke mid-stream (``Traffic._attempt``)
 PROMPTS = ([1, 2, 3, 4], [5, 6, 7], [8, 9, 10, 11, 12], [13, 14], [3, 1, 4, 1, 5, 9], [100, 7])
 """Every campaign's prompts (token ids of the tests' tiny checkpoint), on either target."""
 
@@ -40,6 +45,7 @@ class StreamRecord:
     error: str | None = None
     ended: float | None = None
     refusals: int = 0  # attempts refused before one was admitted (each asked again)
+    resumes: int = 0  # connections cut mid-stream, each resumed on another server
     url: str | None = None  # the server of its last attempt
 
     @property
@@ -178,20 +184,33 @@ class Traffic:
         """``url`` first, then the other servers streamed to now, in the fleet's order."""
         return [url, *(u for u in self.alternates() if u != url)]
 
-    def _stream(self, http: httpx.Client, url: str, record: StreamRecord) -> None:
-        body = {
+    def _body(self, record: StreamRecord) -> dict[str, object]:
+        """The request for what ``record`` still lacks: its prompt and the tokens it has."""
+        return {
             "model": "chaos",
-            "prompt": self.prompts[record.prompt],
-            "max_tokens": self.max_tokens,
+            "prompt": self.prompts[record.prompt] + record.tokens,
+            "max_tokens": self.max_tokens - len(record.tokens),
             "stream": True,
             "temperature": 0,
             "ignore_eos": True,
             "return_token_ids": True,
         }
+
+    def _stream(self, http: httpx.Client, url: str, record: StreamRecord) -> None:
         deadline = record.started + self._timeout_s
         while True:
             servers = self._servers(url)
-            wait = self._attempt(http, servers[record.refusals % len(servers)], body, record)
+            server = servers[(record.refusals + record.resumes) % len(servers)]
+            wait = self._attempt(http, server, self._body(record), record)
+            if isinstance(wait, str):  # CUT
+                if not self._resumable(server, deadline):
+                    break
+                record.resumes += 1
+                self._history.add(
+                    "stream_cut", client=record.client, prompt=record.prompt,
+                    tokens=len(record.tokens), url=server, error=record.error,
+                )  # fmt: skip
+                continue
             if wait is None:
                 break
             record.refusals += 1
@@ -214,26 +233,35 @@ class Traffic:
                 url=record.url,
             )
 
+    def _resumable(self, cut: str, deadline: float) -> bool:
+        """Whether a stream cut on server ``cut`` is asked again: another server is streamed
+        to and the request's budget is not spent."""
+        return time.monotonic() < deadline and any(u != cut for u in self.alternates())
+
     @staticmethod
     def _attempt(
         http: httpx.Client, url: str, body: dict[str, object], record: StreamRecord
-    ) -> float | None:
+    ) -> float | str | None:
         """One POST of ``body`` to ``url``; seconds to wait before asking again when it was
-        refused before admission (a 503, or nothing listening), else None (it ran: how it
+        refused before admission (a 503, or nothing listening), :data:`CUT` when its
+        connection broke before a finish reason, else None (it ran: how it
         ended is in ``record``)."""
-        record.url, record.error = url, None
+        record.url, record.error, had = url, None, len(record.chunks)
         try:
             with http.stream("POST", f"{url}/v1/completions", json=body) as response:
                 if response.status_code != 200:
                     response.read()
                     record.error = f"HTTP {response.status_code}: {response.text[:300]}"
-                    if response.status_code == 503 and not record.chunks:
+                    if response.status_code == 503 and len(record.chunks) == had:
                         return retry_after_s(response.headers)
                 else:
                     _read_stream(response, record)
         except httpx.ConnectError as exc:  # nothing was sent: not admitted anywhere
             record.error = f"{type(exc).__name__}: {exc}"
             return RETRY_AFTER_CAP_S
+        except (httpx.NetworkError, httpx.RemoteProtocolError) as exc:  # (not a timeout)
+            record.error = f"{type(exc).__name__}: {exc}"
+            return CUT if record.finish_reason is None else None
         except (httpx.HTTPError, ValueError) as exc:
             record.error = f"{type(exc).__name__}: {exc}"
         return None

@@ -52,7 +52,8 @@ class VllmCampaignOptions:
     """vLLM's queue waits nap instead of yield (``DeploymentConfig.cpu_nap``)."""
     hosts: int = 1
     """Network-namespace hosts the ranks are spread over (``HostLayout.even``; root and
-    ``ip``): 2 or more add the loss of a whole host to the plan (``vllm_plan.HOST_KINDS``)."""
+    ``ip``): 2 or more add the loss of a whole host and a partition to the plan
+    (``vllm_plan.HOST_KINDS``)."""
 
     @property
     def layout(self) -> HostLayout | None:

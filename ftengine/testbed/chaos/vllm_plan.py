@@ -14,6 +14,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
+from ftengine.integrations.vllm.engine_core.quorum import PARTITION, Sight, keeps_serving
 from ftengine.integrations.vllm.engine_core.rejoin import REJOINING_PHASES
 from ftengine.testbed.chaos.catalogue import ChaosKind, PlannedFault, When
 from ftengine.testbed.chaos.invariants import FaultResult, check_fault
@@ -30,16 +31,20 @@ VLLM_KINDS = (
     ChaosKind.TWO_RANKS,
     ChaosKind.RANK0,
     ChaosKind.ENGINE_CORE,
+    ChaosKind.POISON,
 )
 """What vLLM supports here: an injected step exception (``FTENGINE_VLLM_FAULT_FILE``),
 SIGKILL / SIGSTOP of one worker, two workers at once, rank 0's worker, SIGKILL of one
-engine-core process (not rank 0's: its server would stop, and with it the DP coordinator).
-On several hosts (``--hosts``) :data:`HOST_KINDS` adds the loss of a whole host."""
+engine-core process (not rank 0's: its server would stop, and with it the DP coordinator),
+a poison request (``poison.py``). On several hosts (``--hosts``) :data:`HOST_KINDS` adds
+the loss of a whole host and a partition."""
 
-HOST_KINDS = (ChaosKind.HOST,)
+HOST_KINDS = (ChaosKind.HOST, ChaosKind.NET_CUT)
 """What a deployment over network-namespace hosts adds: every process of every rank on one
-host SIGKILLed at once (never rank 0's host: it holds vLLM's DP coordinator and store, which
-no survivor takes over yet)."""
+host SIGKILLed at once, and one host cut off from the others (both sides alive; the
+deployment's own majority rule, ``quorum.py``, keeps the side with the most live ranks
+serving and stops the other); never rank 0's host: it holds vLLM's DP coordinator and
+store, which no survivor takes over yet."""
 
 NOT_COVERED = {
     "reload_error": "not injected: vLLM's scale-down reloads experts inside the engine core "
@@ -49,11 +54,7 @@ NOT_COVERED = {
     "shard_removed": "not injected: as shard_truncated",
     "net_cut": "not injected: vLLM's ranks run in the root network namespace here",
 }
-NOT_COVERED_ON_HOSTS = {
-    **{k: v for k, v in NOT_COVERED.items() if k != "net_cut"},
-    "net_cut": "not injected: a partition between vLLM hosts (ftengine bench hosts, "
-    "tests/integration/test_vllm_hosts.py) is not in the campaign's plan yet",
-}
+NOT_COVERED_ON_HOSTS = {k: v for k, v in NOT_COVERED.items() if k != "net_cut"}
 
 DOWN = ("dead", "unreachable")
 """Statuses of an engine that will not serve again (``unreachable``: its server stopped)."""
@@ -63,24 +64,47 @@ def victims(
     fault: PlannedFault, live: Sequence[int], layout: HostLayout | None = None
 ) -> tuple[int, ...]:
     """The ranks ``fault`` hits among ``live``: rank 0 for ``rank0``; any live rank for a
-    step exception; for ``host`` the live ranks of one host of ``layout`` other than rank
-    0's; else ranks other than 0 (rank 0's loss is its own kind)."""
+    step exception or a poison request (the rank it is sent to); for ``host`` the live
+    ranks of one host of ``layout`` other than rank 0's, for ``net_cut`` those of one such
+    host that the other hosts' ranks outvote (``quorum.keeps_serving``: the cut-off side is
+    the one that stops); else ranks other than 0 (rank 0's loss is its own kind)."""
     ranks = sorted(live)
     if fault.kind is ChaosKind.RANK0:
         return (0,) if 0 in ranks else ()
-    if fault.kind is ChaosKind.HOST:
-        if layout is None:
-            return ()
-        hosts = [h for h in range(1, layout.hosts) if set(layout.ranks_on(h)) & set(ranks)]
-        if not hosts:
-            return ()
-        return tuple(r for r in layout.ranks_on(hosts[fault.pick % len(hosts)]) if r in ranks)
-    pool = ranks if fault.kind is ChaosKind.STEP_RAISE else [r for r in ranks if r != 0]
+    if fault.kind in (ChaosKind.HOST, ChaosKind.NET_CUT):
+        return _host_victims(fault, ranks, layout)
+    anyone = fault.kind in (ChaosKind.STEP_RAISE, ChaosKind.POISON)
+    pool = ranks if anyone else [r for r in ranks if r != 0]
     count = max(1, fault.ranks_lost)
     if len(pool) < count:
         return ()
     start = fault.pick % len(pool)
     return tuple(sorted(pool[(start + i) % len(pool)] for i in range(count)))
+
+
+def _host_victims(
+    fault: PlannedFault, ranks: Sequence[int], layout: HostLayout | None
+) -> tuple[int, ...]:
+    if layout is None:
+        return ()
+    hosts = [h for h in range(1, layout.hosts) if set(layout.ranks_on(h)) & set(ranks)]
+    if fault.kind is ChaosKind.NET_CUT:
+        hosts = [h for h in hosts if _outvoted(layout.ranks_on(h), ranks)]
+    if not hosts:
+        return ()
+    return tuple(r for r in layout.ranks_on(hosts[fault.pick % len(hosts)]) if r in ranks)
+
+
+def _outvoted(cut: Sequence[int], live: Sequence[int]) -> bool:
+    """Whether the live ranks outside ``cut`` keep serving once cut off from it."""
+    rest = [r for r in live if r not in cut]
+    return bool(rest) and keeps_serving(Sight(min(rest), members=live, reaches=rest))
+
+
+def cut_hosts(hit: Sequence[int], layout: HostLayout) -> tuple[list[int], list[int]]:
+    """The two sides (hosts) of a ``net_cut`` that cuts off the host of ``hit``."""
+    cut = layout.host_of(hit[0])
+    return [h for h in range(layout.hosts) if h != cut], [cut]
 
 
 def follows(
@@ -111,7 +135,7 @@ def rebuild_first(
     hit = victims(fault, live, layout)
     if not hit:
         return f"no victim for {fault.kind.value} among live ranks {list(live)}"
-    lost = len(hit) if fault.kind is ChaosKind.HOST else fault.ranks_lost
+    lost = len(hit) if fault.kind in (ChaosKind.HOST, ChaosKind.NET_CUT) else fault.ranks_lost
     if len(live) - lost - extra_lost < 1:
         return f"{len(live)} ranks left, {fault.kind.value} takes {lost + extra_lost}"
     return None
@@ -120,9 +144,11 @@ def rebuild_first(
 def detection_bound(kind: ChaosKind, op_timeout_s: float) -> float:
     """Seconds within which every peer must see ``kind``: the op timeout + 1 s when peers
     learn of it only through their collective's op timeout (a stopped worker, and an
-    injected step exception: it closes no socket, and the agents give no early report for a
-    peer that is only ``unhealthy``); the op timeout for a killed worker."""
-    if kind in (ChaosKind.SIGSTOP, ChaosKind.STEP_RAISE):
+    injected step exception or poison request: it closes no socket, and the agents give no
+    early report for a peer that is only ``unhealthy``), or through silence (a cut link:
+    ``quorum.SILENT_S``, or the op timeout of a step waiting across the cut); the op
+    timeout for a killed worker."""
+    if kind in (ChaosKind.SIGSTOP, ChaosKind.STEP_RAISE, ChaosKind.POISON, ChaosKind.NET_CUT):
         return op_timeout_s + 1.0
     return op_timeout_s
 
@@ -159,9 +185,10 @@ def decide(
     ``may_die`` may end dead and some engine has been ``unhealthy`` for ``faulted_for_s``."""
     removed = removed_ranks(engines)
     # A rank rejoining (rank 0 relaunching its worker in place, or a restarted one) is no
-    # member until admitted: down for the decision, never a rank to command.
+    # member until admitted, and one a partition's minority side holds is stopping: down for
+    # the decision, never a rank to command.
     live = {
-        r: "dead" if e.get("phase") in REJOINING_PHASES else str(e.get("status"))
+        r: "dead" if e.get("phase") in REJOINING_PHASES or stopping(e) else str(e.get("status"))
         for r, e in engines.items()
         if r not in removed
     }
@@ -178,6 +205,13 @@ def decide(
         ranks = sorted(removed | down)
         return Decision("command", sick, "scale_down", {"removed_dp_ranks": ranks})
     return Decision("command", sick, "retry")
+
+
+def stopping(engine: Mapping[str, Any]) -> bool:
+    """An engine on a partition's minority side: ``unhealthy``, saying so in its
+    ``fault_info`` (``quorum.PARTITION``), and ``dead`` as soon as it is idle: a retry that
+    counts it waits for it in vain (vLLM's 30 s for every client)."""
+    return engine.get("status") == "unhealthy" and PARTITION in str(engine.get("fault_info"))
 
 
 def as_dead(engine: dict[str, Any]) -> dict[str, Any]:

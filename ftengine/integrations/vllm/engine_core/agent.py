@@ -350,6 +350,10 @@ class EngineCoreAgent:
             fields["fault_info"] = (
                 f"engine {self.rank}'s worker process died while the engine was recovering"
             )
+        if fields.get("status", own) == "unhealthy" and self.fenced is not None:
+            # on a partition's minority side, stopping (dead at the next tick it is idle):
+            # an orchestrator must not count it in a retry, which would wait for it in vain
+            fields["fault_info"] = self.fenced
         store = getattr(self.sentinel, STORE_ATTR, None)
         if store is not None:  # where a restarted rank joins (engine_core/admission.py)
             fields["dp_store"] = f"{store[0]}:{store[1]}"

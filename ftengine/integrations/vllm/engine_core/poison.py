@@ -5,7 +5,8 @@ The rule is the CPU cluster's (``ftengine.reinference.PoisonProbe``): after a fa
 engine's own (its worker raised; not a peer's timeout or death, which only tell that some
 other engine faulted), the requests that ran in the faulted step become suspects, and once
 the engine serves again they are re-run one at a time. vLLM's scheduler runs the probe (and
-every request not suspected) while the other suspects stay held: the one seam is
+every request that ran clean since the fault) while the other suspects and any request not
+yet run since the fault stay held, a step each: the one seam is
 ``Scheduler._handle_blocked_waiting_request``, vLLM's own "skip this waiting request for
 this step" (:func:`skipping_suspects`). Each step whose output comes back clears the
 requests it ran (``Scheduler.update_from_output``, :func:`noting_clean_steps`). When the
@@ -72,12 +73,18 @@ class EngineProbe:
         self.probe.cleared(request_id)
 
     def waits(self, request_id: str, requests: Mapping[str, Any]) -> bool:
-        """Whether ``request_id`` must wait this step (suspected, not the probe); suspects no
-        longer among the scheduler's unfinished ``requests`` (a client aborted them) are
-        dropped first, so that they never hold the others back."""
+        """Whether ``request_id`` must wait this step: suspected and not the probe, or,
+        while a probe is out, one that has run no clean step since the fault (arrived
+        since, or waiting then): the probe then runs beside none but requests that ran
+        clean, so a fault of its step is its own. (Seen on hosts: a poison request re-run
+        beside new arrivals three times over was aborted by the re-run limit, unnamed.)
+        Suspects no longer among the scheduler's unfinished ``requests`` (a client aborted
+        them) are dropped first, so that they never hold the others back."""
         while (head := self.probe.probe()) is not None and _gone(requests.get(head)):
             self.probe.cleared(head)
-        return self.probe.waits(request_id)
+        if head is None or request_id == head:
+            return False
+        return self.probe.waits(request_id) or request_id not in self.clean
 
     def ran_clean(self, request_ids: Collection[str]) -> None:
         """A step's output came back for ``request_ids``: they are no longer suspected."""

@@ -42,6 +42,8 @@ SILENT_S = 3.0  # no answer this long to at least MISSES probes: unreachable
 MISSES = 20  # probes this engine actually sent meanwhile: a thread of ours that was starved
 # of CPU (seen for ~1 s, and longer, on a loaded 2-core machine) judges no one silent
 PING, PONG = b"?", b"="
+PARTITION = "network partition"
+"""How the minority's reason begins (its status, its 503s, the requests it ended)."""
 
 
 @attrs.frozen
@@ -80,7 +82,7 @@ def keeps_serving(sight: Sight) -> bool:
 def explain(sight: Sight) -> str:
     """Why this side stops (for the engine's status, its 503s and its ended requests)."""
     return (
-        f"network partition: engine {sight.rank} reaches live DP ranks "
+        f"{PARTITION}: engine {sight.rank} reaches live DP ranks "
         f"{sorted(sight.side)} of {sorted(sight.live)}, not a majority"
         + (
             f" (an even split goes to the side holding rank {min(sight.live)})"

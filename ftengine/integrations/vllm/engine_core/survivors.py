@@ -64,11 +64,13 @@ class SurvivorDirectory:
 
     def __call__(self) -> tuple[str, ...]:
         """The other ranks' published URLs, from the next rank on (never this one's own);
-        those last read on the DP board when the store does not answer (none: its error)."""
+        those last read on the DP board when the store does not answer (none: its error)
+        or holds none yet (a scale-down's new store, which a peer killed during that
+        scale-down reads before any survivor has written on it)."""
+        known = {} if self.last_read is None else dict(self.last_read())
         try:
-            return self._ring(self._read(self.engine.dp_store))
+            found = self._read(self.engine.dp_store)
         except (RuntimeError, OSError, ValueError) as exc:  # torch's DistNetworkError too
-            known = {} if self.last_read is None else dict(self.last_read())
             if not known:
                 raise
             logger.warning(
@@ -77,6 +79,13 @@ class SurvivorDirectory:
                 self.rank, type(exc).__name__, exc,
             )  # fmt: skip
             return self._ring(known)
+        if not self._ring(found) and self._ring(known):
+            logger.warning(
+                "[FT] engine %d: no API server published on the current DP store yet; using "
+                "those last read on the DP board", self.rank,
+            )  # fmt: skip
+            return self._ring(known)
+        return self._ring(found)
 
     def _read(self, store: Any) -> dict[int, str]:
         found: dict[int, str] = {}
