@@ -216,6 +216,36 @@ def test_a_stream_cut_mid_way_is_resumed_on_another_server_from_its_tokens() -> 
     assert record.url == serving.url and record.refusals == 0
 
 
+def test_a_stream_the_server_ends_with_an_error_event_ends_with_its_reason() -> None:
+    """vLLM's in-stream error event (``data: {"error": ...}``), which the ``openai`` client
+    raises as an ``APIError``: an end with a reason, not a lost stream, never resumed."""
+
+    class Failing(Server):
+        def answer(self, handler: BaseHTTPRequestHandler) -> None:
+            handler.rfile.read(int(handler.headers["Content-Length"]))
+            self.asks += 1
+            handler.send_response(200)
+            handler.send_header("Content-Type", "text/event-stream")
+            handler.end_headers()
+            choice = {"index": 0, "text": "x", "token_ids": [4], "finish_reason": None}
+            handler.wfile.write(f"data: {json.dumps({'choices': [choice]})}\n\n".encode())
+            error = {"error": {"message": "poison request: re-run alone", "code": 500}}
+            handler.wfile.write(f"data: {json.dumps(error)}\n\n".encode())
+            handler.wfile.write(b"data: [DONE]\n\n")
+
+    with one_server(Failing()) as failing, one_server(Server()) as other:
+        first, second = traffic(), traffic()
+        fleet = Fleet([first, second])
+        fleet.start([failing.url, other.url])
+        try:
+            record = first_record(first)
+        finally:
+            fleet.stop(10.0)
+    assert (record.finish_reason, record.stop_reason) == ("error", "poison request: re-run alone")
+    assert record.tokens == [4] and record.resumes == 0 and record.error is None
+    assert check_request(record, [4, 5, 6], MAX_TOKENS) == []  # ended with its reason
+
+
 def test_a_cut_stream_with_no_other_server_keeps_its_error() -> None:
     with one_server(Server(cut_after=1)) as killed:
         alone = traffic()

@@ -8,7 +8,9 @@ import json
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import httpx
@@ -36,11 +38,13 @@ from ftengine.testbed.chaos.vllm_plan import (
     follows,
     judge,
     rebuild_first,
+    relaunch_failed,
     removed_ranks,
     stopping,
     victims,
 )
 from ftengine.testbed.chaos.vllm_recover import VllmChannel, VllmRules
+from ftengine.testbed.chaos.vllm_target import VllmTarget
 from ftengine.testbed.chaos.vllm_watch import StatusWatch
 from ftengine.testbed.vllm.hosts import HostLayout
 
@@ -242,6 +246,29 @@ def test_a_partitions_stopping_minority_is_down_for_the_decision() -> None:
     )
     assert stopping(cut) and not stopping(engine(2, "unhealthy", fault_info="PeerDead"))
     assert not stopping(engine(2, "dead", fault_info=why))  # dead already: down as such
+
+
+def test_a_failed_relaunch_is_seen_as_one_and_the_heal_gives_up_at_once(tmp_path: Path) -> None:
+    """Seen in the 60-fault campaign on hosts: rank 0's relaunch failed and the heal waited
+    its whole 600 s deadline for a ``ready`` that could not come."""
+    why = "engine 0's worker process died and relaunching it failed: RelaunchFailed: x"
+    failed = engine(0, "dead", phase="dead", fault_info=why)
+    assert relaunch_failed(failed)
+    assert not relaunch_failed(engine(0, "dead", phase="loading", fault_info="relaunching"))
+    assert not relaunch_failed(engine(0, "dead", phase="dead", fault_info="RuntimeError"))
+
+    class Watch:
+        def poll(self) -> dict[int, dict[str, Any]]:
+            return {0: failed, 1: engine(1, "healthy")}
+
+    target = VllmTarget(VllmCampaignOptions(tmp_path, dp_size=3), lambda line: None)
+    target.running = SimpleNamespace(watch=Watch())  # type: ignore[assignment]
+    started = time.monotonic()
+    with pytest.raises(RuntimeError, match=r"ranks \[0\] will not be ready"):
+        target._await([0], lambda e: e.get("phase") == "ready", "ready",
+                      started + 600.0, failed=relaunch_failed)  # fmt: skip
+    assert time.monotonic() - started < 5.0
+    target.close()
 
 
 def test_decide_waits_for_a_slow_peer_then_fences_it() -> None:

@@ -59,6 +59,24 @@ def test_a_minority_engine_faults_then_stops_naming_the_partition() -> None:
     agent.stop()
 
 
+def test_an_engine_faulted_by_one_silent_peer_then_cut_off_pushes_that_it_is_stopping() -> None:
+    """Seen on hosts (60-fault campaign, a cut host's rank): one peer fell silent a probe
+    round before the other, so the engine faulted first believing it held a majority
+    (``fault_info`` PeerDead), then found itself cut off. Its status is pushed again then,
+    naming the partition, so an orchestrator does not retry it with the others."""
+    probes = Probes(frozenset({0, 1, 2, 3}), frozenset({0, 1}))  # 2 silent: 3 of 4 reached
+    sentinel, agent = agent_seeing(3, probes)
+    agent.guard_step()
+    assert agent.fenced is None and len(markers(sentinel)) == 1
+    assert "network partition" not in str(agent.status_fields().get("fault_info"))
+    pushed = sentinel.pushes
+    probes.reached = frozenset()  # then the others: cut off
+    agent.guard_step()
+    assert agent.fenced is not None and sentinel.pushes == pushed + 1
+    assert "network partition" in str(agent.status_fields()["fault_info"])
+    agent.stop()
+
+
 def test_a_majority_engine_takes_a_silent_peer_for_dead_and_faults() -> None:
     sentinel, agent = agent_seeing(0, Probes(frozenset({1, 2, 3}), frozenset({1, 2})))
     agent.guard_step()

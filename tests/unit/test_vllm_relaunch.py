@@ -69,6 +69,14 @@ def test_the_fake_executor_takes_what_vllms_takes() -> None:
     rl.check_seams()  # every vLLM name the relaunch uses, in the installed vLLM
 
 
+def test_vllms_cache_config_has_the_override_the_relaunch_sets() -> None:
+    config = pytest.importorskip("vllm.config")
+    import dataclasses
+
+    names = {f.name for f in dataclasses.fields(config.CacheConfig)}
+    assert {"num_gpu_blocks_override", "num_gpu_blocks"} <= names
+
+
 def parked_rank0(blocks: int = BLOCKS + 4) -> tuple[Any, Any]:
     """Rank 0's engine core as the patched ``on_fault`` leaves it once its worker died:
     DEAD, parked (no recovery deadline), the DP group closed, the peers known."""
@@ -78,11 +86,15 @@ def parked_rank0(blocks: int = BLOCKS + 4) -> tuple[Any, Any]:
     parallel.cpu_distributed_timeout = None
     parallel.fault_tolerance_config = SimpleNamespace(engine_recovery_timeout_sec=90)
     engine.ft_sentinel = sentinel
-    engine.vllm_config.cache_config = SimpleNamespace(num_gpu_blocks=BLOCKS)
+    engine.vllm_config.cache_config = SimpleNamespace(
+        num_gpu_blocks=BLOCKS, num_gpu_blocks_override=None
+    )
     engine.model_executor = Executor(engine.vllm_config)
     engine.model_executor.is_failed = True  # its worker died: vLLM's monitor said so
     engine.scheduler = Scheduler()
-    engine._initialize_kv_caches = lambda config: SimpleNamespace(num_blocks=blocks)
+    engine._initialize_kv_caches = lambda config: SimpleNamespace(  # vLLM's override rule
+        num_blocks=config.cache_config.num_gpu_blocks_override or blocks
+    )
     engine.dp_rank, engine.dp_group, engine.step_counter, engine.engines_running = 0, None, 7, True
     sentinel.engine_index = 0
     sentinel.status_type = Status.DEAD
@@ -139,11 +151,36 @@ def test_a_relaunch_makes_rank_0_a_returning_rank_and_resumes_its_busy_loop(
     assert "dp_store" not in fields
 
 
+def test_a_relaunch_sizes_exactly_the_schedulers_blocks_whatever_memory_it_measures(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Seen in the 60-fault campaign on hosts: the relaunched worker measured one block
+    fewer than the scheduler's 6867 and the relaunch failed. vLLM's override sizes it."""
+    sentinel, _ = parked_rank0(blocks=BLOCKS - 1)
+    engine = sentinel.engine
+    sized: list[object] = []
+    measure = engine._initialize_kv_caches
+
+    def sizing(config: Any) -> Any:
+        sized.append(config.cache_config.num_gpu_blocks_override)
+        return measure(config)
+
+    engine._initialize_kv_caches = sizing
+    engine.vllm_config.cache_config.num_gpu_blocks_override = None
+    rl.start_worker(engine, Executor)
+    assert sized == [BLOCKS]  # the scheduler's count, while they were sized
+    assert engine.vllm_config.cache_config.num_gpu_blocks_override is None  # put back
+    assert engine.vllm_config.cache_config.num_gpu_blocks == BLOCKS
+
+
 def test_a_relaunch_whose_kv_cache_differs_leaves_rank_0_parked_dead_saying_why(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
+    """A vLLM that ignored the override (its seam moved) and measured fewer blocks: the
+    relaunch fails saying so, rank 0 stays parked."""
     sentinel, agent = parked_rank0(blocks=BLOCKS // 2)
     engine = sentinel.engine
+    engine._initialize_kv_caches = lambda config: SimpleNamespace(num_blocks=BLOCKS // 2)
     dead = engine.model_executor
     monkeypatch.setattr(rl, "start_alone", lambda *a: pytest.fail("must not start alone"))
     assert not rl.relaunch(sentinel)

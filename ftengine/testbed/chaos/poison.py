@@ -10,7 +10,7 @@ from __future__ import annotations
 import threading
 import time
 
-import httpx
+import openai
 
 from ftengine.testbed.chaos.traffic import PROMPTS, StreamRecord, Traffic
 
@@ -47,7 +47,7 @@ class PoisonRequest:
 
     def _run(self) -> None:
         try:
-            with httpx.Client(timeout=self._timeout_s) as http:
+            with openai.DefaultHttpxClient(timeout=self._timeout_s) as http:
                 Traffic._attempt(http, self.url, self._body, self.record)
         finally:
             self.record.ended = time.monotonic()

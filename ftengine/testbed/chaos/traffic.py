@@ -1,4 +1,5 @@
-"""Continuous concurrent streaming traffic through the OpenAI completions endpoint: each
+"""Continuous concurrent streaming traffic through the OpenAI completions endpoint, with the
+official ``openai`` client (its own retries off: the campaign's are counted): each
 client thread streams one completion after another (greedy, ``return_token_ids``) and keeps
 a :class:`StreamRecord` of every chunk, so the invariants can check each stream token by
 token against the fault-free reference. A request refused before admission (503, or no
@@ -13,14 +14,16 @@ servers would (``resumes``); one cut with no other server to ask keeps its error
 
 from __future__ import annotations
 
-import json
+import importlib
 import random
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
+from types import ModuleType
+from typing import Any
 
 import attrs
-import httpx
+import openai
 
 from ftengine.testbed.chaos.history import History
 from ftengine.testbed.refusal import RETRY_AFTER_CAP_S, retry_after_s
@@ -54,23 +57,25 @@ class StreamRecord:
         return [t for chunk in self.chunks for t in chunk]
 
 
-def _read_stream(response: httpx.Response, record: StreamRecord) -> None:
-    for line in response.iter_lines():
-        if not line.startswith("data: ") or line == "data: [DONE]":
-            continue
-        chunk = json.loads(line[len("data: ") :])
-        if "error" in chunk:
-            # The server ended the stream itself, saying why (vLLM's in-stream error event,
-            # e.g. a request judged poison): an end with a reason, not a lost stream.
-            error = chunk["error"]
-            message = error.get("message") if isinstance(error, dict) else None
-            record.finish_reason = "error"
-            record.stop_reason = str(message) if message else None
-            continue
-        for choice in chunk.get("choices", ()):
-            record.chunks.append(list(choice.get("token_ids") or ()))
-            record.finish_reason = choice.get("finish_reason") or record.finish_reason
-            record.stop_reason = choice.get("stop_reason") or record.stop_reason
+def _transport() -> ModuleType:
+    """The HTTP library the installed ``openai`` client is built on (``httpx`` before
+    openai 3, its fork ``httpx2`` since): a stream that breaks mid-way raises its errors."""
+    base = next(c for c in openai.DefaultHttpxClient.__mro__ if c.__name__ == "Client")
+    return importlib.import_module(base.__module__.split(".")[0])
+
+
+TRANSPORT = _transport()
+
+
+def _read_stream(chunks: Iterable[Any], record: StreamRecord) -> None:
+    """The ``openai`` client's completion chunks into ``record`` (vLLM's ``token_ids`` and
+    ``stop_reason`` are extra fields of each choice)."""
+    for chunk in chunks:
+        for choice in chunk.choices:
+            extra = choice.model_extra or {}
+            record.chunks.append([int(t) for t in extra.get("token_ids") or ()])
+            record.finish_reason = choice.finish_reason or record.finish_reason
+            record.stop_reason = extra.get("stop_reason") or record.stop_reason
 
 
 class Traffic:
@@ -163,7 +168,7 @@ class Traffic:
 
     def _loop(self, client: int) -> None:
         rng = self._rngs[client]
-        with httpx.Client(timeout=self._timeout_s) as http:
+        with openai.DefaultHttpxClient(timeout=self._timeout_s) as http:
             while (url := self._next_url()) is not None:
                 record = StreamRecord(client, rng.randrange(len(self.prompts)), time.monotonic())
                 with self._cond:
@@ -184,7 +189,7 @@ class Traffic:
         """``url`` first, then the other servers streamed to now, in the fleet's order."""
         return [url, *(u for u in self.alternates() if u != url)]
 
-    def _body(self, record: StreamRecord) -> dict[str, object]:
+    def _body(self, record: StreamRecord) -> dict[str, Any]:
         """The request for what ``record`` still lacks: its prompt and the tokens it has."""
         return {
             "model": "chaos",
@@ -196,7 +201,7 @@ class Traffic:
             "return_token_ids": True,
         }
 
-    def _stream(self, http: httpx.Client, url: str, record: StreamRecord) -> None:
+    def _stream(self, http: openai.DefaultHttpxClient, url: str, record: StreamRecord) -> None:
         deadline = record.started + self._timeout_s
         while True:
             servers = self._servers(url)
@@ -240,28 +245,40 @@ class Traffic:
 
     @staticmethod
     def _attempt(
-        http: httpx.Client, url: str, body: dict[str, object], record: StreamRecord
+        http: openai.DefaultHttpxClient, url: str, body: dict[str, Any], record: StreamRecord
     ) -> float | str | None:
-        """One POST of ``body`` to ``url``; seconds to wait before asking again when it was
-        refused before admission (a 503, or nothing listening), :data:`CUT` when its
-        connection broke before a finish reason, else None (it ran: how it
-        ended is in ``record``)."""
+        """One streamed completion of ``body`` from ``url`` through the official ``openai``
+        client (no retries of its own: the campaign's are counted); seconds to wait before
+        asking again when it was refused before admission (a 503, or nothing listening),
+        :data:`CUT` when its connection broke before a finish reason, else None (it ran:
+        how it ended is in ``record``)."""
         record.url, record.error, had = url, None, len(record.chunks)
+        client = openai.OpenAI(
+            base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=http.timeout,
+            http_client=http,
+        )  # fmt: skip
+        fields = {k: body[k] for k in ("model", "prompt", "max_tokens", "temperature")}
+        extra = {k: v for k, v in body.items() if k not in fields and k != "stream"}
         try:
-            with http.stream("POST", f"{url}/v1/completions", json=body) as response:
-                if response.status_code != 200:
-                    response.read()
-                    record.error = f"HTTP {response.status_code}: {response.text[:300]}"
-                    if response.status_code == 503 and len(record.chunks) == had:
-                        return retry_after_s(response.headers)
-                else:
-                    _read_stream(response, record)
-        except httpx.ConnectError as exc:  # nothing was sent: not admitted anywhere
+            _read_stream(client.completions.create(**fields, stream=True, extra_body=extra), record)
+        except openai.APIStatusError as exc:  # the server answered, refusing it
+            record.error = f"HTTP {exc.status_code}: {exc.response.text[:300]}"
+            if exc.status_code == 503 and len(record.chunks) == had:
+                return retry_after_s(exc.response.headers)
+        except openai.APITimeoutError as exc:
             record.error = f"{type(exc).__name__}: {exc}"
-            return RETRY_AFTER_CAP_S
-        except (httpx.NetworkError, httpx.RemoteProtocolError) as exc:  # (not a timeout)
+        except openai.APIConnectionError as exc:  # before any answer
+            record.error = f"{type(exc.__cause__ or exc).__name__}: {exc.__cause__ or exc}"
+            if isinstance(exc.__cause__, TRANSPORT.ConnectError):  # nothing sent: not admitted
+                return RETRY_AFTER_CAP_S
+            return CUT
+        except openai.APIError as exc:
+            # The server ended the stream itself, saying why (vLLM's in-stream error event,
+            # e.g. a request judged poison): an end with a reason, not a lost stream.
+            record.finish_reason, record.stop_reason = "error", exc.message or None
+        except (TRANSPORT.NetworkError, TRANSPORT.RemoteProtocolError) as exc:  # no timeout
             record.error = f"{type(exc).__name__}: {exc}"
             return CUT if record.finish_reason is None else None
-        except (httpx.HTTPError, ValueError) as exc:
+        except (TRANSPORT.HTTPError, ValueError) as exc:
             record.error = f"{type(exc).__name__}: {exc}"
         return None

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 from ftengine.integrations.vllm.engine_core.quorum import PARTITION, Sight, keeps_serving
 from ftengine.integrations.vllm.engine_core.rejoin import REJOINING_PHASES
+from ftengine.integrations.vllm.engine_core.relaunch_state import FAILED_WORDS
 from ftengine.testbed.chaos.catalogue import ChaosKind, PlannedFault, When
 from ftengine.testbed.chaos.invariants import FaultResult, check_fault
 from ftengine.testbed.chaos.recovery import Decision
@@ -212,6 +213,13 @@ def stopping(engine: Mapping[str, Any]) -> bool:
     ``fault_info`` (``quorum.PARTITION``), and ``dead`` as soon as it is idle: a retry that
     counts it waits for it in vain (vLLM's 30 s for every client)."""
     return engine.get("status") == "unhealthy" and PARTITION in str(engine.get("fault_info"))
+
+
+def relaunch_failed(engine: Mapping[str, Any]) -> bool:
+    """DP rank 0's relaunch of its worker in place failed (``relaunch_state.FAILED_WORDS``
+    in its ``fault_info``): it will not be ``ready`` without a restart of its server, so a
+    heal waiting for it gives up at once (the loop rebuilds) rather than at its deadline."""
+    return engine.get("status") == "dead" and FAILED_WORDS in str(engine.get("fault_info"))
 
 
 def as_dead(engine: dict[str, Any]) -> dict[str, Any]:

@@ -41,6 +41,7 @@ from ftengine.testbed.chaos.vllm_plan import (
     follows,
     judge,
     rebuild_first,
+    relaunch_failed,
     removed_ranks,
     victims,
 )
@@ -355,7 +356,8 @@ class VllmTarget:
                 deployment.restart(rank)
                 history.add("restart", fault, rank=rank, drained=drained, quiet=bool(quiet))
             deadline = time.monotonic() + self.options.rejoin_deadline_s
-            self._await(back, lambda e: e.get("phase") == "ready", "ready", deadline)
+            self._await(back, lambda e: e.get("phase") == "ready", "ready", deadline,
+                        failed=relaunch_failed)  # fmt: skip
         finally:
             for rank in quiet:
                 traffic[rank].resume(deployment.urls[rank])
@@ -372,13 +374,23 @@ class VllmTarget:
         return back
 
     def _await(
-        self, ranks: Sequence[int], ok: Callable[[dict[str, Any]], bool], what: str, deadline: float
+        self,
+        ranks: Sequence[int],
+        ok: Callable[[dict[str, Any]], bool],
+        what: str,
+        deadline: float,
+        failed: Callable[[dict[str, Any]], bool] = lambda _engine: False,
     ) -> None:
-        """Until every rank of ``ranks`` reports a status ``ok`` accepts (its own server)."""
+        """Until every rank of ``ranks`` reports a status ``ok`` accepts (its own server);
+        raises at the deadline, or at once when one reports a status ``failed`` accepts
+        (DP rank 0's relaunch in place failed: it will not be ``ok`` without a restart)."""
         while True:
             engines = self._running().watch.poll()
             if all(r in engines and ok(engines[r]) for r in ranks):
                 return
+            broken = {r: engines[r] for r in ranks if r in engines and failed(engines[r])}
+            if broken:
+                raise RuntimeError(f"ranks {sorted(broken)} will not be {what}: {broken}")
             if time.monotonic() > deadline:
                 found = {r: engines.get(r) for r in ranks}
                 raise RuntimeError(f"ranks {list(ranks)} not {what} in time: {found}")

@@ -365,6 +365,10 @@ class EngineCoreAgent:
         commands wait for that (:meth:`await_fault`)."""
         self._faulted.clear()
         self.anticipated = status
+        self._push()
+
+    def _push(self) -> None:
+        """Push this engine's status to its API server now (``status_fields`` included)."""
         push = getattr(self.sentinel, "_push_status", None)
         if callable(push):
             push()  # output_queue.put_nowait: safe from this thread
@@ -491,6 +495,7 @@ class EngineCoreAgent:
         if self.fenced is None:
             self.fenced = explain(seen)
             logger.warning("[FT] engine %d: %s", self.rank, self.fenced)
+            self._push()  # faulted already (a peer fell silent first): say it is stopping
         self._inject(min(silent, default=self.rank), self.fenced, early=True)
 
     def _published_dead(self) -> frozenset[int]:

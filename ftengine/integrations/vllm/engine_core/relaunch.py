@@ -42,6 +42,7 @@ from ftengine.integrations.vllm.engine_core.admission import AGENT_ATTR
 from ftengine.integrations.vllm.engine_core.rejoin import start_alone
 from ftengine.integrations.vllm.engine_core.relaunch_state import (
     FAILED,
+    FAILED_WORDS,
     LOADING,
     RELAUNCH_ATTR,
     Relaunch,
@@ -142,7 +143,7 @@ def relaunch(sentinel: Any) -> bool:
         if new is not dead:
             new.shutdown()
         setattr(sentinel, RELAUNCH_ATTR, Relaunch(FAILED, (
-            f"engine {rank}'s worker process died and relaunching it failed: "
+            f"engine {rank}'s worker process died and {FAILED_WORDS}: "
             f"{type(exc).__name__}: {exc}"
         )))  # fmt: skip
         logger.exception("[FT] engine %d: relaunching its worker failed", rank)
@@ -184,8 +185,11 @@ def stop_late_arrivals(sentinel: Any) -> None:
 
 def start_worker(engine: Any, executor_class: Callable[[Any], Any]) -> None:
     """A new executor for ``engine`` (vLLM's ``EngineCore.__init__`` steps: its failure
-    noticed on the input queue, KV caches sized and allocated, warm-up), at least as many
-    KV cache blocks as the scheduler's, the scheduler's prefix cache emptied."""
+    noticed on the input queue, KV caches sized and allocated, warm-up), exactly as many KV
+    cache blocks as the scheduler's (vLLM's ``num_gpu_blocks_override`` while they are
+    sized: the free memory measured again differs by a block now and then, and one block
+    short failed a relaunch in the 60-fault campaign on hosts), the scheduler's prefix
+    cache emptied."""
     request_types = import_vllm(ENGINE_MODULE).EngineCoreRequestType
     executor = executor_class(engine.vllm_config)
     engine.model_executor = executor
@@ -193,8 +197,13 @@ def start_worker(engine: Any, executor_class: Callable[[Any], Any]) -> None:
         lambda: engine.input_queue.put_nowait((request_types.EXECUTOR_FAILED, b""))
     )
     before = int(engine.scheduler.kv_cache_config.num_blocks)
-    after = int(engine._initialize_kv_caches(engine.vllm_config).num_blocks)
-    engine.vllm_config.cache_config.num_gpu_blocks = before  # what the scheduler hands out
+    cache = engine.vllm_config.cache_config
+    override, cache.num_gpu_blocks_override = cache.num_gpu_blocks_override, before
+    try:
+        after = int(engine._initialize_kv_caches(engine.vllm_config).num_blocks)
+    finally:
+        cache.num_gpu_blocks_override = override  # the operator's, as it was
+    cache.num_gpu_blocks = before  # what the scheduler hands out
     if after < before:  # more is harmless: the scheduler never names a block past its own
         raise RelaunchFailed(
             f"the relaunched worker has {after} KV cache blocks, fewer than the {before} the "

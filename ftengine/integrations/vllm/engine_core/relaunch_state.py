@@ -10,6 +10,8 @@ import attrs
 RELAUNCH_ATTR = "_ftengine_relaunch"
 """On ``EngineCoreSentinel``: the :class:`Relaunch` under way or failed (None otherwise)."""
 LOADING, FAILED = "loading", "failed"
+FAILED_WORDS = "relaunching it failed"
+"""In a failed relaunch's ``fault_info``: the rank stays DEAD until its server restarts."""
 
 
 @attrs.define
