@@ -272,29 +272,3 @@ def test_nested_shard_faults_put_the_originals_back(tmp_path: Path) -> None:
     second()  # newest first, as the campaign repairs
     first()
     assert shard.read_bytes() == b"x" * 64
-
-
-class Lines:
-    """What ``_read_stream`` reads of an ``httpx.Response``: its lines."""
-
-    def __init__(self, *events: str) -> None:
-        self.lines = [f"data: {e}" for e in events]
-
-    def iter_lines(self) -> list[str]:
-        return self.lines
-
-
-def test_a_stream_the_server_ends_with_an_error_event_ended_with_its_reason() -> None:
-    """vLLM's (and the cluster's) in-stream error event, e.g. a request judged poison: an
-    end with a reason; the same event without a message is a lost stream."""
-    from ftengine.testbed.chaos.traffic import _read_stream
-
-    first = '{"choices": [{"index": 0, "token_ids": [11], "finish_reason": null}]}'
-    error = '{"error": {"message": "prompt 0 could not be computed: poison request", "code": 500}}'
-    record = StreamRecord(client=0, prompt=0, started=0.0)
-    _read_stream(Lines(first, error, "[DONE]"), record)  # type: ignore[arg-type]
-    assert (record.finish_reason, record.error) == ("error", None)
-    assert check_request(record, REFERENCE, max_tokens=4) == []
-    bare = StreamRecord(client=0, prompt=0, started=0.0)
-    _read_stream(Lines(first, '{"error": {}}'), bare)  # type: ignore[arg-type]
-    assert any(p.startswith("lost:") for p in check_request(bare, REFERENCE, max_tokens=4))

@@ -216,22 +216,41 @@ def test_a_stream_cut_mid_way_is_resumed_on_another_server_from_its_tokens() -> 
     assert record.url == serving.url and record.refusals == 0
 
 
+@attrs.define
+class Failing(Server):
+    """Streams one token, then vLLM's in-stream error event ``error`` (``data: {...}``)."""
+
+    error: dict[str, object] = attrs.field(
+        factory=lambda: {"message": "poison request: re-run alone", "code": 500}
+    )
+
+    def answer(self, handler: BaseHTTPRequestHandler) -> None:
+        handler.rfile.read(int(handler.headers["Content-Length"]))
+        self.asks += 1
+        handler.send_response(200)
+        handler.send_header("Content-Type", "text/event-stream")
+        handler.end_headers()
+        choice = {"index": 0, "text": "x", "token_ids": [4], "finish_reason": None}
+        handler.wfile.write(f"data: {json.dumps({'choices': [choice]})}\n\n".encode())
+        handler.wfile.write(f"data: {json.dumps({'error': self.error})}\n\n".encode())
+        handler.wfile.write(b"data: [DONE]\n\n")
+
+
+def test_an_error_event_without_a_message_is_no_reason() -> None:
+    with one_server(Failing(error={})) as failing:
+        alone = traffic()
+        alone.start(failing.url)
+        try:
+            record = first_record(alone)
+        finally:
+            alone.stop(10.0)
+    assert record.stop_reason is None and record.finish_reason != "length", record
+    assert any(p.startswith("lost:") for p in check_request(record, [4, 5, 6], MAX_TOKENS))
+
+
 def test_a_stream_the_server_ends_with_an_error_event_ends_with_its_reason() -> None:
     """vLLM's in-stream error event (``data: {"error": ...}``), which the ``openai`` client
     raises as an ``APIError``: an end with a reason, not a lost stream, never resumed."""
-
-    class Failing(Server):
-        def answer(self, handler: BaseHTTPRequestHandler) -> None:
-            handler.rfile.read(int(handler.headers["Content-Length"]))
-            self.asks += 1
-            handler.send_response(200)
-            handler.send_header("Content-Type", "text/event-stream")
-            handler.end_headers()
-            choice = {"index": 0, "text": "x", "token_ids": [4], "finish_reason": None}
-            handler.wfile.write(f"data: {json.dumps({'choices': [choice]})}\n\n".encode())
-            error = {"error": {"message": "poison request: re-run alone", "code": 500}}
-            handler.wfile.write(f"data: {json.dumps(error)}\n\n".encode())
-            handler.wfile.write(b"data: [DONE]\n\n")
 
     with one_server(Failing()) as failing, one_server(Server()) as other:
         first, second = traffic(), traffic()

@@ -71,7 +71,7 @@ def _read_stream(chunks: Iterable[Any], record: StreamRecord) -> None:
     """The ``openai`` client's completion chunks into ``record`` (vLLM's ``token_ids`` and
     ``stop_reason`` are extra fields of each choice)."""
     for chunk in chunks:
-        for choice in chunk.choices:
+        for choice in getattr(chunk, "choices", None) or ():  # (an event that is no chunk)
             extra = choice.model_extra or {}
             record.chunks.append([int(t) for t in extra.get("token_ids") or ()])
             record.finish_reason = choice.finish_reason or record.finish_reason

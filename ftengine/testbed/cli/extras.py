@@ -1,7 +1,7 @@
 """The ``testbed`` extra: the test bed's commands (demo, serve, chaos, benches) import
-packages the product does not need (FastAPI, uvicorn, rich, matplotlib, msgspec). A command
-imports them inside :func:`testbed_extra`, which turns a missing package into a message
-saying how to install it; building the parser needs none of them."""
+packages the product does not need (FastAPI, uvicorn, rich, matplotlib, msgspec, openai). A
+command imports them inside :func:`testbed_extra`, which turns a missing package into a
+message saying how to install it; building the parser needs none of them."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import sys
 from collections.abc import Iterator
 
 TESTBED_EXTRA = frozenset(
-    {"anyio", "fastapi", "matplotlib", "msgspec", "rich", "starlette", "uvicorn"}
+    {"anyio", "fastapi", "matplotlib", "msgspec", "openai", "rich", "starlette", "uvicorn"}
 )
 """Top-level packages of the ``testbed`` extra (``pyproject.toml``'s ``[testbed]`` list)."""
 
