@@ -95,12 +95,17 @@ class Ran:
     rebuilds: int = 0
 
 
+def settled(kind: ChaosKind, victim: int, detect_s: float, recover_s: float) -> FaultResult:
+    """Fault 0 of ``kind``, steady, on ``victim``, settled."""
+    return FaultResult(
+        index=0, kind=kind, when=When.STEADY, step=-1, victims=(victim,),
+        detect_s=detect_s, recover_s=recover_s, outcome="settled", engines=(),
+    )  # fmt: skip
+
+
 def ran() -> Ran:
     fault = planned(0, ChaosKind.SIGKILL)
-    result = FaultResult(
-        index=0, kind=ChaosKind.SIGKILL, when=When.STEADY, step=-1, victims=(1,),
-        detect_s=0.5, recover_s=2.0, outcome="settled", engines=(),
-    )  # fmt: skip
+    result = settled(ChaosKind.SIGKILL, 1, 0.5, 2.0)
     found = Findings([result], injections=[shot(fault, 1.0)], recoveries_per_deployment=[1])
     return Ran([fault], found)
 
@@ -235,10 +240,7 @@ def test_per_kind_the_share_of_faults_left_dead_and_why_and_of_requests_answered
 def test_what_a_partitions_minority_ended_or_refused_is_out_of_the_answered_shares() -> None:
     """Issue 30: requests answered >= 95 % of those asked outside the minority side."""
     cut = planned(0, ChaosKind.NET_CUT)
-    result = FaultResult(
-        index=0, kind=ChaosKind.NET_CUT, when=When.STEADY, step=-1, victims=(2,),
-        detect_s=3.1, recover_s=5.0, outcome="settled", engines=(),
-    )  # fmt: skip
+    result = settled(ChaosKind.NET_CUT, 2, 3.1, 5.0)
     why = "engine 2 gave up: network partition: engine 2 reaches live DP ranks [2] of [0, 1, 2]"
     records = [
         StreamRecord(0, 0, 0.0, [[5]], finish_reason="length", ended=2.0),

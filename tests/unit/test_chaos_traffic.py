@@ -199,15 +199,21 @@ def test_a_paused_clients_server_is_not_asked() -> None:
     assert fleet.serving_urls() == ["http://a"]
 
 
+def streamed_first(urls: list[str]) -> StreamRecord:
+    """The first request the first of a fleet's clients (one per URL of ``urls``) ended; a
+    client alone when there is one URL (no other server to ask)."""
+    clients = [traffic() for _ in urls]
+    fleet = Fleet(clients)
+    fleet.start(urls)
+    try:
+        return first_record(clients[0])
+    finally:
+        fleet.stop(10.0)
+
+
 def test_a_stream_cut_mid_way_is_resumed_on_another_server_from_its_tokens() -> None:
     with one_server(Server(cut_after=1)) as killed, one_server(Server()) as serving:
-        cut_side, other = traffic(), traffic()
-        fleet = Fleet([cut_side, other])
-        fleet.start([killed.url, serving.url])
-        try:
-            record = first_record(cut_side)
-        finally:
-            fleet.stop(10.0)
+        record = streamed_first([killed.url, serving.url])
     prompt = list(PROMPTS[record.prompt])
     want = tokens_of(prompt)
     assert answered(record) and record.tokens == want and record.resumes == 1, record
@@ -238,12 +244,7 @@ class Failing(Server):
 
 def test_an_error_event_without_a_message_is_no_reason() -> None:
     with one_server(Failing(error={})) as failing:
-        alone = traffic()
-        alone.start(failing.url)
-        try:
-            record = first_record(alone)
-        finally:
-            alone.stop(10.0)
+        record = streamed_first([failing.url])
     assert record.stop_reason is None and record.finish_reason != "length", record
     assert any(p.startswith("lost:") for p in check_request(record, [4, 5, 6], MAX_TOKENS))
 
@@ -253,13 +254,7 @@ def test_a_stream_the_server_ends_with_an_error_event_ends_with_its_reason() -> 
     raises as an ``APIError``: an end with a reason, not a lost stream, never resumed."""
 
     with one_server(Failing()) as failing, one_server(Server()) as other:
-        first, second = traffic(), traffic()
-        fleet = Fleet([first, second])
-        fleet.start([failing.url, other.url])
-        try:
-            record = first_record(first)
-        finally:
-            fleet.stop(10.0)
+        record = streamed_first([failing.url, other.url])
     assert (record.finish_reason, record.stop_reason) == ("error", "poison request: re-run alone")
     assert record.tokens == [4] and record.resumes == 0 and record.error is None
     assert check_request(record, [4, 5, 6], MAX_TOKENS) == []  # ended with its reason
@@ -267,12 +262,7 @@ def test_a_stream_the_server_ends_with_an_error_event_ends_with_its_reason() -> 
 
 def test_a_cut_stream_with_no_other_server_keeps_its_error() -> None:
     with one_server(Server(cut_after=1)) as killed:
-        alone = traffic()
-        alone.start(killed.url)
-        try:
-            record = first_record(alone)
-        finally:
-            alone.stop(10.0)
+        record = streamed_first([killed.url])
     assert not answered(record) and record.resumes == 0 and len(record.tokens) == 1
     assert "RemoteProtocolError" in str(record.error), record
     assert check_request(record, tokens_of(list(PROMPTS[record.prompt])), MAX_TOKENS) == [
