@@ -48,7 +48,7 @@ class PoisonRequest:
     def _run(self) -> None:
         try:
             with openai.DefaultHttpxClient(timeout=self._timeout_s) as http:
-                Traffic._attempt(http, self.url, self._body, self.record)
+                Traffic.attempt(http, self.url, self._body, self.record)
         finally:
             self.record.ended = time.monotonic()
             self.done.set()

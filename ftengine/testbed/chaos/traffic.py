@@ -29,7 +29,7 @@ from ftengine.testbed.chaos.history import History
 from ftengine.testbed.refusal import RETRY_AFTER_CAP_S, retry_after_s
 
 BACKOFF_S = 0.2
-CUT = "cut"  # an attempt whose connection broke mid-stream (``Traffic._attempt``)
+CUT = "cut"  # an attempt whose connection broke mid-stream (``Traffic.attempt``)
 PROMPTS = ([1, 2, 3, 4], [5, 6, 7], [8, 9, 10, 11, 12], [13, 14], [3, 1, 4, 1, 5, 9], [100, 7])
 """Every campaign's prompts (token ids of the tests' tiny checkpoint), on either target."""
 
@@ -206,7 +206,7 @@ class Traffic:
         while True:
             servers = self._servers(url)
             server = servers[(record.refusals + record.resumes) % len(servers)]
-            wait = self._attempt(http, server, self._body(record), record)
+            wait = self.attempt(http, server, self._body(record), record)
             if isinstance(wait, str):  # CUT
                 if not self._resumable(server, deadline):
                     break
@@ -244,7 +244,7 @@ class Traffic:
         return time.monotonic() < deadline and any(u != cut for u in self.alternates())
 
     @staticmethod
-    def _attempt(
+    def attempt(
         http: openai.DefaultHttpxClient, url: str, body: dict[str, Any], record: StreamRecord
     ) -> float | str | None:
         """One streamed completion of ``body`` from ``url`` through the official ``openai``

@@ -285,8 +285,9 @@ class VllmTarget:
         return True  # the watch reads every rank's own status: detected is shown
 
     def recover(self, fault: int | None, shot: Injected | None, during: During | None) -> Outcome:
-        """Only the victims of a shot that kills (every kind but the step exception) may
-        end dead, and those ``during`` hits."""
+        """Only the victims of a shot that kills (every kind but the step exception and the
+        poison request) may end dead, and those ``during`` hits; a poison request's faults
+        are recovered until it has ended (:meth:`_recover_poison`)."""
         kills = shot is not None and shot.fault.ranks_lost > 0
         may_die = shot.victims if shot is not None and kills else ()
         deadline = self.options.recover_deadline_s
@@ -306,8 +307,11 @@ class VllmTarget:
         while outcome.state == "settled" and time.monotonic() < deadline:
             while not poison.done.is_set() and time.monotonic() < deadline:
                 engines = watch.latest()
-                if any(e.get("status") != "healthy" for e in engines.values()):
-                    break
+                removed = removed_ranks(engines)
+                if any(
+                    e.get("status") != "healthy" for r, e in engines.items() if r not in removed
+                ):
+                    break  # it faulted again
                 poison.done.wait(0.05)
             if poison.done.is_set() and self.steady():
                 break
