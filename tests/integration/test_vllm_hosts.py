@@ -9,17 +9,21 @@ no orchestrator. In order:
 2. a partition {host 0, host 1} | {host 2}: the majority (ranks 0, 1, 2) scales down past
    rank 3 and serves, rank 3 stops within a bound: a new request 503 naming the partition,
    its held stream ended with the reason; no request answered by both sides;
-3. host 1 lost (ranks 1 and 2 SIGKILLed together, streams running on rank 0): rank 0
+3. rank 0's worker SIGKILLed: the survivors, both on host 1, rebuild their group at host
+   1's address (its lowest member hosts the store; rank 0's host has none of theirs), serve,
+   and rank 0's relaunched worker is admitted back through that store;
+4. host 1 lost (ranks 1 and 2 SIGKILLed together, streams running on rank 0): rank 0
    detects within 1 s, scales down past both in one step, its streams end exactly;
-4. the link healed, rank 3's server restarted on its host: the survivors' policy admits it
+5. the link healed, rank 3's server restarted on its host: the survivors' policy admits it
    back with no command (issue 28), without restarting anything of theirs;
-5. (the fixture) nothing of the run is left: namespaces, links, hosts files, processes.
+6. (the fixture) nothing of the run is left: namespaces, links, hosts files, processes.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
+import signal
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -193,6 +197,44 @@ def test_partition_majority_serves_minority_stops_with_a_reason(
     for rank in majority:
         assert complete(urls[rank], checkpoint) == expected, rank
     print(f"minority stopped {stop_s:.2f} s after the cut")
+
+
+@pytest.mark.timeout(900)
+def test_without_rank_0_the_survivors_on_another_host_meet_there_and_rank_0_rejoins(
+    spread: MultiHostDeployment, checkpoint: Path, expected: list[list[int]]
+) -> None:
+    """After the partition (rank 3 removed): rank 0's worker SIGKILLed, the survivors are
+    ranks 1 and 2, both on host 1. The new group's stores run where its lowest member runs,
+    so they must meet at host 1's address, not at vLLM's ``data_parallel_master_ip`` (host
+    0's: nothing of theirs listens there; seed 24 of the hosts campaign stuck on it). Rank
+    0's parked engine core relaunches its worker in place, announces itself on that store,
+    and the survivors' policy admits it back: dense rank 0 again, it hosts the group's
+    store on host 0 once more."""
+    urls, survivors = spread.urls, [r for r in LAYOUT.ranks_on(LOST_HOST)]
+    removed = sorted({*statuses(urls[0])[0]["removed_ranks"]})  # type: ignore[misc]
+    os.kill(spread.started.pids()[0]["worker"], signal.SIGKILL)
+    for rank in survivors:
+        wait_removed(urls[rank], rank, sorted({0, *removed}), 90)
+    host = spread.address(LOST_HOST)
+    assert host != spread.address(0)
+    for rank in survivors:
+        assert str(statuses(urls[rank])[rank]["dp_store"]).startswith(f"{host}:"), rank
+        assert complete(urls[rank], checkpoint) == expected, rank
+    deadline = time.monotonic() + REJOIN_S
+    while True:
+        with contextlib.suppress(httpx.HTTPError, KeyError):
+            seen = [statuses(urls[r])[r] for r in (0, *survivors)]
+            if all((e["status"], e["removed_ranks"]) == ("healthy", removed) for e in seen):
+                break
+        if time.monotonic() > deadline:
+            raise AssertionError(f"rank 0 not admitted back:\n{spread.started.ranks[0].tail(40)}")
+        time.sleep(0.5)
+    log = spread.started.ranks[0].log_path.read_text(errors="replace")
+    assert f"announced on the survivors' DP store {host}:" in log  # joined through theirs
+    home = spread.address(0)  # dense rank 0 again: the group meets at its host once more
+    for rank in (0, *survivors):
+        assert str(statuses(urls[rank])[rank]["dp_store"]).startswith(f"{home}:"), rank
+    assert complete(urls[0], checkpoint) == expected
 
 
 @pytest.mark.timeout(600)

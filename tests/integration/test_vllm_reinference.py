@@ -106,9 +106,14 @@ def retry(deployed: Deployed) -> int:
     return epoch
 
 
-def wait_tokens(streams: list[OpenAIStream], at_least: int | list[int]) -> None:
+def wait_tokens(
+    streams: list[OpenAIStream], at_least: int | list[int], *, may_finish: bool = False
+) -> None:
     """Until each stream has ``at_least`` tokens (one count for all, or one per stream);
-    every stream must still be running then."""
+    every stream must still be running then, unless ``may_finish`` lets one have ended in
+    full (``length``): the engines step every running request together, but a rank's API
+    server can lag its engine by tens of tokens on a loaded 2-core machine (the CI's), so a
+    stream near its end on one rank may finish while one on the other catches up."""
     wants = at_least if isinstance(at_least, list) else [at_least] * len(streams)
     deadline = time.monotonic() + 120
     while not all(
@@ -116,7 +121,8 @@ def wait_tokens(streams: list[OpenAIStream], at_least: int | list[int]) -> None:
     ):
         assert time.monotonic() < deadline, [len(s.tokens) for s in streams]
         time.sleep(0.01)
-    assert all(s.finish_reason is None and s.error is None for s in streams), [
+    ends = ("length", None) if may_finish else (None,)
+    assert all(s.finish_reason in ends and s.error is None for s in streams), [
         (s.finish_reason, s.error) for s in streams
     ]
 
@@ -189,15 +195,21 @@ def test_requests_in_more_faulted_steps_than_max_reinference_are_aborted_with_th
     streams = start_streams(deployed)
     wait_tokens(streams, 2)
     counts = fault_then_retry(deployed, streams)  # each one's first re-run: within N = 1
-    wait_tokens(streams, [n + 2 for n in counts])  # every one ran again since
+    wait_tokens(streams, [n + 2 for n in counts], may_finish=True)  # each ran again since
     fault_then_retry(deployed, streams)  # the second: over the limit
+    aborted = 0
     for stream, want in zip(streams, reference, strict=True):
         stream.finish()
-        assert stream.finish_reason == "abort", (stream.prompt, stream.tokens)
         assert stream.tokens == want[: len(stream.tokens)], stream.chunks
+        if stream.finish_reason == "length":  # it ended between the faults (not in both)
+            assert stream.tokens == want, stream.chunks
+            continue
+        assert stream.finish_reason == "abort", (stream.prompt, stream.tokens)
         reason = str(stream.stop_reason)
         assert reason.startswith("re-inference limit reached: the request was in 2 faulted")
         assert f"at most {MAX_REINFERENCE} times (max_reinference)" in reason
+        aborted += 1
+    assert aborted >= len(streams) // 2, "most streams ran in both faulted steps"
     served = start_streams(deployed)  # the engines go on serving
     for stream, want in zip(served, reference, strict=True):
         stream.finish()

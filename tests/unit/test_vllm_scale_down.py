@@ -5,6 +5,7 @@ relaying ``scale_down`` to its workers (accepted, refused, failed -> DEAD)."""
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
 from pathlib import Path
 from types import SimpleNamespace
@@ -19,7 +20,7 @@ from ftengine.backends.base import RepairReport
 from ftengine.errors import BackendError, PreconditionFailed
 from ftengine.faults import Fault, FaultKind
 from ftengine.integrations.vllm.engine_core import scale_down as sd
-from ftengine.integrations.vllm.messages import DP_PORTS_KEY
+from ftengine.integrations.vllm.messages import DP_HOST_KEY, DP_PORTS_KEY
 from ftengine.integrations.vllm.patches.api_server import ROUTER_MODULE, SCALE_DOWN_PATCHES
 from ftengine.integrations.vllm.patches.engine_core import ENGINE_CORE_PATCHES, SCALE_DOWN_METHOD
 from ftengine.integrations.vllm.worker.cpu_backend import VllmCpuBackend
@@ -324,11 +325,67 @@ def test_a_group_that_does_not_form_leaves_a_stand_in_the_next_attempt_destroys(
     )  # fmt: skip
     store.set("ft_worker_dp_ports_0", "[29500]")
     store.set("ft_engine_dp_port_0", "29501")
+    store.set("ft_engine_dp_host_0", "127.0.0.1")
     sentinel = attrs.make_class("S", ["engine", "_dp_reinit_epoch"])(engine, 0)
     with pytest.raises(RuntimeError, match="Connection closed"):
         sd.reinit_dp_group(sentinel, [0, 1])
     assert destroyed == [old_group] and isinstance(engine.dp_group, ClosedDpGroup)
     assert waits == [timedelta(seconds=sd.RENDEZVOUS_MIN_S)]  # bounded: vLLM's is 30 min
+
+
+def test_a_group_whose_lowest_member_is_on_another_host_meets_at_that_hosts_address(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Ranks 0 and 1 gone, survivors 2 and 3 on host 10.0.0.2: rank 2, their dense rank 0,
+    hosts the new group's store, so both meet at 10.0.0.2 (vLLM's rebuild meets at rank 0's
+    host, ``data_parallel_master_ip``: rank 2's own store client timed out there, seed 24 of
+    the hosts campaign), the workers get that host with their ports, and a returning rank
+    reads it in the survivors' ``dp_store``. Rank 0 returning is dense rank 0 again: the
+    survivors meet at its address though rank 1 publishes the ports. On one host (a
+    loopback master) nothing changes."""
+    utils = pytest.importorskip(sd.DISTRIBUTED_MODULE)
+    network = pytest.importorskip(sd.NETWORK_MODULE)
+    monkeypatch.setattr(utils, "stateless_destroy_torch_distributed_process_group", id)
+    met: dict[int, tuple[str, int]] = {}  # dense rank -> where it met
+    dp_store: Any = getattr(dist, "HashStore")()  # noqa: B009  # the old group's, shared
+
+    def group(host: str, port: int, rank: int, size: int, **kwargs: Any) -> Any:
+        met[rank] = (host, port)
+        return object(), dp_store
+
+    monkeypatch.setattr(utils, "stateless_init_torch_distributed_process_group", group)
+    monkeypatch.setattr(sd, "await_store", lambda *a: True)
+    monkeypatch.setattr(network, "get_ip", lambda: "10.0.0.2")  # VLLM_HOST_IP on host 1
+    parallel = attrs.make_class(
+        "P",
+        ["data_parallel_rank", "world_size", "data_parallel_master_ip", "cpu_distributed_timeout"],
+    )
+    cores: dict[int, Any] = {}
+
+    def rebuild(alive: list[int], publisher: int, master: str = "10.0.0.1") -> list[Any]:
+        met.clear()
+        for rank in alive:
+            config = attrs.make_class("C", ["parallel_config"])(parallel(rank, 1, master, None))
+            engine = attrs.make_class("E", ["vllm_config", "dp_group", "dp_store"])(
+                config, None, dp_store
+            )  # fmt: skip
+            cores[rank] = attrs.make_class("S", ["engine", "_dp_reinit_epoch"])(engine, 0)
+        dp_store.delete_key("ft_engine_dp_host_0")  # every call here is epoch 0
+        dp_store.delete_key("ft_worker_dp_ports_0")
+        with ThreadPoolExecutor(len(alive)) as pool:  # each waits for the others' keys
+            run = [pool.submit(sd.reinit_dp_group, cores[r], alive, publisher=publisher)
+                   for r in alive]  # fmt: skip
+            return [future.result(timeout=60) for future in run]
+
+    params = rebuild([2, 3], publisher=2)
+    assert params[0] == params[1] and params[0][DP_HOST_KEY] == "10.0.0.2"
+    port = met[0][1]
+    assert met == {0: ("10.0.0.2", port), 1: ("10.0.0.2", port)}
+    assert getattr(cores[3], sd.STORE_ATTR) == ("10.0.0.2", port)  # a returning rank's way in
+    rebuild([0, 1, 2], publisher=1)  # rank 0 returning: dense 0, on the master's host
+    assert {host for host, _ in met.values()} == {"10.0.0.1"}
+    rebuild([1, 3], publisher=1, master="127.0.0.1")  # one host: every rank is local
+    assert {host for host, _ in met.values()} == {"127.0.0.1"}
 
 
 def test_a_rebuild_waits_the_op_timeout_for_its_members_at_least_the_floor() -> None:

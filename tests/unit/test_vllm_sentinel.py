@@ -19,7 +19,7 @@ from ftengine.backends.fake import FakeBackend
 from ftengine.clock import ManualClock
 from ftengine.faults import HealthStatus, Phase
 from ftengine.integrations.vllm.config import VllmFtSettings
-from ftengine.integrations.vllm.messages import VllmMessages
+from ftengine.integrations.vllm.messages import DP_HOST_KEY, VllmMessages
 from ftengine.integrations.vllm.worker.adapter import CommandFailed, WorkerFaultAdapter
 from ftengine.integrations.vllm.worker.factory import DeviceBackend, WorkerFt
 from ftengine.integrations.vllm.worker.hooks import DEAD_RANKS_ATTR, MASK_ATTR, VllmWorkerHooks
@@ -105,15 +105,16 @@ def test_retry_cleans_the_runner_rebuilds_the_dp_group_and_runs_a_dummy_batch() 
 def test_scale_down_masks_the_all2all_manager_and_rebuilds_among_survivors() -> None:
     r = rig(dp_rank=2)
     r.fault()
-    params = {"removed_dp_ranks": [0], "new_stateless_dp_group_ports": PORTS}
+    params: dict[str, Any] = {"removed_dp_ranks": [0], "new_stateless_dp_group_ports": PORTS}
+    params[DP_HOST_KEY] = "10.0.0.2"  # the lowest survivor's host, which hosts the group
     result = r.send("scale_down", params, "sd-1")
     assert result.success, result.reason
     assert r.device.masked == frozenset({0}) and r.device.repaired == frozenset({0})
     manager = r.dist.manager
     assert getattr(manager, DEAD_RANKS_ATTR) == frozenset({0})
     assert getattr(manager, MASK_ATTR) is r.mask  # the device's mask, shared not copied
-    # survivors 1, 2, 3: original DP rank 2 is dense rank 1 of 3
-    assert [(rank, size) for _, _, rank, size, _ in r.dist.inits] == [(1, 3)]
+    # survivors 1, 2, 3: original DP rank 2 is dense rank 1 of 3, at rank 1's host
+    assert [(h, rank, size) for h, _, rank, size, _ in r.dist.inits] == [("10.0.0.2", 1, 3)]
     assert r.ft.commands.status()["removed_ranks"] == [0]
     assert r.ft.commands.status()["status_name"] == "healthy"
 

@@ -23,6 +23,11 @@ ENGINE_MODULE = "vllm.v1.engine"
 
 DP_PORTS_KEY = "new_stateless_dp_group_ports"
 """Retry param vLLM's engine core adds for its workers: one fresh DP-group port per worker."""
+DP_HOST_KEY = "ftengine_dp_group_host"
+"""Param ftengine's engine core adds beside :data:`DP_PORTS_KEY`: the address of the host
+whose rank hosts the rebuilt group's stores (the lowest member: not always DP rank 0's)."""
+VLLM_PARAM_KEYS = frozenset({DP_PORTS_KEY, DP_HOST_KEY})
+"""The params an engine core adds for its workers, not ftengine's engine's own."""
 API_URL_ENV = "FTENGINE_API_URL"
 """The base URL (``http://host:port``) at which a rank's API server is reached: exported by
 the API server before it starts its engine core (``api_server/advertised_url.py``; an
@@ -101,8 +106,8 @@ class VllmMessages:
         params = fields.get("params") or {}
         if not isinstance(params, Mapping):
             params = {"<params>": params}  # the engine rejects it, naming what it got
-        own = {k: v for k, v in params.items() if k != DP_PORTS_KEY}
-        theirs = {k: v for k, v in params.items() if k == DP_PORTS_KEY}
+        own = {k: v for k, v in params.items() if k not in VLLM_PARAM_KEYS}
+        theirs = {k: v for k, v in params.items() if k in VLLM_PARAM_KEYS}
         return VllmCommand(
             instruction=str(fields.get("instruction")),
             params=own,

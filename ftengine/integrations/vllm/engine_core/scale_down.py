@@ -42,8 +42,8 @@ from ftengine.commands import REMOVED_KEY, parse_command, scale_down_problems
 from ftengine.errors import CommandRejected
 from ftengine.faults import Phase
 from ftengine.integrations.vllm.engine_core.dp_group import ClosedDpGroup
-from ftengine.integrations.vllm.messages import DP_PORTS_KEY, import_vllm
-from ftengine.integrations.vllm.rendezvous import await_store
+from ftengine.integrations.vllm.messages import DP_HOST_KEY, DP_PORTS_KEY, import_vllm
+from ftengine.integrations.vllm.rendezvous import await_store, store_host
 
 logger = logging.getLogger(__name__)
 
@@ -188,8 +188,11 @@ def reinit_dp_group(
     """vLLM's ``_reinit_dp_group`` among ``alive`` (original DP ranks, ascending): the same
     epoch-numbered DP-store keys, published by ``publisher`` (default: the lowest of
     ``alive``) on ``store`` (default: this engine's DP store; a returning rank passes its
-    client of the survivors'); this engine joins the new group at its dense rank. Returns
-    the workers' params (their fresh ports)."""
+    client of the survivors'); this engine joins the new group at its dense rank. The new
+    group's stores run where its dense rank 0 runs, so that member publishes its host's
+    address (:func:`store_host`) and every member meets there: vLLM's own rebuild meets at
+    DP rank 0's address, which on many hosts is another host once rank 0 is gone. Returns
+    the workers' params (their fresh ports and that host)."""
     engine = sentinel.engine
     if not hasattr(engine, "dp_group") or not hasattr(engine, "dp_store"):
         return {}
@@ -197,38 +200,38 @@ def reinit_dp_group(
     parallel = engine.vllm_config.parallel_config
     epoch = int(getattr(sentinel, EPOCH_ATTR, 0))
     worker_key, engine_key = f"ft_worker_dp_ports_{epoch}", f"ft_engine_dp_port_{epoch}"
+    host_key = f"ft_engine_dp_host_{epoch}"
     setattr(sentinel, EPOCH_ATTR, epoch + 1)
     rank = int(parallel.data_parallel_rank)
     dense = alive.index(rank)
     timeout = rendezvous_timeout(sentinel)
+    network = import_vllm(NETWORK_MODULE)
+    store.set_timeout(timeout)  # vLLM's DP store waits 30 min for a key by default
+    if dense == 0:  # first: the others wait for it before they connect
+        host = store_host(str(parallel.data_parallel_master_ip), rank, network.get_ip)
+        store.set(host_key, host.encode())
     if rank == (alive[0] if publisher is None else publisher):
-        free_port = import_vllm(NETWORK_MODULE).get_open_port
-        worker_ports = [free_port() for _ in range(parallel.world_size)]
-        engine_port = free_port()
+        worker_ports = [network.get_open_port() for _ in range(parallel.world_size)]
+        engine_port = network.get_open_port()
         store.set(worker_key, json.dumps(worker_ports).encode())
         store.set(engine_key, str(engine_port).encode())
     else:
-        store.set_timeout(timeout)  # vLLM's DP store waits 30 min for a key by default
         worker_ports = json.loads(store.get(worker_key).decode())
         engine_port = int(store.get(engine_key).decode())
+    if dense != 0:
+        host = store.get(host_key).decode()
     dist = import_vllm(DISTRIBUTED_MODULE)
     if engine.dp_group is not None:
         dist.stateless_destroy_torch_distributed_process_group(engine.dp_group)
         engine.dp_group = ClosedDpGroup(rank)  # destroyed: a rendezvous that fails leaves
         # the stand-in, which the next attempt's destroy accepts
     if dense != 0:  # no connect back-off: rank 0 makes the store after publishing the port
-        await_store(parallel.data_parallel_master_ip, engine_port, timeout)
+        await_store(host, engine_port, timeout)
     engine.dp_group, engine.dp_store = dist.stateless_init_torch_distributed_process_group(
-        parallel.data_parallel_master_ip,
-        engine_port,
-        dense,
-        len(alive),
-        backend="gloo",
-        return_store=True,
-        timeout=timeout,
+        host, engine_port, dense, len(alive), backend="gloo", return_store=True, timeout=timeout
     )
-    setattr(sentinel, STORE_ATTR, (str(parallel.data_parallel_master_ip), engine_port))
-    return {DP_PORTS_KEY: worker_ports}
+    setattr(sentinel, STORE_ATTR, (host, engine_port))
+    return {DP_PORTS_KEY: worker_ports, DP_HOST_KEY: host}
 
 
 def rendezvous_timeout(sentinel: Any) -> timedelta:

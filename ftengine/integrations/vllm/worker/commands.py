@@ -18,7 +18,7 @@ import attrs
 
 from ftengine.commands import ADDED_KEY, CommandResult
 from ftengine.faults import HealthStatus
-from ftengine.integrations.vllm.messages import DP_PORTS_KEY, VllmMessages
+from ftengine.integrations.vllm.messages import DP_HOST_KEY, DP_PORTS_KEY, VllmMessages
 from ftengine.status import EngineStatus
 
 logger = logging.getLogger(__name__)
@@ -38,9 +38,9 @@ class SentinelLike(Protocol):
 
 
 class PortSink(Protocol):
-    """Takes the DP-group ports vLLM's engine core publishes with a command."""
+    """Takes the DP-group ports (and their host) the engine core publishes with a command."""
 
-    def publish_dp_ports(self, ports: Sequence[int]) -> None: ...
+    def publish_dp_ports(self, ports: Sequence[int], host: str | None = None) -> None: ...
 
 
 @attrs.frozen
@@ -82,7 +82,8 @@ class VllmCommands:
             return self.messages.result(CommandResult(command.request_id, False, reason))
         ports = command.vllm_params.get(DP_PORTS_KEY)
         if self.ports is not None and isinstance(ports, list | tuple):
-            self.ports.publish_dp_ports([int(p) for p in ports])
+            host = command.vllm_params.get(DP_HOST_KEY)
+            self.ports.publish_dp_ports([int(p) for p in ports], str(host) if host else None)
         result = self.sentinel.run_command(command.instruction, command.params, command.request_id)
         return self.messages.result(result)
 

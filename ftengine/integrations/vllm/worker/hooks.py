@@ -96,6 +96,7 @@ class VllmWorkerHooks:
         self.keep_request_states = False
         self.group_timeout_s: float | None = None
         self._dp_ports: list[int] | None = None
+        self._dp_host: str | None = None  # where the rebuilt group's store is (with the ports)
         self._dp_closed = False  # close_dp_group ran since the last rebuild
         self._placement: ExpertPlacement | None = None
         self._checkpoint: CheckpointIndex | None = None
@@ -157,10 +158,12 @@ class VllmWorkerHooks:
 
     # -- vLLM-side recovery steps --------------------------------------------------------
 
-    def publish_dp_ports(self, ports: Sequence[int]) -> None:
+    def publish_dp_ports(self, ports: Sequence[int], host: str | None = None) -> None:
         """Keep the fresh DP-group ports of a command (vLLM's ``new_stateless_dp_group_ports``,
-        one per worker of this engine) for the next :meth:`rebuild_dp_group`."""
-        self._dp_ports = [int(p) for p in ports]
+        one per worker of this engine) and the host whose rank serves them (None: vLLM's
+        ``data_parallel_master_ip``, as vLLM's own retry) for the next
+        :meth:`rebuild_dp_group`."""
+        self._dp_ports, self._dp_host = [int(p) for p in ports], host
 
     def mask_all2all(self, dead_ep_ranks: frozenset[int], mask: torch.Tensor | None) -> None:
         """Give the all2all manager the dead EP ranks and the mask tensor (same storage)."""
@@ -227,7 +230,7 @@ class VllmWorkerHooks:
         seconds = self.group_timeout_s
         started = time.monotonic()
         new = self.dist.init_gloo_group(
-            parallel.data_parallel_master_ip,
+            self._dp_host or parallel.data_parallel_master_ip,
             port,
             alive.index(parallel.data_parallel_rank),
             len(alive),
