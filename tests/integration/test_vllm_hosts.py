@@ -8,14 +8,16 @@ no orchestrator. In order:
    which test_vllm_deployment checks against the same reference);
 2. a partition {host 0, host 1} | {host 2}: the majority (ranks 0, 1, 2) scales down past
    rank 3 and serves, rank 3 stops within a bound: a new request 503 naming the partition,
-   its held stream ended with the reason; no request answered by both sides;
+   its held stream ended with the reason; no request answered by both sides; its server
+   stays up past vLLM's recovery deadline, waiting for the link;
 3. rank 0's worker SIGKILLed: the survivors, both on host 1, rebuild their group at host
    1's address (its lowest member hosts the store; rank 0's host has none of theirs), serve,
    and rank 0's relaunched worker is admitted back through that store;
 4. host 1 lost (ranks 1 and 2 SIGKILLed together, streams running on rank 0): rank 0
    detects within 1 s, scales down past both in one step, its streams end exactly;
-5. the link healed, rank 3's server restarted on its host: the survivors' policy admits it
-   back with no command (issue 28), without restarting anything of theirs;
+5. the link healed: rank 3's engine core sees a majority again, relaunches its worker in
+   place and the survivors' policy admits it back with no command (issue 28); no server of
+   either side restarted;
 6. (the fixture) nothing of the run is left: namespaces, links, hosts files, processes.
 """
 
@@ -176,7 +178,7 @@ def test_partition_majority_serves_minority_stops_with_a_reason(
     cut_at = spread.partition([0, 1], [MINORITY_HOST])
     stop_s = wait_status(urls[MINORITY_RANK], MINORITY_RANK, "dead", MINORITY_STOP_S) - cut_at
     reason = str(statuses(urls[MINORITY_RANK])[MINORITY_RANK]["fault_info"])
-    assert "partition" in reason, reason
+    assert "partition" in reason and "rejoins by itself once the link heals" in reason, reason
     refused = httpx.post(
         f"{urls[MINORITY_RANK]}/v1/completions",
         json={"model": model, "prompt": "w1 w2", "max_tokens": 4},
@@ -267,17 +269,18 @@ def test_host_loss_one_scale_down_past_both_ranks_streams_exact(
 def test_the_minority_rejoins_once_the_link_heals_with_no_command(
     spread: MultiHostDeployment, checkpoint: Path, expected: list[list[int]]
 ) -> None:
-    """Last (after the partition and the host loss): the link to host 2 back up, rank 3's
-    server restarted there with its original command. It starts alone (rank 0's server on
-    host 0 answers its handshake), announces itself on the survivors' DP store, and their
-    ``auto`` policy admits it with no command; the majority's processes were never
-    restarted."""
+    """Last (after the partition and the host loss): the link to host 2 back up, nothing
+    restarted by anyone. Rank 3's engine core, parked DEAD since the cut (with no recovery
+    deadline: ``test_vllm_minority_rejoin.py`` runs vLLM's wrapper past it), reaches a
+    majority of the live ranks again (rank 0, and host 1's ranks proven dead), relaunches
+    its worker in place, announces itself on the survivors' DP store, and their ``auto``
+    policy admits it with no command."""
     urls = spread.urls
-    spread.heal()
     before = statuses(urls[0])[0]
     assert MINORITY_RANK in before["removed_ranks"], before  # type: ignore[operator]
-    lead = spread.started.pids()[0]
-    spread.started.restart(MINORITY_RANK)
+    assert statuses(urls[MINORITY_RANK])[MINORITY_RANK]["status"] == "dead"
+    pids = spread.started.pids()
+    spread.heal()
     left = sorted({*before["removed_ranks"]} - {MINORITY_RANK})  # type: ignore[misc]
     deadline = time.monotonic() + REJOIN_S
     while True:
@@ -293,7 +296,13 @@ def test_the_minority_rejoins_once_the_link_heals_with_no_command(
         time.sleep(0.5)
     assert complete(urls[MINORITY_RANK], checkpoint) == expected
     assert complete(urls[0], checkpoint) == expected
-    assert spread.started.pids()[0] == lead  # the majority's side was not restarted
+    after = spread.started.pids()
+    assert after[0] == pids[0]  # the majority's side was not restarted
+    for role in ("api_server", "engine_core"):  # nor the minority's server: only its worker
+        assert after[MINORITY_RANK][role] == pids[MINORITY_RANK][role], role
+    assert after[MINORITY_RANK]["worker"] != pids[MINORITY_RANK]["worker"]
     log = spread.started.ranks[MINORITY_RANK].log_path.read_text(errors="replace")
+    assert "is cut off from the majority: it stops and waits for the link" in log
+    assert "reaches a majority again: the link healed, rejoining" in log
     assert "announced on the survivors' DP store" in log
     assert "joined the running deployment" in log

@@ -12,6 +12,7 @@ from typing import Any
 import attrs
 import pytest
 
+from ftengine.integrations.vllm.engine_core.quorum import HEALS
 from ftengine.testbed.chaos.catalogue import ChaosKind
 from ftengine.testbed.chaos.cluster_options import PROCESS_KINDS, ClusterCampaignOptions
 from ftengine.testbed.chaos.cluster_target import ClusterTarget
@@ -144,6 +145,34 @@ def test_rank_0_relaunches_in_place_and_is_admitted_a_rank_never_ready_raises(
         vllm.options = attrs.evolve(vllm.options, rejoin_deadline_s=0.0)
         with pytest.raises(RuntimeError, match=r"ranks \[2\] not ready in time"):
             vllm.heal(2)
+    finally:
+        vllm.running = None
+        vllm.close()
+
+
+def test_a_cut_off_minority_parked_for_the_link_comes_back_in_place_a_late_one_restarts(
+    tmp_path: Path,
+) -> None:
+    """After a ``net_cut``: rank 2 parked DEAD for the link (``quorum.HEALS``) relaunches
+    its own worker once the link is back: waited for, never restarted. A minority that
+    learnt of the cut after its fault (no such words) exits at vLLM's deadline: restarted."""
+    vllm = VllmTarget(VllmCampaignOptions(tmp_path / "hf", rejoin_deadline_s=5.0), _quiet)
+    shrunk = {"status": "healthy", "phase": "healthy", "removed_ranks": [2]}
+    why = f"policy gave up: network partition: engine 2 reaches ...; {HEALS}"
+    watch = Watch({0: dict(shrunk), 1: dict(shrunk), 2: {"status": "dead", "fault_info": why}})
+    deployment = Deployment(watch)
+    running: Any = SimpleNamespace(deployment=deployment, watch=watch, workers={})
+    vllm.running = running
+    threading.Timer(0.6, lambda: watch.engines[2].update(status="unhealthy", phase="ready")).start()
+    try:
+        assert vllm.heal(3) == [2]
+        assert deployment.calls == [("admit", [2], [0, 1])]  # no restart
+        kinds = [entry.what for entry in vllm.bench.history.entries()]
+        assert kinds[-2:] == ["relaunch", "scale_up"]
+        watch.engines[0]["removed_ranks"] = watch.engines[1]["removed_ranks"] = [2]
+        watch.engines[2] = {"status": "dead", "fault_info": "policy gave up: network partition"}
+        assert vllm.heal(4) == [2]
+        assert deployment.calls[-2:] == [("restart", 2), ("admit", [2], [0, 1])]
     finally:
         vllm.running = None
         vllm.close()

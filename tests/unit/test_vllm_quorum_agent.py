@@ -28,6 +28,14 @@ class Probes:
     def refused(self) -> frozenset[int]:
         return self.closed
 
+    def forget(self, ranks: frozenset[int]) -> None:
+        """Stop probing ``ranks`` (a rank admitted back runs a new process)."""
+        self.known, self.reached, self.closed = (
+            self.known - ranks,
+            self.reached - ranks,
+            self.closed - ranks,
+        )
+
     def stop(self) -> None:
         pass
 

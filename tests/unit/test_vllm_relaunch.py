@@ -183,7 +183,7 @@ def test_a_relaunch_whose_kv_cache_differs_leaves_rank_0_parked_dead_saying_why(
     engine._initialize_kv_caches = lambda config: SimpleNamespace(num_blocks=BLOCKS // 2)
     dead = engine.model_executor
     monkeypatch.setattr(rl, "start_alone", lambda *a: pytest.fail("must not start alone"))
-    assert not rl.relaunch(sentinel)
+    assert not rl.relaunch(sentinel, "engine 0's worker process died")
     new = Executor.made[-1]
     assert engine.model_executor is dead and new.stopped
     assert not rejoining(engine.vllm_config.parallel_config)
@@ -191,6 +191,8 @@ def test_a_relaunch_whose_kv_cache_differs_leaves_rank_0_parked_dead_saying_why(
     fields = agent.status_fields()
     assert fields["status"] == "dead" and fields["phase"] == "dead"
     assert "32 KV cache blocks, fewer than the 64 the scheduler" in str(fields["fault_info"])
+    assert "engine 0's worker process died and relaunching it failed" in str(fields["fault_info"])
+    assert not dead.stopped  # a dead worker's executor is vLLM's to shut down
 
 
 def test_scale_up_is_refused_while_rank_0_loads_and_the_status_says_loading() -> None:
@@ -229,3 +231,27 @@ def test_retry_and_scale_down_to_a_rank_that_rejoins_are_refused_saying_so() -> 
     result = outputs.utility_output.result.result
     assert (client, result["request_id"], result["success"]) == (0, "r1", False)
     assert "Rejecting retry on engine 0: it is rejoining (phase loading)" in result["reason"]
+
+
+def test_a_minority_relaunch_shuts_its_live_worker_down_first_and_ends_the_partition(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A partition's minority (``minority.py``) relaunches a worker that is alive: it
+    belongs to the DP and EP groups the majority rebuilt without it, so it is shut down
+    (vLLM's ``MultiprocExecutor.shutdown``) before the new one starts; the returning rank
+    is no longer cut off and stops refusing late arrivals."""
+    sentinel, agent = parked_rank0()
+    engine = sentinel.engine
+    monkeypatch.setattr(
+        "ftengine.integrations.vllm.engine_core.announce.start_announcing", lambda s, urls=(): None
+    )
+    old = engine.model_executor
+    old.is_failed = False  # cut off, alive
+    agent._dying = False
+    agent.fenced, agent.cut_off = "network partition: ...", "rejoining"
+    agent._refusing = threading.Event()
+    assert rl.relaunch(sentinel, "engine 0 was cut off by a network partition")
+    assert old.stopped and engine.model_executor is not old and sentinel.resumed.is_set()
+    assert agent.fenced is None and agent.cut_off is None and agent._refusing.is_set()
+    assert sentinel.status_type == Status.HEALTHY  # a returning rank: unhealthy, ready
+    assert agent.status_fields()["phase"] == "ready"

@@ -16,12 +16,12 @@ Each trial is one deployment and two faults, in order:
   ``host_loss_detect_s`` (kill -> rank 0 ``unhealthy``), ``host_loss_interruption_s`` (kill
   -> rank 0 ``healthy`` again with both removed, in one scale-down), ``requests_lost_host_loss``.
 
-- **Heal**: the partition undone, rank 3's server restarted on host 2 with its original
-  command (as an operator would; nothing restarts it by itself); it announces itself on the
-  survivors' DP store and their ``auto`` policy admits it with no command, the survivors
-  never restarted: ``heal_to_all_serving_s`` (heal -> rank 3 and rank 0 ``healthy``, only
-  host 1's ranks still removed; the restarted server's start-up included),
-  ``heal_admission_s`` (rank 3 ``ready`` -> admitted), ``heal_requests_exact`` (of
+- **Heal**: the partition undone and nothing restarted: rank 3's engine core, parked since
+  the cut, reaches a majority again, relaunches its worker in place, announces itself on the
+  survivors' DP store, and their ``auto`` policy admits it with no command:
+  ``heal_to_all_serving_s`` (heal -> rank 3 and rank 0 ``healthy``, only host 1's ranks
+  still removed; the new worker's load included), ``heal_admission_s`` (rank 3 ``ready``
+  -> admitted), ``heal_restarts`` (servers restarted: 0), ``heal_requests_exact`` (of
   ``heal_requests``: streams on rank 3 and rank 0 afterwards with the fault-free tokens).
 
 Detection is timed by polling each server's ``/fault_tolerance/status`` every 20 ms.
@@ -249,18 +249,18 @@ def _host_loss(
 
 
 ADMITTABLE = ("ready", "healthy")
-REJOIN_S = 600.0  # the restarted server's whole start on 2 shared cores, then admission
+REJOIN_S = 600.0  # the new worker's whole load on 2 shared cores, then the admission
 
 
 def _heal(
     spread: MultiHostDeployment, model: str, n: int, reference: list[list[int]]
 ) -> dict[str, Any]:
-    """The cut undone, rank 3's server restarted; until rank 3 and rank 0 serve with only
-    the lost host's ranks removed; then the prompts streamed on both."""
+    """The cut undone, nothing restarted; until rank 3 and rank 0 serve with only the lost
+    host's ranks removed; then the prompts streamed on both."""
     urls = spread.urls
+    servers = {r: e["api_server"] for r, e in spread.started.pids().items()}
     healed = time.monotonic()
     spread.heal()
-    spread.started.restart(MINORITY)
     # loading -> ready (started alone) -> healthy (admitted): the first answer past loading
     ready = when(lambda: status(urls[MINORITY], MINORITY)["phase"] in ADMITTABLE, REJOIN_S)
 
@@ -269,10 +269,12 @@ def _heal(
         return mine and healthy_without(urls[0], 0, list(LOST_RANKS))()
 
     all_serving = when(serving, REJOIN_S)
+    now = {r: e["api_server"] for r, e in spread.started.pids().items()}
     after = _done(started([Stream(urls[r], model, p, n) for r in (0, MINORITY) for p in PROMPTS]))
     return {
         "heal_to_all_serving_s": round(all_serving - healed, 3),
         "heal_admission_s": round(all_serving - ready, 3),
+        "heal_restarts": sum(now[r] != pid for r, pid in servers.items()),
         "heal_requests": len(after),
         "heal_requests_exact": sum(
             s.finish_reason == "length" and s.tokens == reference[i % len(PROMPTS)]
@@ -283,7 +285,8 @@ def _heal(
 
 SUMMED = ("split_brain_answers", "requests_lost_majority", "requests_lost_host_loss",
           "minority_requests", "minority_requests_ended_with_reason", "minority_requests_hung",
-          "majority_requests", "leftovers", "heal_requests", "heal_requests_exact")  # fmt: skip
+          "majority_requests", "leftovers", "heal_requests", "heal_requests_exact",
+          "heal_restarts")  # fmt: skip
 TIMED = ("startup_s", "rss_gb", "host_loss_detect_s", "host_loss_interruption_s",
          "partition_detect_s", "minority_stop_s", "partition_recovery_s",
          "heal_to_all_serving_s", "heal_admission_s")  # fmt: skip

@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
-from ftengine.integrations.vllm.engine_core.quorum import PARTITION, Sight, keeps_serving
+from ftengine.integrations.vllm.engine_core.quorum import HEALS, PARTITION, Sight, keeps_serving
 from ftengine.integrations.vllm.engine_core.rejoin import REJOINING_PHASES
 from ftengine.integrations.vllm.engine_core.relaunch_state import FAILED_WORDS
 from ftengine.testbed.chaos.catalogue import ChaosKind, PlannedFault, When
@@ -213,6 +213,19 @@ def stopping(engine: Mapping[str, Any]) -> bool:
     ``fault_info`` (``quorum.PARTITION``), and ``dead`` as soon as it is idle: a retry that
     counts it waits for it in vain (vLLM's 30 s for every client)."""
     return engine.get("status") == "unhealthy" and PARTITION in str(engine.get("fault_info"))
+
+
+def relaunches_in_place(rank: int, engine: Mapping[str, Any]) -> bool:
+    """Whether removed rank ``rank`` comes back through its own engine core, its server
+    never restarted: DP rank 0 (it relaunches its worker in place) and a partition's
+    minority parked for the link (``quorum.HEALS`` in its reason, or already relaunching
+    once it saw the link back). A minority that learnt of the cut only after its fault
+    exits at vLLM's deadline instead and is restarted."""
+    return (
+        rank == 0
+        or engine.get("phase") in REJOINING_PHASES
+        or (engine.get("status") == "dead" and HEALS in str(engine.get("fault_info")))
+    )
 
 
 def relaunch_failed(engine: Mapping[str, Any]) -> bool:

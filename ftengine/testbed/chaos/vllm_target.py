@@ -42,6 +42,7 @@ from ftengine.testbed.chaos.vllm_plan import (
     judge,
     rebuild_first,
     relaunch_failed,
+    relaunches_in_place,
     removed_ranks,
     victims,
 )
@@ -332,16 +333,18 @@ class VllmTarget:
                 self._healed_at[shot.fault.index] = time.monotonic()
 
     def heal(self, fault: int | None) -> list[int]:
-        """Restart every removed rank's server with its original command (DP rank 0's stays
-        up: it hosts the DP coordinator, and its engine core relaunches its worker in
-        place), wait until each removed rank says ``ready``, and admit them with
-        ``scale_up`` to every member and to them; until every engine is healthy with none
-        removed. Raises when a step fails: the loop rebuilds."""
+        """Restart every removed rank's server with its original command, except those whose
+        engine core brings them back in place (``relaunches_in_place``: DP rank 0, which
+        hosts the DP coordinator, and a cut-off minority once the link is back), wait until
+        each removed rank says ``ready``, and admit them with ``scale_up`` to every member
+        and to them; until every engine is healthy with none removed. Raises when a step
+        fails: the loop rebuilds."""
         if not self.options.rejoin:
             return []
         running = self._running()
         deployment = running.deployment
-        back = sorted(removed_ranks(running.watch.poll()))
+        engines = running.watch.poll()
+        back = sorted(removed_ranks(engines))
         if not back:
             return []
         members = [r for r in range(self.options.dp_size) if r not in back]
@@ -351,7 +354,7 @@ class VllmTarget:
             traffic[rank].pause(self.options.recover_deadline_s)
         try:
             for rank in back:
-                if rank == 0:
+                if relaunches_in_place(rank, engines.get(rank, {})):
                     history.add("relaunch", fault, rank=rank)  # in place, by its engine core
                     continue
                 # Its old server may still relay streams handed off to a survivor: let them

@@ -73,8 +73,10 @@ from ftengine.integrations.vllm.engine_core.dp_group import ClosedDpGroup, close
 from ftengine.integrations.vllm.engine_core.fault_books import FaultBooks
 from ftengine.integrations.vllm.engine_core.poison import own_fault
 from ftengine.integrations.vllm.engine_core.quorum import (
+    HEALS,
     SILENT_S,
     Reachability,
+    Sight,
     explain,
     keeps_serving,
     sight,
@@ -149,6 +151,7 @@ class EngineCoreAgent:
         self.gone: frozenset[int] = frozenset()  # peers the probes say are dead or cut off
         self.fenced: str | None = None  # why this engine is on a minority side (quorum)
         self._refusing: threading.Event | None = None  # set: stop refusing late arrivals
+        self.cut_off: str | None = None  # a minority engine sitting the partition out (minority)
         self._timed_group: weakref.ref[Any] | None = None
         self._healthy_since = 0.0
         self.peers: dict[int, str] = {}  # current-epoch peers' statuses ("dead" if stale)
@@ -316,6 +319,9 @@ class EngineCoreAgent:
             self._dying = False
             self._settled_dead = False
             self._store_failures = 0
+            self.fenced = self.cut_off = None  # a minority's partition is over
+        if self._refusing is not None:
+            self._refusing.set()
         self._faulted.set()
         return urls
 
@@ -453,19 +459,33 @@ class EngineCoreAgent:
             self.doorbell.ring([self.doorbell.address])
 
     def guard_step(self) -> None:
-        """One look at the quorum; a minority engine that vLLM has made unhealthy stops."""
-        self._check_quorum()
+        """One look at the quorum; a minority engine that vLLM has made unhealthy stops; one
+        parked to sit the partition out rejoins once the link heals (``minority.py``)."""
+        from ftengine.integrations.vllm.engine_core import minority
+
+        if self.cut_off is None:
+            self._check_quorum()
+        elif self.cut_off != minority.PARKED:
+            minority.await_heal(self)
+            return
         fenced, recovering = self.fenced, self._recovering.is_set()
         if fenced is not None and self._own_status() == "unhealthy" and not recovering:
-            self.give_up(fenced)
-            from ftengine.integrations.vllm.engine_core.minority import start_refusing
-
-            # requests already in the input queue end too, with the same reason
-            self._refusing = start_refusing(
+            parked = self.cut_off == minority.PARKED
+            self.give_up(f"{fenced}; {HEALS}" if parked else fenced)
+            # requests already in the input queue end too, with the same reason (a parked
+            # engine's busy loop never reads them again: until it rejoins)
+            self._refusing = minority.start_refusing(
                 self.engine,
                 f"engine {self.rank} stopped: {fenced}",
-                self.settings.recovery_timeout_s,
+                float("inf") if parked else self.settings.recovery_timeout_s,
             )
+            if parked:
+                self.cut_off = minority.WAITING
+
+    def sight(self) -> Sight:
+        """What this engine's probes and the DP board say now (``quorum.sight``)."""
+        self.reach.know(self.board.probes)
+        return sight(self.rank, self.world, self._removed(), self.reach, self._published_dead())
 
     def _check_quorum(self) -> None:
         """The probes' news (no I/O; on the watch thread, so a DP store across a cut cannot
@@ -474,9 +494,8 @@ class EngineCoreAgent:
         side this engine faults and, once unhealthy, stops (:meth:`guard_step`)."""
         if self.world <= 1:
             return
-        self.reach.know(self.board.probes)
         removed = self._removed()
-        seen = sight(self.rank, self.world, removed, self.reach, self._published_dead())
+        seen = self.sight()
         refused = self.reach.refused() - removed
         silent = seen.live - seen.side
         if keeps_serving(seen):

@@ -44,6 +44,9 @@ MISSES = 20  # probes this engine actually sent meanwhile: a thread of ours that
 PING, PONG = b"?", b"="
 PARTITION = "network partition"
 """How the minority's reason begins (its status, its 503s, the requests it ended)."""
+HEALS = "it rejoins by itself once the link heals"
+"""What a minority parked for the link adds to its reason (``minority.py``): its server is
+not to be restarted."""
 
 
 @attrs.frozen

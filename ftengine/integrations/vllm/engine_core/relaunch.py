@@ -1,4 +1,6 @@
-"""DP rank 0 comes back without a restart of its server (issue 28).
+"""An engine core relaunches its worker in place and comes back without a restart of its
+server: DP rank 0 whose worker died (issue 28), and a partition's minority once the link
+heals (``minority.py``).
 
 Rank 0's API server runs the DP coordinator and answers restarted ranks' start-up
 handshakes: it cannot be restarted while the survivors serve. When only its worker died, its
@@ -6,8 +8,8 @@ engine core is parked DEAD (``coordinator_host.py``), its held requests handed t
 That engine core then relaunches its worker in place (:func:`relaunch`, on a thread of its
 own while the busy loop stays parked):
 
-1. the dead worker's processes are gone (their memory freed) and the handoff's watch for
-   late arrivals stops;
+1. the old worker's processes are gone (their memory freed: a live one, a minority's, is
+   shut down first) and the handoff's watch for late arrivals stops;
 2. a new executor of vLLM's class starts new worker processes, alone as a restarted rank's
    start (``rejoin_flag``: the worker's FSM goes loading -> ready): they load the weights
    from disk, allocate KV caches at least as large as the scheduler was built for (checked:
@@ -70,6 +72,8 @@ SEAMS = (
           ("vllm_config", "monitor_workers"), unchanged),
     Patch("vllm.v1.executor.abstract", "Executor", "register_failure_callback", ("callback",),
           unchanged),
+    Patch("vllm.v1.executor.multiproc_executor", "MultiprocExecutor", "shutdown", (),
+          unchanged),
     Patch(SCHEDULER_MODULE, "Scheduler", "reset_prefix_cache",
           ("reset_running_requests", "reset_connector"), unchanged),
 )  # fmt: skip
@@ -115,24 +119,32 @@ def start_relaunch(sentinel: Any) -> threading.Thread | None:
         f"engine {rank}'s worker process died; its engine core relaunches it in place (its "
         "API server runs the DP coordinator) and rejoins once the survivors admit it"
     )))  # fmt: skip
+    return start_thread(sentinel, f"engine {rank}'s worker process died")
+
+
+def start_thread(sentinel: Any, cause: str) -> threading.Thread:
+    """:func:`relaunch` on a thread of its own (the status already says why, phase loading)."""
     thread = threading.Thread(
-        target=relaunch, args=(sentinel,), name="ftengine-relaunch", daemon=True
+        target=relaunch, args=(sentinel, cause), name="ftengine-relaunch", daemon=True
     )
     thread.start()
     return thread
 
 
-def relaunch(sentinel: Any) -> bool:
+def relaunch(sentinel: Any, cause: str) -> bool:
     """Relaunch the worker, then make the engine core a returning rank (module doc); True
-    once the busy loop resumed, False (parked DEAD, the reason in its status) on failure."""
+    once the busy loop resumed, False (parked DEAD, ``cause`` and the reason in its status)
+    on failure."""
     engine = sentinel.engine
     parallel = engine.vllm_config.parallel_config
     rank, started = sentinel.engine_index, time.monotonic()
     sentinel._push_status()  # dead, phase loading
     dead = engine.model_executor
-    logger.warning("[FT] engine %d: relaunching its worker in place", rank)
+    logger.warning("[FT] engine %d: relaunching its worker in place (%s)", rank, cause)
     try:
         check_seams()
+        if not getattr(dead, "is_failed", False):
+            dead.shutdown()  # alive (a minority's): its DP and EP groups are the old ones
         await_exit(dead, EXIT_WAIT_S)
         stop_late_arrivals(sentinel)
         setattr(parallel, REJOIN_KEY, 1)  # pickled with the config: the worker starts alone
@@ -143,7 +155,7 @@ def relaunch(sentinel: Any) -> bool:
         if new is not dead:
             new.shutdown()
         setattr(sentinel, RELAUNCH_ATTR, Relaunch(FAILED, (
-            f"engine {rank}'s worker process died and {FAILED_WORDS}: "
+            f"{cause} and {FAILED_WORDS}: "
             f"{type(exc).__name__}: {exc}"
         )))  # fmt: skip
         logger.exception("[FT] engine %d: relaunching its worker failed", rank)
@@ -254,8 +266,8 @@ def end_queued(sentinel: Any) -> None:
             continue
         if request_type == types.ADD:
             reason = (
-                f"engine {sentinel.engine_index} lost its worker and is rejoining; it serves "
-                "again once the survivors admit it: send the request to another rank"
+                f"engine {sentinel.engine_index} relaunched its worker and is rejoining; it "
+                "serves again once the survivors admit it: send the request to another rank"
             )
             emit(engine, payload[0], [], "abort", reason)
             continue

@@ -92,6 +92,10 @@ def _agent_on_fault(on_fault: Callable[..., None]) -> Callable[..., None]:
                     from ftengine.integrations.vllm.engine_core.relaunch import start_relaunch
 
                     start_relaunch(self)  # its worker died: a new one, then it rejoins
+                else:
+                    from ftengine.integrations.vllm.engine_core.minority import park_if_cut_off
+
+                    park_if_cut_off(self, agent)  # cut off: it waits for the link, then rejoins
                 agent.after_fault()
                 self._push_status()  # the same status, now with the worker's ftengine phase
         finally:

@@ -1,0 +1,149 @@
+"""A partition's minority sits the partition out and rejoins when the link heals
+(``engine_core/minority.py``): parked at its fault past vLLM's deadline (vLLM's own
+``fault_tolerant_wrapper``), DEAD saying it rejoins by itself, its probes watched until it
+reaches a majority again, then its worker relaunched in place. The relaunch itself (a live
+worker shut down first): ``test_vllm_relaunch.py``; the real thing over network-namespace
+hosts: ``tests/integration/test_vllm_hosts.py``."""
+
+from __future__ import annotations
+
+import threading
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+from vllm.v1.engine import EngineStatusType
+from vllm.v1.fault_tolerance.engine_core_sentinel import fault_tolerant_wrapper
+
+from ftengine.integrations.vllm.engine_core import minority
+from ftengine.integrations.vllm.engine_core.quorum import HEALS
+from ftengine.integrations.vllm.engine_core.relaunch_state import LOADING, RELAUNCH_ATTR
+from tests.unit.test_vllm_coordinator_host import DEADLINE_S, Engine, config
+from tests.unit.test_vllm_engine_agent import Status, markers
+from tests.unit.test_vllm_quorum_agent import Probes, agent_seeing
+
+EVERYONE = frozenset({0, 1, 2})
+
+
+class CutOffSentinel:
+    """vLLM's ``EngineCoreSentinel`` as the wrapper reads it, whose ``on_fault`` runs the
+    patched one's step for a cut-off engine (``agent``: what ``park_if_cut_off`` reads)."""
+
+    def __init__(self, agent: Any) -> None:
+        self.engine_index = 3
+        self.parallel_config = config(4, 3, True)
+        self.engine_recovery_timeout_sec: float | None = DEADLINE_S
+        self.resumed = threading.Event()
+        self.status_type = EngineStatusType.HEALTHY
+        self.agent = agent
+
+    def on_fault(self, exc: Exception) -> None:
+        self.resumed.clear()
+        self.status_type = EngineStatusType.UNHEALTHY
+        minority.park_if_cut_off(self, self.agent)
+
+
+def wrapped(sentinel: CutOffSentinel, resume_after_s: float) -> tuple[Engine, BaseException]:
+    engine = Engine(sentinel)  # type: ignore[arg-type]
+    threading.Timer(resume_after_s, sentinel.resumed.set).start()
+    with pytest.raises((RuntimeError, SystemExit)) as raised:
+        fault_tolerant_wrapper(Engine.busy_loop)(engine)
+    return engine, raised.value
+
+
+def test_a_cut_off_engine_waits_past_vllms_deadline_and_any_other_does_not() -> None:
+    cut = SimpleNamespace(fenced="network partition: ...", cut_off=None, rank=3)
+    engine, raised = wrapped(CutOffSentinel(cut), resume_after_s=3 * DEADLINE_S)
+    assert isinstance(raised, SystemExit), raised  # resumed after 3x the deadline: went on
+    assert engine.loops == 2 and cut.cut_off == minority.PARKED
+    reachable = SimpleNamespace(fenced=None, cut_off=None, rank=3)
+    sentinel = CutOffSentinel(reachable)
+    engine, raised = wrapped(sentinel, resume_after_s=3 * DEADLINE_S)
+    assert isinstance(raised, RuntimeError), raised  # vLLM's deadline: the engine core ends
+    assert engine.loops == 1 and reachable.cut_off is None
+    assert sentinel.engine_recovery_timeout_sec == DEADLINE_S
+
+
+def cut_off_and_parked(monkeypatch: pytest.MonkeyPatch) -> tuple[Any, Any, Probes, list[str]]:
+    """Rank 3 of 4 reaching nobody, faulted by its guard and parked by the patched
+    ``on_fault``; relaunches recorded, not run."""
+    started: list[str] = []
+    monkeypatch.setattr(minority, "start_thread", lambda s, cause: started.append(cause))
+    probes = Probes(EVERYONE, frozenset())
+    stand_in, agent = agent_seeing(3, probes)
+    sentinel: Any = stand_in  # vLLM's sentinel also has the recovery deadline
+    sentinel.engine_recovery_timeout_sec = 300.0
+    sentinel.engine.ft_sentinel = sentinel  # where the status reads the relaunch
+    agent.guard_step()
+    assert agent.fenced is not None and len(markers(sentinel)) == 1
+    sentinel.status_type = Status.UNHEALTHY  # vLLM's on_fault, then ftengine's park
+    assert minority.park_if_cut_off(sentinel, agent)
+    assert sentinel.engine_recovery_timeout_sec is None
+    assert not minority.park_if_cut_off(sentinel, agent)  # once
+    return sentinel, agent, probes, started
+
+
+def test_a_parked_minority_stops_then_rejoins_once_it_reaches_a_majority_again(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    sentinel, agent, probes, started = cut_off_and_parked(monkeypatch)
+    agent.guard_step()
+    assert sentinel.status_type == Status.DEAD
+    assert "network partition" in str(sentinel.fault_info)
+    assert HEALS in str(sentinel.fault_info)  # an operator need not restart it
+    assert agent.cut_off == minority.WAITING
+    refusing = agent._refusing
+    assert refusing is not None and not refusing.is_set()  # until it rejoins, no deadline
+    for reached in (frozenset(), frozenset({1})):  # {1, 3}: half, without the lowest rank
+        probes.reached = reached
+        agent.guard_step()
+        assert started == [] and markers(sentinel) == [] and agent.cut_off == minority.WAITING
+    probes.reached = frozenset({1, 2})  # the link is back: 3 of 4 live ranks
+    agent.guard_step()
+    assert started == ["engine 3 was cut off by a network partition"]
+    assert agent.cut_off == minority.REJOINING
+    fields = agent.status_fields()
+    assert (fields["status"], fields["phase"]) == ("dead", LOADING)
+    assert "link healed" in str(fields["fault_info"])
+    assert getattr(sentinel, RELAUNCH_ATTR).phase == LOADING
+    agent.guard_step()
+    assert len(started) == 1 and markers(sentinel) == []  # once; no fault of its own
+    agent.start_over()  # the relaunch's returning rank: the partition is over
+    assert agent.fenced is None and agent.cut_off is None and refusing.is_set()
+    agent.stop()
+
+
+def test_a_link_back_before_the_parked_engine_gave_up_still_ends_in_a_rejoin(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The majority removed it at the same silence: it must not serve on as a member."""
+    sentinel, agent, probes, started = cut_off_and_parked(monkeypatch)
+    probes.reached = EVERYONE
+    agent.guard_step()
+    assert sentinel.status_type == Status.DEAD and agent.cut_off == minority.WAITING
+    assert markers(sentinel) == [] and agent.gone == frozenset()
+    agent.guard_step()
+    assert started == ["engine 3 was cut off by a network partition"]
+    agent.stop()
+
+
+def test_an_engine_cut_off_only_after_its_fault_keeps_vllms_deadline(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Faulted first by one silent peer (it still held a majority), then cut off: vLLM's
+    wrapper already waits with the deadline, so it stops as before and is not parked."""
+    started: list[str] = []
+    monkeypatch.setattr(minority, "start_thread", lambda s, cause: started.append(cause))
+    probes = Probes(EVERYONE, frozenset({0, 1}))
+    sentinel, agent = agent_seeing(3, probes)
+    agent.guard_step()
+    sentinel.status_type = Status.UNHEALTHY
+    assert agent.fenced is None and not minority.park_if_cut_off(sentinel, agent)
+    probes.reached = frozenset()
+    agent.guard_step()
+    assert sentinel.status_type == Status.DEAD and agent.cut_off is None
+    assert HEALS not in str(sentinel.fault_info)
+    probes.reached = EVERYONE
+    agent.guard_step()
+    assert started == []
+    agent.stop()
