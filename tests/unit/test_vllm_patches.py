@@ -13,6 +13,7 @@ import attrs
 import pytest
 import torch
 
+from ftengine.integrations.vllm.engine_core.quorum import HEALS
 from ftengine.integrations.vllm.patches import engine_core as engine_core_patches
 from ftengine.integrations.vllm.patches import worker as cpu_patches
 from ftengine.integrations.vllm.patches.install import PATCHES
@@ -183,6 +184,8 @@ def test_a_dead_engines_status_says_why_an_unhealthy_ones_as_vllm_does() -> None
     }
     stuck = PushedTo("DEAD", None, worker_died=False).payload()
     assert stuck["fault_info"] == "a fault: engine 1 cannot recover"
+    cut = f"policy gave up: network partition: engine 1 reaches ...; {HEALS}"
+    assert PushedTo("DEAD", cut, worker_died=False).payload()["fault_info"] == cut  # it will
     sick = PushedTo("UNHEALTHY", "RuntimeError", worker_died=False).payload()
     assert sick == {"id": 1, "status": "unhealthy", "fault_info": "RuntimeError"}
     assert "fault_info" not in PushedTo("HEALTHY", None, worker_died=False).payload()

@@ -131,7 +131,11 @@ def push_status(self: Any) -> None:
 
 def dead_reason(sentinel: Any) -> str:
     """Why an engine is DEAD, for its status (an orchestrator must not have to guess)."""
+    from ftengine.integrations.vllm.engine_core.quorum import HEALS
+
     fault = sentinel.fault_info or "a fault"
+    if HEALS in fault:  # a minority parked for the link (minority.py): it will recover
+        return str(fault)
     if getattr(sentinel.engine.model_executor, "is_failed", False):
         return f"{fault}: engine {sentinel.engine_index}'s worker process died"
     return f"{fault}: engine {sentinel.engine_index} cannot recover"
