@@ -15,8 +15,8 @@ from vllm.v1.fault_tolerance.engine_core_sentinel import fault_tolerant_wrapper
 from ftengine.integrations.vllm.engine_core.coordinator_host import (
     hosts_coordinator,
     park_if_coordinator_host,
-    wait_seam_present,
 )
+from ftengine.integrations.vllm.engine_core.parking import ParkableEvent, install, seam_present
 
 DEADLINE_S = 0.2
 
@@ -34,7 +34,9 @@ class Sentinel:
         self.engine_index = parallel_config.data_parallel_rank
         self.parallel_config = parallel_config
         self.engine_recovery_timeout_sec: float | None = DEADLINE_S
-        self.resumed = threading.Event()
+        self.resumed = threading.Event()  # vLLM's; ftengine's patched __init__ replaces it
+        self.resumed.set()
+        install(self)
         self.fault_status = status
         self.status_type = EngineStatusType.HEALTHY
 
@@ -69,7 +71,7 @@ def run_wrapped(sentinel: Sentinel, resume_after_s: float) -> tuple[Engine, Base
 
 
 def test_the_installed_wrapper_reads_the_deadline_at_each_wait() -> None:
-    assert wait_seam_present(), "vLLM's fault_tolerant_wrapper moved: see coordinator_host.py"
+    assert seam_present(), "vLLM's fault_tolerant_wrapper moved: see parking.py"
 
 
 @pytest.mark.parametrize(
@@ -90,7 +92,7 @@ def test_a_dead_coordinator_host_waits_past_vllms_deadline() -> None:
     assert isinstance(raised, SystemExit), raised  # the second loop ran: no give-up
     assert engine.loops == 2
     assert time.monotonic() - started >= 3 * DEADLINE_S
-    assert sentinel.engine_recovery_timeout_sec is None
+    assert isinstance(sentinel.resumed, ParkableEvent) and not sentinel.resumed.parked  # resumed
 
 
 @pytest.mark.parametrize(
@@ -108,4 +110,30 @@ def test_every_other_engine_gives_up_at_vllms_deadline(
     engine, raised = run_wrapped(sentinel, resume_after_s=3 * DEADLINE_S)
     assert isinstance(raised, RuntimeError), raised
     assert engine.loops == 1
-    assert sentinel.engine_recovery_timeout_sec == DEADLINE_S
+    assert not sentinel.resumed.parked  # type: ignore[attr-defined]
+
+
+def test_the_patched_sentinel_gets_a_parkable_resumed_in_the_state_vllms_was_in(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """vLLM's ``EngineCoreSentinel.__init__`` makes ``resumed`` (set); ftengine's patched
+    ``__init__`` replaces it before anything waits on it."""
+    import inspect
+
+    from vllm.v1.fault_tolerance.engine_core_sentinel import EngineCoreSentinel
+
+    from ftengine.integrations.vllm.engine_core import agent
+    from ftengine.integrations.vllm.patches import engine_core as patches
+
+    source = inspect.getsource(EngineCoreSentinel.__init__)
+    assert "self.resumed = threading.Event()" in source and "self.resumed.set()" in source
+    monkeypatch.setattr(agent, "start_agent", lambda sentinel, attr: None)
+
+    def vllms_init(sentinel: Any) -> None:
+        sentinel.resumed = threading.Event()
+        sentinel.resumed.set()
+
+    made: Any = type("Made", (), {})()
+    patches._with_agent(vllms_init)(made)
+    assert isinstance(made.resumed, ParkableEvent) and made.resumed.is_set()
+    assert not made.resumed.parked

@@ -1,7 +1,8 @@
 """A partition's minority sits the partition out and rejoins when the link heals
-(``engine_core/minority.py``): parked at its fault past vLLM's deadline (vLLM's own
-``fault_tolerant_wrapper``), DEAD saying it rejoins by itself, its probes watched until it
-reaches a majority again, then its worker relaunched in place. The relaunch itself (a live
+(``engine_core/minority.py``): parked past vLLM's deadline (vLLM's own
+``fault_tolerant_wrapper`` waiting on ftengine's ``resumed``, ``parking.py``) at its fault or
+later, DEAD saying it rejoins by itself, its probes watched until it reaches a majority
+again, then its worker relaunched in place. The relaunch itself (a live
 worker shut down first): ``test_vllm_relaunch.py``; the real thing over network-namespace
 hosts: ``tests/integration/test_vllm_hosts.py``."""
 
@@ -16,6 +17,7 @@ from vllm.v1.engine import EngineStatusType
 from vllm.v1.fault_tolerance.engine_core_sentinel import fault_tolerant_wrapper
 
 from ftengine.integrations.vllm.engine_core import minority
+from ftengine.integrations.vllm.engine_core.parking import ParkableEvent, install
 from ftengine.integrations.vllm.engine_core.quorum import HEALS
 from ftengine.integrations.vllm.engine_core.relaunch_state import LOADING, RELAUNCH_ATTR
 from tests.unit.test_vllm_coordinator_host import DEADLINE_S, Engine, config
@@ -34,6 +36,7 @@ class CutOffSentinel:
         self.parallel_config = config(4, 3, True)
         self.engine_recovery_timeout_sec: float | None = DEADLINE_S
         self.resumed = threading.Event()
+        install(self)
         self.status_type = EngineStatusType.HEALTHY
         self.agent = agent
 
@@ -57,11 +60,24 @@ def test_a_cut_off_engine_waits_past_vllms_deadline_and_any_other_does_not() -> 
     assert isinstance(raised, SystemExit), raised  # resumed after 3x the deadline: went on
     assert engine.loops == 2 and cut.cut_off == minority.PARKED
     reachable = SimpleNamespace(fenced=None, cut_off=None, rank=3)
-    sentinel = CutOffSentinel(reachable)
-    engine, raised = wrapped(sentinel, resume_after_s=3 * DEADLINE_S)
+    engine, raised = wrapped(CutOffSentinel(reachable), resume_after_s=3 * DEADLINE_S)
     assert isinstance(raised, RuntimeError), raised  # vLLM's deadline: the engine core ends
     assert engine.loops == 1 and reachable.cut_off is None
-    assert sentinel.engine_recovery_timeout_sec == DEADLINE_S
+
+
+def test_an_engine_parked_while_vllms_wrapper_already_waits_waits_on() -> None:
+    """Cut off found only after the fault: vLLM's wrapper read the deadline already."""
+    late = SimpleNamespace(fenced=None, cut_off=None, rank=3)
+    sentinel = CutOffSentinel(late)
+
+    def cut_off_now() -> None:
+        late.fenced = "network partition: ..."
+        assert minority.park_if_cut_off(sentinel, late)
+
+    threading.Timer(DEADLINE_S / 2, cut_off_now).start()
+    engine, raised = wrapped(sentinel, resume_after_s=3 * DEADLINE_S)
+    assert isinstance(raised, SystemExit), raised
+    assert engine.loops == 2 and late.cut_off == minority.PARKED
 
 
 def cut_off_and_parked(monkeypatch: pytest.MonkeyPatch) -> tuple[Any, Any, Probes, list[str]]:
@@ -71,14 +87,14 @@ def cut_off_and_parked(monkeypatch: pytest.MonkeyPatch) -> tuple[Any, Any, Probe
     monkeypatch.setattr(minority, "start_thread", lambda s, cause: started.append(cause))
     probes = Probes(EVERYONE, frozenset())
     stand_in, agent = agent_seeing(3, probes)
-    sentinel: Any = stand_in  # vLLM's sentinel also has the recovery deadline
-    sentinel.engine_recovery_timeout_sec = 300.0
+    sentinel: Any = stand_in  # vLLM's sentinel also has resumed, ftengine's once patched
+    sentinel.resumed = ParkableEvent()
     sentinel.engine.ft_sentinel = sentinel  # where the status reads the relaunch
     agent.guard_step()
     assert agent.fenced is not None and len(markers(sentinel)) == 1
     sentinel.status_type = Status.UNHEALTHY  # vLLM's on_fault, then ftengine's park
     assert minority.park_if_cut_off(sentinel, agent)
-    assert sentinel.engine_recovery_timeout_sec is None
+    assert sentinel.resumed.parked
     assert not minority.park_if_cut_off(sentinel, agent)  # once
     return sentinel, agent, probes, started
 
@@ -127,22 +143,47 @@ def test_a_link_back_before_the_parked_engine_gave_up_still_ends_in_a_rejoin(
     agent.stop()
 
 
-def test_an_engine_cut_off_only_after_its_fault_keeps_vllms_deadline(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    """Faulted first by one silent peer (it still held a majority), then cut off: vLLM's
-    wrapper already waits with the deadline, so it stops as before and is not parked."""
+def late_cut_off(
+    monkeypatch: pytest.MonkeyPatch, resumed: threading.Event
+) -> tuple[Any, Any, Probes, list[str]]:
+    """Rank 3 faulted first by one silent peer (it still held a majority: not parked at
+    its fault), then cut off."""
     started: list[str] = []
     monkeypatch.setattr(minority, "start_thread", lambda s, cause: started.append(cause))
     probes = Probes(EVERYONE, frozenset({0, 1}))
-    sentinel, agent = agent_seeing(3, probes)
+    stand_in, agent = agent_seeing(3, probes)
+    sentinel: Any = stand_in
+    sentinel.resumed = resumed
     agent.guard_step()
     sentinel.status_type = Status.UNHEALTHY
     assert agent.fenced is None and not minority.park_if_cut_off(sentinel, agent)
     probes.reached = frozenset()
     agent.guard_step()
-    assert sentinel.status_type == Status.DEAD and agent.cut_off is None
-    assert HEALS not in str(sentinel.fault_info)
+    assert sentinel.status_type == Status.DEAD
+    return sentinel, agent, probes, started
+
+
+def test_an_engine_cut_off_only_after_its_fault_is_parked_as_it_gives_up(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Seen on hosts (seed 24, one partition in seven): vLLM's wrapper already waits with
+    the deadline; the agent parks it as it gives up, so it rejoins as well."""
+    sentinel, agent, probes, started = late_cut_off(monkeypatch, ParkableEvent())
+    assert sentinel.resumed.parked and agent.cut_off == minority.WAITING
+    assert HEALS in str(sentinel.fault_info)
+    probes.reached = EVERYONE
+    agent.guard_step()
+    assert started == ["engine 3 was cut off by a network partition"]
+    agent.stop()
+
+
+def test_with_vllms_own_event_a_cut_off_engine_keeps_the_deadline_and_says_nothing_more(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Parking unavailable (vLLM's plain ``resumed``): it stops as before, exits at vLLM's
+    deadline, and its status does not promise a rejoin (an operator restarts it)."""
+    sentinel, agent, probes, started = late_cut_off(monkeypatch, threading.Event())
+    assert agent.cut_off is None and HEALS not in str(sentinel.fault_info)
     probes.reached = EVERYONE
     agent.guard_step()
     assert started == []

@@ -19,6 +19,7 @@ import pytest
 from ftengine.integrations.vllm.engine_core import admission as adm
 from ftengine.integrations.vllm.engine_core import relaunch as rl
 from ftengine.integrations.vllm.engine_core import relaunch_state as state
+from ftengine.integrations.vllm.engine_core.parking import ParkableEvent
 from ftengine.integrations.vllm.engine_core.scale_down import REMOVED_ATTR, STORE_ATTR
 from ftengine.integrations.vllm.rejoin_flag import REJOIN_KEY, rejoining
 from tests.unit.test_vllm_engine_agent import Sentinel, agent_for
@@ -99,8 +100,8 @@ def parked_rank0(blocks: int = BLOCKS + 4) -> tuple[Any, Any]:
     sentinel.engine_index = 0
     sentinel.status_type = Status.DEAD
     sentinel.fault_info = "RuntimeError"
-    sentinel.engine_recovery_timeout_sec = None
-    sentinel.resumed = threading.Event()
+    sentinel.resumed = ParkableEvent()
+    sentinel.resumed.park()  # (coordinator_host.py)
     setattr(sentinel, STORE_ATTR, ("127.0.0.1", 1234))
     agent = agent_for(sentinel, "auto")
     setattr(sentinel, adm.AGENT_ATTR, agent)
@@ -141,7 +142,7 @@ def test_a_relaunch_makes_rank_0_a_returning_rank_and_resumes_its_busy_loop(
     assert engine.dp_rank == 3 and engine.step_counter == 0 and not engine.engines_running
     assert sentinel.status_type == Status.HEALTHY and sentinel.fault_info is None
     assert getattr(sentinel, STORE_ATTR) is None and getattr(sentinel, REMOVED_ATTR) == set()
-    assert sentinel.engine_recovery_timeout_sec == 90
+    assert not sentinel.resumed.parked  # its next fault has vLLM's deadline again
     assert announced == [("http://rank1:8001", "http://rank2:8002")]
     assert agent.peers == {} and not agent._dying and agent.board.api_urls == {}
     assert [r for r, _ in ended] == ["late-request"] and "rejoining" in ended[0][1]

@@ -470,7 +470,10 @@ class EngineCoreAgent:
             return
         fenced, recovering = self.fenced, self._recovering.is_set()
         if fenced is not None and self._own_status() == "unhealthy" and not recovering:
-            parked = self.cut_off == minority.PARKED
+            # parked at its fault, or now: it learnt it was cut off only after its fault
+            parked = self.cut_off == minority.PARKED or minority.park_if_cut_off(
+                self.sentinel, self
+            )
             self.give_up(f"{fenced}; {HEALS}" if parked else fenced)
             # requests already in the input queue end too, with the same reason (a parked
             # engine's busy loop never reads them again: until it rejoins)

@@ -9,11 +9,11 @@ core exits, its API server shuts down with it, and so does the coordinator. Afte
 ``scale_down`` past rank 0 one survivor needs no coordinator, but two or more would stop
 waking each other: a request to one of them would wait in a wave the others never join.
 
-So a DEAD engine that hosts the coordinator waits with no deadline: it stays parked,
-answering ``dead`` and refusing every command with vLLM's wording, until the deployment is
-stopped (SIGTERM interrupts the wait; vLLM's engine-core signal handler then exits as usual)
-or, when its worker died, until it has relaunched that worker in place and comes back as a
-returning rank (``relaunch.py``).
+So a DEAD engine that hosts the coordinator waits with no deadline (``parking.py``): it
+stays parked, answering ``dead`` and refusing every command with vLLM's wording, until the
+deployment is stopped (SIGTERM interrupts the wait; vLLM's engine-core signal handler then
+exits as usual) or, when its worker died, until it has relaunched that worker in place and
+comes back as a returning rank (``relaunch.py``).
 Its held requests were already handed to a survivor (or aborted with the reason) when it went
 DEAD (``reinference.py``, ``handoff.py``).
 A transient fault (UNHEALTHY) keeps vLLM's deadline.
@@ -21,19 +21,15 @@ A transient fault (UNHEALTHY) keeps vLLM's deadline.
 
 from __future__ import annotations
 
-import inspect
 import logging
 from typing import Any
 
+from ftengine.integrations.vllm.engine_core.parking import WAIT_SOURCE, park
 from ftengine.integrations.vllm.messages import import_vllm
 
 logger = logging.getLogger(__name__)
 
-SENTINEL_MODULE = "vllm.v1.fault_tolerance.engine_core_sentinel"
 ENGINE_MODULE = "vllm.v1.engine"
-DEADLINE_ATTR = "engine_recovery_timeout_sec"
-WAIT_SOURCE = f"timeout=self.ft_sentinel.{DEADLINE_ATTR}"
-"""What ``fault_tolerant_wrapper`` must read at each wait for parking to take effect."""
 
 
 def hosts_coordinator(parallel_config: Any) -> bool:
@@ -48,28 +44,19 @@ def hosts_coordinator(parallel_config: Any) -> bool:
     )
 
 
-def wait_seam_present() -> bool:
-    """Whether vLLM's wrapper still reads the sentinel's deadline at each wait (else
-    parking would silently do nothing; ``tests/unit/test_vllm_coordinator_host.py`` fails
-    loudly when it moves)."""
-    wrapper = import_vllm(SENTINEL_MODULE).fault_tolerant_wrapper
-    return WAIT_SOURCE in inspect.getsource(wrapper)
-
-
 def park_if_coordinator_host(sentinel: Any) -> bool:
     """After ``on_fault``: when ``sentinel``'s engine is DEAD and hosts the coordinator,
-    drop its recovery deadline (the wrapper's next wait is unbounded); True if parked."""
+    lift its recovery deadline (``parking.py``); True if parked."""
     dead = import_vllm(ENGINE_MODULE).EngineStatusType.DEAD
     if sentinel.status_type != dead or not hosts_coordinator(sentinel.parallel_config):
         return False
-    if not wait_seam_present():
+    if not park(sentinel):
         logger.warning(
             "[FT] Engine %d hosts the DP coordinator, but vLLM's fault_tolerant_wrapper no "
             "longer waits with %r: it will exit at its recovery deadline as vLLM decides.",
             sentinel.engine_index, WAIT_SOURCE,
         )  # fmt: skip
         return False
-    setattr(sentinel, DEADLINE_ATTR, None)
     logger.warning(
         "[FT] Engine %d is DEAD but its API server runs the DP coordinator the survivors "
         "need: it stays up (answering dead) until the deployment is stopped.",

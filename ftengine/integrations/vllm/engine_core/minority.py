@@ -1,11 +1,13 @@
 """A partition's minority engine: it sits the partition out and rejoins once the link heals.
 
-- **Parked** (:func:`park_if_cut_off`, from the patched ``on_fault``): an engine that faults
-  cut off from the majority (``agent.fenced``) has its recovery deadline dropped, as the DP
-  coordinator's host is (``coordinator_host.py``): vLLM's wrapper would otherwise end its
-  engine core, and its API server with it, ``engine_recovery_timeout_sec`` later. The agent
-  then gives up at once (DEAD naming the partition, what it held ended with that reason, new
-  requests 503 at its API server) and the engine waits.
+- **Parked** (:func:`park_if_cut_off`): an engine cut off from the majority
+  (``agent.fenced``) has its recovery deadline lifted (``parking.py``), as the DP
+  coordinator's host has: vLLM's wrapper would otherwise end its engine core, and its API
+  server with it, ``engine_recovery_timeout_sec`` after the fault. The patched ``on_fault``
+  parks an engine that faults cut off (the usual order: the 3 s silence comes before a
+  step's collective times out); the agent parks one that learnt it was cut off only after
+  its fault, as it gives up. Giving up: DEAD naming the partition, what it held ended with
+  that reason, new requests 503 at its API server; then the engine waits.
 - **Late arrivals** (:func:`start_refusing`): requests that reached its engine core after its
   fault (sent before its API server learned it is DEAD) wait in the input queue, which the
   parked busy loop no longer reads. Each is ended at once with ``abort`` and the partition's
@@ -19,9 +21,9 @@
   under ``auto``, by ``scale_up`` otherwise. Its API server and the majority are never
   restarted.
 
-An engine that learnt it was cut off only after its fault (vLLM's wrapper already waits with
-the deadline) still stops, but keeps vLLM's deadline: its server exits then, and an operator
-restarts it (docs/design-partitions.md).
+Where vLLM's wrapper no longer waits on the sentinel's ``resumed`` (a vLLM this was not built
+for) nothing is parked: the engine stops as before, its server exits at vLLM's deadline, and
+an operator restarts it (its fault_info then lacks ``quorum.HEALS``).
 """
 
 from __future__ import annotations
@@ -31,11 +33,8 @@ import threading
 import time
 from typing import Any
 
-from ftengine.integrations.vllm.engine_core.coordinator_host import (
-    DEADLINE_ATTR,
-    wait_seam_present,
-)
 from ftengine.integrations.vllm.engine_core.handoff import drain_added, emit
+from ftengine.integrations.vllm.engine_core.parking import park
 from ftengine.integrations.vllm.engine_core.quorum import keeps_serving
 from ftengine.integrations.vllm.engine_core.relaunch import start_thread
 from ftengine.integrations.vllm.engine_core.relaunch_state import (
@@ -76,19 +75,18 @@ def start_refusing(engine: Any, reason: str, seconds: float) -> threading.Event:
 
 
 def park_if_cut_off(sentinel: Any, agent: Any) -> bool:
-    """After ``on_fault`` (busy-loop thread, before vLLM's wrapper reads the deadline): when
-    ``agent``'s engine faulted on a minority side, drop its recovery deadline and mark it
-    :data:`PARKED`; True if parked."""
+    """When ``agent``'s engine is on a minority side and not parked yet: lift its recovery
+    deadline and mark it :data:`PARKED`; True if parked (the patched ``on_fault``, and the
+    agent as it gives up)."""
     if agent.fenced is None or agent.cut_off is not None:
         return False
-    if not wait_seam_present():
+    if not park(sentinel):
         logger.warning(
-            "[FT] engine %d is cut off, but vLLM's fault_tolerant_wrapper no longer reads its "
-            "deadline at each wait: it will exit at the deadline, not rejoin by itself",
+            "[FT] engine %d is cut off, but vLLM's fault_tolerant_wrapper no longer waits on "
+            "its sentinel's resumed event: it will exit at the deadline, not rejoin by itself",
             agent.rank,
         )
         return False
-    setattr(sentinel, DEADLINE_ATTR, None)
     agent.cut_off = PARKED
     logger.warning(
         "[FT] engine %d is cut off from the majority: it stops and waits for the link",

@@ -234,9 +234,6 @@ def returning(sentinel: Any) -> None:
     engine.step_counter, engine.engines_running = 0, False
     setattr(sentinel, STORE_ATTR, None)
     setattr(sentinel, REMOVED_ATTR, frozenset())
-    sentinel.engine_recovery_timeout_sec = (
-        parallel.fault_tolerance_config.engine_recovery_timeout_sec
-    )
     urls = getattr(sentinel, AGENT_ATTR).start_over()
     end_queued(sentinel)
     sentinel.status_type = import_vllm(ENGINE_MODULE).EngineStatusType.HEALTHY

@@ -47,8 +47,10 @@ def _with_agent(init: Callable[..., None]) -> Callable[..., None]:
     @functools.wraps(init)
     def init_then_agent(self: Any, *args: Any, **kwargs: Any) -> None:
         init(self, *args, **kwargs)
+        from ftengine.integrations.vllm.engine_core import parking
         from ftengine.integrations.vllm.engine_core.agent import start_agent
 
+        parking.install(self)  # a recovery deadline ftengine can lift (DP rank 0, a minority)
         start_agent(self, AGENT_ATTR)
         agent = getattr(self, AGENT_ATTR, None)
         if agent is not None:  # with re-inference (the default), faults hold requests
