@@ -16,6 +16,7 @@ import attrs
 import pytest
 
 from ftengine.integrations.vllm.config import VllmFtSettings
+from ftengine.integrations.vllm.engine_core.parking import ParkableEvent, park
 from ftengine.integrations.vllm.engine_core.poison import PROBE_ATTR
 from ftengine.integrations.vllm.engine_core.reinference import (
     HOLD_ATTR,
@@ -264,6 +265,19 @@ def test_a_wait_for_recovery_past_the_deadline_aborts_every_held_request() -> No
     reasons = aborts(sentinel.engine)
     assert set(reasons) == {"r0", "r1", "w0"}
     assert all("recovery deadline (recovery_timeout)" in str(r) for r in reasons.values())
+
+
+def test_a_parked_engine_with_held_requests_waits_on_past_the_deadline() -> None:
+    """Re-inference replaces the sentinel's ``resumed`` too: it stays parkable (a minority
+    cut off, rank 0 hosting the coordinator), and a parked wait neither ends at its timeout
+    nor aborts what the engine holds (that is the agent's, as it gives up)."""
+    sentinel = held_sentinel()
+    hold_or_abort(sentinel, RuntimeError("boom"), vllm_abort_all)
+    assert park(sentinel)
+    threading.Timer(0.3, sentinel.resumed.set).start()
+    assert sentinel.resumed.wait(timeout=0.01) is True  # resumed 30x past the timeout
+    assert isinstance(sentinel.resumed, ParkableEvent) and not sentinel.resumed.parked
+    assert aborts(sentinel.engine) == {}
 
 
 def test_without_the_option_vllms_own_on_fault_runs() -> None:

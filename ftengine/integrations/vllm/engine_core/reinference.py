@@ -27,7 +27,6 @@ of the engine's own faulted step one at a time (``poison.py``) and aborted alone
 from __future__ import annotations
 
 import logging
-import threading
 import time
 from collections import defaultdict
 from collections.abc import Callable, Mapping, Sequence
@@ -37,6 +36,7 @@ import attrs
 
 from ftengine.integrations.vllm.config import VllmFtSettings
 from ftengine.integrations.vllm.engine_core import handoff
+from ftengine.integrations.vllm.engine_core.parking import ParkableEvent
 from ftengine.integrations.vllm.engine_core.poison import EngineProbe, own_fault
 from ftengine.integrations.vllm.engine_core.poison import install as install_probe
 from ftengine.integrations.vllm.messages import import_vllm
@@ -179,10 +179,11 @@ def abort(engine: Any, requests: Sequence[Any], reason: str) -> None:
         logger.warning("[FT] aborted %d held requests: %s", len(finished), reason)
 
 
-class ResumedOrDeadline(threading.Event):
+class ResumedOrDeadline(ParkableEvent):
     """``EngineCoreSentinel.resumed`` with the hold's deadline: when the wrapper's wait for
     a recovery times out (the busy-loop thread, about to give up and re-raise), every
-    held request is aborted first, with the reason, so clients learn why."""
+    held request is aborted first, with the reason, so clients learn why. Parkable
+    (``parking.py``): a parked engine's wait does not time out."""
 
     def __init__(self, hold: Hold, engine: Any) -> None:
         super().__init__()
