@@ -219,8 +219,8 @@ def relaunches_in_place(rank: int, engine: Mapping[str, Any]) -> bool:
     """Whether removed rank ``rank`` comes back through its own engine core, its server
     never restarted: DP rank 0 (it relaunches its worker in place) and a partition's
     minority parked for the link (``quorum.HEALS`` in its reason, or already relaunching
-    once it saw the link back). A minority that learnt of the cut only after its fault
-    exits at vLLM's deadline instead and is restarted."""
+    once it saw the link back). A minority that could not be parked (its status does not
+    say it rejoins) exits at vLLM's deadline instead and is restarted."""
     return (
         rank == 0
         or engine.get("phase") in REJOINING_PHASES
