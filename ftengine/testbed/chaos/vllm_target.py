@@ -470,7 +470,10 @@ class VllmTarget:
             "rebuild_total_s": round(sum(campaign.rebuild_s), 1),
             "rejoins": len(campaign.rejoin_s),
             "rejoin_s": spread(campaign.rejoin_s),
-            "rejoin": "restart + scale_up of every removed rank but 0 after each recovery"
+            "rejoin": (
+                "after each recovery, scale_up of every removed rank: restarted, or "
+                "relaunched in place (rank 0; a minority parked for the link)"
+            )
             if o.rejoin
             else "off (--no-rejoin): the deployment shrinks until a rebuild",
         }
