@@ -18,6 +18,9 @@ the victim's own server.
 Then rank 2's server restarted with its original command: once ready, the survivors' policy
 admits it back with no command (issue 28).
 
+Last, rank 0's whole server SIGKILLed (its host lost, on one host): the survivors take over
+its DP store and step without its DP coordinator (issue 29).
+
 ``"policy": "auto"`` is the only ftengine key: re-inference (on by default) holds the
 requests, and the victim's survivor is found on the DP store. The per-op timeout every vLLM
 test here shortens is vLLM's own flag (``--cpu-distributed-timeout-seconds``).
@@ -29,7 +32,7 @@ import contextlib
 import os
 import signal
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 
 import httpx
 import pytest
@@ -94,12 +97,12 @@ def reference(deployment: VllmDeployment) -> list[list[int]]:
     return [s.tokens for s in done]
 
 
-def streams(deployment: VllmDeployment) -> list[OpenAIStream]:
-    """``STREAMED`` on every rank's server, rank by rank, all started."""
+def streams(deployment: VllmDeployment, ranks: Iterable[int] = range(DP)) -> list[OpenAIStream]:
+    """``STREAMED`` on every rank's server (of ``ranks``), rank by rank, all started."""
     model = str(deployment.config.checkpoint)
     started = [
-        OpenAIStream(url, model, list(prompt), STREAM_TOKENS, STREAM_TIMEOUT_S)
-        for url in deployment.urls
+        OpenAIStream(deployment.urls[rank], model, list(prompt), STREAM_TOKENS, STREAM_TIMEOUT_S)
+        for rank in ranks
         for prompt in STREAMED
     ]
     for stream in started:
@@ -255,3 +258,54 @@ def test_a_restarted_rank_is_admitted_by_the_survivors_policy_with_no_command(
         log = deployment.ranks[rank].log_path.read_text(errors="replace")
         assert f"policy admits DP ranks [{VICTIM}]" in log, rank
         assert '"POST /fault_tolerance/apply' not in log, rank
+
+
+@pytest.mark.timeout(900)
+def test_rank_0_lost_whole_the_survivors_take_over_its_store_and_step_without_a_coordinator(
+    deployment: VllmDeployment, reference: list[list[int]]
+) -> None:
+    """Last: rank 0's whole server SIGKILLed at once (its process group: the API server that
+    runs vLLM's DP coordinator, the engine core that hosts the DP store, the worker), as
+    when its host is lost. The survivors' board moves to rank 1's standby store, they agree
+    there on the scale-down past rank 0 and rebuild their group through it; their streams
+    end exactly. Then each survivor, idle, gets requests: with no coordinator left to wake
+    the other, its engine rings the other's wave bell, and both answer as transformers."""
+    survivors = (1, 2)
+    found = {int(str(e["id"])): e for e in engines(deployment, survivors)}
+    epochs = {r: int(str(found[r]["epoch"])) for r in survivors}
+    running = streams(deployment, survivors)
+    wait_tokens(running, 2)
+    os.killpg(deployment.ranks[0].process.pid, signal.SIGKILL)
+    deadline = time.monotonic() + OP_TIMEOUT_S + 90
+    while True:
+        found = {int(str(e["id"])): e for e in engines(deployment, survivors)}
+        if all(
+            (found[r]["status"], found[r]["removed_ranks"]) == ("healthy", [0])
+            and int(str(found[r]["epoch"])) > epochs[r]
+            for r in survivors
+        ):
+            break
+        if time.monotonic() >= deadline:
+            raise AssertionError(f"no takeover: {found}; logs: {recovery_logs(deployment)}")
+        time.sleep(0.1)
+    for i, (stream, want) in enumerate(zip(running, reference[len(STREAMED) :], strict=True)):
+        stream.finish()
+        where = f"rank {1 + i // len(STREAMED)}'s prompt {stream.prompt}"
+        assert stream.finish_reason == "length", (where, stream.stop_reason, stream.tokens)
+        assert stream.tokens == want, (where, stream.chunks)
+    checkpoint = deployment.config.checkpoint
+    want = transformers_greedy(checkpoint, PROMPTS, MAX_TOKENS)
+    taken = {r: int(str(found[r]["epoch"])) for r in survivors}
+    for rank in survivors:  # each request starts a wave on an idle pair
+        assert complete(deployment.urls[rank], checkpoint) == want, rank
+    after = {int(str(e["id"])): e for e in engines(deployment, survivors)}
+    # no step waited for a peer that was never woken (the op timeout's fault, a retry)
+    assert all(
+        (after[r]["status"], int(str(after[r]["epoch"]))) == ("healthy", taken[r])
+        for r in survivors
+    ), (taken, after, recovery_logs(deployment))
+    for rank in survivors:
+        log = deployment.ranks[rank].log_path.read_text(errors="replace")
+        assert "the DP board moves to DP rank 1's standby store" in log, ft_lines(log)
+        assert "the rebuild meets on DP rank 1's standby store" in log, ft_lines(log)
+        assert "survivors agree: scale down to remove DP ranks [0]" in log, ft_lines(log)

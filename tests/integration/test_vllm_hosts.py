@@ -18,7 +18,10 @@ no orchestrator. In order:
 5. the link healed: rank 3's engine core sees a majority again, relaunches its worker in
    place and the survivors' policy admits it back with no command (issue 28); no server of
    either side restarted;
-6. (the fixture) nothing of the run is left: namespaces, links, hosts files, processes.
+6. host 0 lost (rank 0's server: the DP coordinator, the DP store, its worker): rank 3, the
+   only rank left, moves the board to its own standby store, scales down past rank 0 there
+   and serves alone, its stream exact (issue 29: the survivors take over the store);
+7. (the fixture) nothing of the run is left: namespaces, links, hosts files, processes.
 """
 
 from __future__ import annotations
@@ -306,3 +309,33 @@ def test_the_minority_rejoins_once_the_link_heals_with_no_command(
     assert "reaches a majority again: the link healed, rejoining" in log
     assert "announced on the survivors' DP store" in log
     assert "joined the running deployment" in log
+
+
+@pytest.mark.timeout(600)
+def test_host_0_lost_the_survivor_takes_over_the_dp_store(
+    spread: MultiHostDeployment,
+    checkpoint: Path,
+    reference: list[list[int]],
+    expected: list[list[int]],
+) -> None:
+    """Last: host 0 SIGKILLed whole, with the DP store (in rank 0's engine core) and the DP
+    coordinator (in its API server). Rank 3 on host 2, the one member left, takes rank 0's
+    closed port for dead, moves its board to its own standby store (the lowest survivor's),
+    scales down past rank 0 through it, and its stream ends exactly."""
+    urls, rank = spread.urls, MINORITY_RANK
+    before = statuses(urls[rank])[rank]
+    assert before["status"] == "healthy" and 0 not in before["removed_ranks"], before  # type: ignore[operator]
+    removed = sorted({*before["removed_ranks"], 0})  # type: ignore[misc]
+    running = streams([urls[rank]], str(checkpoint))
+    until_streaming(running)
+    spread.kill_host(0)
+    wait_removed(urls[rank], rank, removed, 90)
+    for i, stream in enumerate(running):
+        stream.finish()
+        assert stream.finish_reason == "length", (i, stream.stop_reason)
+        assert stream.tokens == reference[i], i
+    log = spread.started.ranks[rank].log_path.read_text(errors="replace")
+    assert f"the DP board moves to DP rank {rank}'s standby store" in log
+    assert f"the rebuild meets on DP rank {rank}'s standby store" in log
+    assert str(statuses(urls[rank])[rank]["dp_store"]).startswith(f"{spread.address(2)}:")
+    assert complete(urls[rank], checkpoint) == expected

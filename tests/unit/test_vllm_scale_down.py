@@ -20,6 +20,7 @@ from ftengine.backends.base import RepairReport
 from ftengine.errors import BackendError, PreconditionFailed
 from ftengine.faults import Fault, FaultKind
 from ftengine.integrations.vllm.engine_core import scale_down as sd
+from ftengine.integrations.vllm.engine_core.standby_store import STORE_RANK_ATTR
 from ftengine.integrations.vllm.messages import DP_HOST_KEY, DP_PORTS_KEY
 from ftengine.integrations.vllm.patches.api_server import ROUTER_MODULE, SCALE_DOWN_PATCHES
 from ftengine.integrations.vllm.patches.engine_core import ENGINE_CORE_PATCHES, SCALE_DOWN_METHOD
@@ -369,7 +370,9 @@ def test_a_group_whose_lowest_member_is_on_another_host_meets_at_that_hosts_addr
             engine = attrs.make_class("E", ["vllm_config", "dp_group", "dp_store"])(
                 config, None, dp_store
             )  # fmt: skip
-            cores[rank] = attrs.make_class("S", ["engine", "_dp_reinit_epoch"])(engine, 0)
+            # the old group's store: hosted by its lowest member, one of these
+            fields = ["engine", "_dp_reinit_epoch", STORE_RANK_ATTR]
+            cores[rank] = attrs.make_class("S", fields)(engine, 0, min(alive))
         dp_store.delete_key("ft_engine_dp_host_0")  # every call here is epoch 0
         dp_store.delete_key("ft_worker_dp_ports_0")
         with ThreadPoolExecutor(len(alive)) as pool:  # each waits for the others' keys
@@ -378,6 +381,7 @@ def test_a_group_whose_lowest_member_is_on_another_host_meets_at_that_hosts_addr
             return [future.result(timeout=60) for future in run]
 
     params = rebuild([2, 3], publisher=2)
+    assert [getattr(cores[r], STORE_RANK_ATTR) for r in (2, 3)] == [2, 2]  # hosts it now
     assert params[0] == params[1] and params[0][DP_HOST_KEY] == "10.0.0.2"
     port = met[0][1]
     assert met == {0: ("10.0.0.2", port), 1: ("10.0.0.2", port)}

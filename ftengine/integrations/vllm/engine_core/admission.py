@@ -540,11 +540,9 @@ def join(sentinel: Any, admission: Admission) -> None:
 def survivors_store(host: str, port: int, timeout: timedelta | None) -> Any:
     """A client of the survivors' DP store (the TCPStore vLLM's stateless rendezvous made,
     which it hands back unprefixed: ftengine's keys sit at its top level)."""
-    dist: Any = torch.distributed
-    return dist.TCPStore(
-        host, port, is_master=False, timeout=timeout or timedelta(seconds=DEFAULT_WAIT_S),
-        wait_for_workers=False,
-    )  # fmt: skip
+    from ftengine.integrations.vllm.engine_core.standby_store import connect
+
+    return connect((host, port), (timeout or timedelta(seconds=DEFAULT_WAIT_S)).total_seconds())
 
 
 def _relay(sentinel: Any, admission: Admission, params: dict[str, Any]) -> None:

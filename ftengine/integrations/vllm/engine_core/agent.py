@@ -83,6 +83,13 @@ from ftengine.integrations.vllm.engine_core.quorum import (
 )
 from ftengine.integrations.vllm.engine_core.rejoin import rejoin_status
 from ftengine.integrations.vllm.engine_core.scale_down import REMOVED_ATTR, STORE_ATTR, problems
+from ftengine.integrations.vllm.engine_core.standby_store import (
+    StandbyStore,
+    StandbyUnknown,
+    stand_in,
+    store_rank,
+)
+from ftengine.integrations.vllm.engine_core.wave_bell import COORDINATOR_RANK, WaveBell
 from ftengine.integrations.vllm.engine_core.worker_exit import worker_dying
 from ftengine.integrations.vllm.messages import API_URL_ENV, import_vllm
 from ftengine.integrations.vllm.status_file import (
@@ -148,6 +155,9 @@ class EngineCoreAgent:
         self.reach = Reachability(self.rank, self.doorbell.address[0])
         self.board.probe = self.reach.address
         self.board.api_url = os.environ.get(API_URL_ENV) or None  # for a DEAD peer's handoff
+        self.standby: StandbyStore | None = None  # the DP store in reserve (standby_store)
+        self.wave_bell: WaveBell | None = None  # waves without the coordinator (wave_bell)
+        self._board_on: int | None = None  # the rank whose standby store the board is on
         self.gone: frozenset[int] = frozenset()  # peers the probes say are dead or cut off
         self.fenced: str | None = None  # why this engine is on a minority side (quorum)
         self._refusing: threading.Event | None = None  # set: stop refusing late arrivals
@@ -179,13 +189,27 @@ class EngineCoreAgent:
             logger.info(
                 "[FT] removed %d status files of engine cores that no longer run", len(removed)
             )
+        if self.world > 1:
+            self.open_takeover()
         self.thread.start()
         if self.world > 1:
             self.watch.start()
 
+    def open_takeover(self) -> None:
+        """Open what the survivors of a lost DP rank 0 take over with (before the first
+        publish, which advertises both): the standby store and the wave bell."""
+        host = self.doorbell.address[0]
+        self.standby = StandbyStore(host)
+        self.board.standby = self.standby.address
+        self.wave_bell = WaveBell(host, self.engine.input_queue.put_nowait)
+        self.board.wave = self.wave_bell.address
+        self.wave_bell.start()
+
     def stop(self) -> None:
         self._stop.set()
         self.reach.stop()
+        if self.wave_bell is not None:
+            self.wave_bell.close()
         if self._refusing is not None:
             self._refusing.set()
 
@@ -551,11 +575,51 @@ class EngineCoreAgent:
         """The original DP ranks scale-downs removed so far (cumulative)."""
         return frozenset(getattr(self.sentinel, REMOVED_ATTR, frozenset()))
 
+    def standbys(self) -> dict[int, tuple[str, int]]:
+        """Every engine's standby store as last read, this engine's own included."""
+        found = dict(self.board.standbys)
+        if self.standby is not None:
+            found[self.rank] = self.standby.address
+        return found
+
+    def ring_wave(self, wave: int, exclude: int) -> None:
+        """A wave began here (``wave_bell.started_idle``, the busy loop): with DP rank 0,
+        and so perhaps the coordinator, gone, ring the members' wave bells."""
+        removed = self._removed()
+        if self.wave_bell is None or COORDINATOR_RANK not in removed:
+            return
+        bells = dict(self.board.waves)
+        members = [r for r in range(self.world) if r not in removed and r != self.rank]
+        self.wave_bell.ring([bells[r] for r in members if r in bells], wave, exclude)
+
+    def _board_store(self) -> Any:
+        """Where the board is: vLLM's DP store, unless the probes took the rank that hosts
+        it for gone; then the standby store of the lowest member left (``standby_store``),
+        which every survivor picks alike."""
+        store = getattr(self.engine, "dp_store", None)
+        host = store_rank(self.sentinel)
+        if store is None or self.standby is None or host not in self.gone:
+            self._board_on = None
+            return store
+        members = [r for r in range(self.world) if r not in self._removed() | self.gone]
+        try:
+            lowest, address = stand_in(self.rank, members, self.standbys())
+        except StandbyUnknown as exc:
+            logger.warning("[FT] %s; the board stays on the DP store", exc)
+            return store
+        if self._board_on != lowest:
+            self._board_on = lowest
+            logger.warning(
+                "[FT] engine %d: DP rank %d, which hosts the DP store, is gone: the DP board "
+                "moves to DP rank %d's standby store %s:%d",
+                *(self.rank, host, lowest, *address),
+            )  # fmt: skip
+        return self.standby.client(address)
+
     def _watch_peers(self, *, exit_checked: bool = False) -> None:
         """Publish this engine's status, read the peers', fault on a peer's fault;
         ``exit_checked``: this tick has checked the worker's exit already."""
-        store = getattr(self.engine, "dp_store", None)
-        if store is None or self.world <= 1:
+        if getattr(self.engine, "dp_store", None) is None or self.world <= 1:
             return
         self._beat += 1
         own = self._own_status()
@@ -574,6 +638,7 @@ class EngineCoreAgent:
             for known in (self.peers, self.views, self.blames):
                 known.pop(rank, None)
         try:
+            store = self._board_store()
             if self.board.publish(store, self._mine(), self._beat, now):
                 self.doorbell.ring(self.board.doorbells.values())
             peers = self.board.read(store, skip=removed)
@@ -581,8 +646,9 @@ class EngineCoreAgent:
         except Exception as exc:
             self._store_failures += 1
             if self._store_failures >= STORE_FAILURES:
-                why = f"the DP store (hosted by DP rank 0) stopped answering: {exc}"
-                self._inject(0, why, early=True)
+                host = store_rank(self.sentinel)
+                why = f"the DP store (hosted by DP rank {host}) stopped answering: {exc}"
+                self._inject(host, why, early=True)
             return
         for rank, seen in peers.items():
             status, beat, epoch = seen.entry.status, seen.beat, seen.entry.epoch

@@ -121,6 +121,10 @@ class StatusBoard:
         self.api_url: str | None = None  # this engine's API server, published with it
         self.api_urls: dict[int, str] = {}  # the peers', as last read (a DEAD engine's
         # handoff falls back on them once the survivors' scale-down has closed its store)
+        self.standby: tuple[str, int] | None = None  # this engine's standby_store.StandbyStore
+        self.standbys: dict[int, tuple[str, int]] = {}  # the peers', as last read
+        self.wave: tuple[str, int] | None = None  # this engine's wave_bell.WaveBell
+        self.waves: dict[int, tuple[str, int]] = {}  # the peers', as last read
 
     def publish(self, store: Any, mine: Entry, beat: int, now: float) -> bool:
         """Write this engine's entry when it changes, else every ``PUBLISH_S`` (the beat
@@ -136,6 +140,8 @@ class StatusBoard:
             "doorbell": self.doorbell,
             "probe": self.probe,
             "api_url": self.api_url,
+            "standby": self.standby,
+            "wave": self.wave,
             "proposal": None if mine.proposal is None else mine.proposal.to_json(),
             "blame": mine.blame,
         }
@@ -147,7 +153,14 @@ class StatusBoard:
     def forget(self, ranks: Iterable[int]) -> None:
         """Drop what was read of ``ranks`` (admitted back: a new process, new addresses)."""
         for rank in ranks:
-            for known in (self.decoded, self.doorbells, self.probes, self.api_urls):
+            for known in (
+                self.decoded,
+                self.doorbells,
+                self.probes,
+                self.api_urls,
+                self.standbys,
+                self.waves,
+            ):
                 known.pop(rank, None)
 
     def read(self, store: Any, skip: frozenset[int] = frozenset()) -> dict[int, PeerStatus]:
@@ -180,12 +193,13 @@ class StatusBoard:
             blame=blame if type(blame) is int else None,
         )
         decoded = PeerStatus(entry, int(value["beat"]))
-        doorbell = value.get("doorbell")
-        if isinstance(doorbell, list) and len(doorbell) == 2:
-            self.doorbells[rank] = (str(doorbell[0]), int(doorbell[1]))
-        probe = value.get("probe")
-        if isinstance(probe, list) and len(probe) == 2:
-            self.probes[rank] = (str(probe[0]), int(probe[1]))
+        for field, known in (
+            ("doorbell", self.doorbells), ("probe", self.probes),
+            ("standby", self.standbys), ("wave", self.waves),
+        ):  # fmt: skip
+            address = value.get(field)
+            if isinstance(address, list) and len(address) == 2:
+                known[rank] = (str(address[0]), int(address[1]))
         api_url = value.get("api_url")
         if isinstance(api_url, str) and api_url:
             self.api_urls[rank] = api_url

@@ -42,6 +42,12 @@ from ftengine.commands import REMOVED_KEY, parse_command, scale_down_problems
 from ftengine.errors import CommandRejected
 from ftengine.faults import Phase
 from ftengine.integrations.vllm.engine_core.dp_group import ClosedDpGroup
+from ftengine.integrations.vllm.engine_core.standby_store import (
+    STORE_RANK_ATTR,
+    connect,
+    stand_in,
+    store_rank,
+)
 from ftengine.integrations.vllm.messages import DP_HOST_KEY, DP_PORTS_KEY, import_vllm
 from ftengine.integrations.vllm.rendezvous import await_store, store_host
 
@@ -188,15 +194,17 @@ def reinit_dp_group(
     """vLLM's ``_reinit_dp_group`` among ``alive`` (original DP ranks, ascending): the same
     epoch-numbered DP-store keys, published by ``publisher`` (default: the lowest of
     ``alive``) on ``store`` (default: this engine's DP store; a returning rank passes its
-    client of the survivors'); this engine joins the new group at its dense rank. The new
-    group's stores run where its dense rank 0 runs, so that member publishes its host's
-    address (:func:`store_host`) and every member meets there: vLLM's own rebuild meets at
-    DP rank 0's address, which on many hosts is another host once rank 0 is gone. Returns
-    the workers' params (their fresh ports and that host)."""
+    client of the survivors'; a store whose host rank is not among ``alive`` is replaced by
+    the lowest member's standby store: :func:`keys_store`); this engine joins the new group
+    at its dense rank. The new group's stores run where its dense rank 0 runs, so that
+    member publishes its host's address (:func:`store_host`) and every member meets there:
+    vLLM's own rebuild meets at DP rank 0's address, which on many hosts is another host
+    once rank 0 is gone. Returns the workers' params (their fresh ports and that host)."""
     engine = sentinel.engine
     if not hasattr(engine, "dp_group") or not hasattr(engine, "dp_store"):
         return {}
-    store = engine.dp_store if store is None else store
+    timeout = rendezvous_timeout(sentinel)
+    store = keys_store(sentinel, alive, timeout) if store is None else store
     parallel = engine.vllm_config.parallel_config
     epoch = int(getattr(sentinel, EPOCH_ATTR, 0))
     worker_key, engine_key = f"ft_worker_dp_ports_{epoch}", f"ft_engine_dp_port_{epoch}"
@@ -204,7 +212,6 @@ def reinit_dp_group(
     setattr(sentinel, EPOCH_ATTR, epoch + 1)
     rank = int(parallel.data_parallel_rank)
     dense = alive.index(rank)
-    timeout = rendezvous_timeout(sentinel)
     network = import_vllm(NETWORK_MODULE)
     store.set_timeout(timeout)  # vLLM's DP store waits 30 min for a key by default
     if dense == 0:  # first: the others wait for it before they connect
@@ -231,7 +238,28 @@ def reinit_dp_group(
         host, engine_port, dense, len(alive), backend="gloo", return_store=True, timeout=timeout
     )
     setattr(sentinel, STORE_ATTR, (host, engine_port))
+    setattr(sentinel, STORE_RANK_ATTR, alive[0])  # its engine core hosts engine.dp_store now
     return {DP_PORTS_KEY: worker_ports, DP_HOST_KEY: host}
+
+
+def keys_store(sentinel: Any, alive: list[int], timeout: timedelta) -> Any:
+    """Where a rebuild among ``alive`` publishes its keys: this engine's DP store while
+    the rank hosting it is a member; otherwise (that rank removed: its engine core may be
+    lost with its host) a new client of the lowest member's standby store, which every
+    member picks alike (``standby_store``)."""
+    host = store_rank(sentinel)
+    if host in alive:
+        return sentinel.engine.dp_store
+    agent = getattr(sentinel, AGENT_ATTR, None)
+    standbys = agent.standbys() if agent is not None else {}
+    rank = int(sentinel.engine.vllm_config.parallel_config.data_parallel_rank)
+    lowest, address = stand_in(rank, alive, standbys)
+    logger.info(
+        "[FT] engine %d: DP rank %d, which hosts the DP store, is left out: the rebuild "
+        "meets on DP rank %d's standby store %s:%d",
+        *(rank, host, lowest, *address),
+    )  # fmt: skip
+    return connect(address, timeout.total_seconds())
 
 
 def rendezvous_timeout(sentinel: Any) -> timedelta:

@@ -7,7 +7,9 @@ of the fault (and the worker's FSM, after vLLM's own status push), ``_push_statu
 ftengine's phase, epoch and removed ranks to the pushed status, ``handle_command`` (vLLM's
 input thread) waits for ``on_fault`` after the agent's early ``unhealthy`` report, and
 ``EngineCoreProc._handle_client_request`` lets the agent's input-queue marker raise a peer
-fault into the busy loop (vLLM's own fault path then runs). With re-inference on,
+fault into the busy loop (vLLM's own fault path then runs); ``DPEngineCoreProc.add_request``
+rings the members' wave bells when a wave begins with DP rank 0 removed
+(``engine_core/wave_bell.py``). With re-inference on,
 ``Scheduler._handle_blocked_waiting_request`` and ``Scheduler.update_from_output`` run the
 poison probe (``engine_core/poison.py``; vLLM's own otherwise). ``scale_down`` (vLLM 0.32 has
 only ``retry``): ``EngineCoreSentinel.scale_down`` is added for vLLM's own dispatch
@@ -220,6 +222,19 @@ def _admitting_at_dp_sync(sync: Callable[..., bool]) -> Callable[..., bool]:
     return has_global_unfinished_reqs
 
 
+def _ringing_waves(add: Callable[..., None]) -> Callable[..., None]:
+    @functools.wraps(add)
+    def add_request(self: Any, request: Any, request_wave: int = 0) -> None:
+        was_running = bool(self.engines_running)
+        add(self, request, request_wave)
+        from ftengine.integrations.vllm.engine_core.wave_bell import started_idle
+
+        started_idle(self, was_running)  # no coordinator may be left to wake the others
+
+    setattr(add_request, PATCHED_MARK, add)
+    return add_request
+
+
 REJOIN_ENGINE_CORE_PATCHES = (
     # A restarted rank that rejoins starts alone (engine_core/rejoin.py); vLLM's own otherwise.
     # Installed before vLLM loads the plugins (engine_core/entry.py): the DP start comes first.
@@ -254,6 +269,11 @@ ENGINE_CORE_PATCHES = (
     Patch(
         CORE_MODULE, "DPEngineCoreProc", "_has_global_unfinished_reqs", ("local_unfinished",),
         _admitting_at_dp_sync,
+    ),
+    # DP waves once DP rank 0 (its server runs the coordinator) is removed (wave_bell.py).
+    Patch(
+        CORE_MODULE, "DPEngineCoreProc", "add_request", ("request", "request_wave"),
+        _ringing_waves,
     ),
     # The poison probe (poison.py); vLLM's own behaviour unless re-inference installed one.
     Patch(
