@@ -288,11 +288,11 @@ def test_rank_0_lost_whole_the_survivors_take_over_its_store_and_step_without_a_
         if time.monotonic() >= deadline:
             raise AssertionError(f"no takeover: {found}; logs: {recovery_logs(deployment)}")
         time.sleep(0.1)
-    for i, (stream, want) in enumerate(zip(running, reference[len(STREAMED) :], strict=True)):
+    for i, (stream, tokens) in enumerate(zip(running, reference[len(STREAMED) :], strict=True)):
         stream.finish()
         where = f"rank {1 + i // len(STREAMED)}'s prompt {stream.prompt}"
         assert stream.finish_reason == "length", (where, stream.stop_reason, stream.tokens)
-        assert stream.tokens == want, (where, stream.chunks)
+        assert stream.tokens == tokens, (where, stream.chunks)
     checkpoint = deployment.config.checkpoint
     want = transformers_greedy(checkpoint, PROMPTS, MAX_TOKENS)
     taken = {r: int(str(found[r]["epoch"])) for r in survivors}

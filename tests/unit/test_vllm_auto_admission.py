@@ -48,13 +48,13 @@ def test_a_survivors_policy_admits_the_removed_ranks_that_joined_its_store() -> 
     store = store_at(free_port_run(1))
     sentinel = survivor(store, {2, 3})
     auto, orchestrator = AutoRecovery(), OrchestratorDriven()
-    assert adm.offer(sentinel, auto, 1, 4) == frozenset()  # nobody announced yet
+    assert adm.offer(sentinel, auto, 1, 4, store) == frozenset()  # nobody announced yet
     store.set(adm.join_key(3), b"1")
-    assert adm.offer(sentinel, auto, 1, 4) == {3}  # rank 2 has not announced itself
-    assert adm.offer(sentinel, orchestrator, 1, 4) == frozenset()  # waits for scale_up
-    assert adm.offer(sentinel, AutoRecovery(admit_ready=False), 1, 4) == frozenset()
-    assert adm.offer(survivor(store, {2, 3}, "UNHEALTHY"), auto, 1, 4) == frozenset()
-    assert adm.offer(survivor(store, set()), auto, 1, 4) == frozenset()  # nothing removed
+    assert adm.offer(sentinel, auto, 1, 4, store) == {3}  # rank 2 has not announced itself
+    assert adm.offer(sentinel, orchestrator, 1, 4, store) == frozenset()  # waits for scale_up
+    assert adm.offer(sentinel, AutoRecovery(admit_ready=False), 1, 4, store) == frozenset()
+    assert adm.offer(survivor(store, {2, 3}, "UNHEALTHY"), auto, 1, 4, store) == frozenset()
+    assert adm.offer(survivor(store, set()), auto, 1, 4, store) == frozenset()  # nothing removed
 
 
 def member(rank: int, group: Any, admissible: set[int], world: int = 4) -> Any:

@@ -1,11 +1,17 @@
 """Rank 0's host lost: the survivors take over its DP store (each engine core's standby
 store, the lowest survivor's used alike by all) and step without its DP coordinator (each
-engine core's wave bell, rung when a wave begins with DP rank 0 removed). Real TCPStores
-and UDP sockets; vLLM's own ``DPEngineCoreProc._handle_client_request`` decides on a ring."""
+engine core's wave bell, rung when a wave begins with DP rank 0 removed); the agent's store
+calls bounded, so one across a cut never keeps the board from moving. Real TCPStores and
+UDP sockets; vLLM's own ``DPEngineCoreProc._handle_client_request`` decides on a ring."""
 
 from __future__ import annotations
 
+import os
 import queue
+import signal
+import subprocess
+import sys
+import threading
 import time
 from collections.abc import Iterator
 from datetime import timedelta
@@ -17,8 +23,12 @@ import pytest
 from ftengine.integrations.vllm.engine_core import scale_down as sd
 from ftengine.integrations.vllm.engine_core.dp_board import KEY
 from ftengine.integrations.vllm.engine_core.standby_store import (
+    BOARD_TIMEOUT_S,
     STORE_RANK_ATTR,
+    BoundedStore,
     StandbyUnknown,
+    StoreStuck,
+    connect,
     stand_in,
 )
 from ftengine.integrations.vllm.engine_core.wave_bell import WaveBell, decode, import_start_wave
@@ -198,3 +208,78 @@ def test_the_patched_add_request_rings_when_a_wave_begins_on_an_idle_engine() ->
     add_request(engine, object(), 4)
     add_request(engine, object(), 5)  # running now: the wave has its members
     assert rung == [(5, 2)]
+
+
+def test_a_call_on_a_store_that_stopped_answering_gives_up_at_its_bound() -> None:
+    """A real TCPStore server SIGSTOPped (as one across a cut link: the connection open, no
+    answer): torch's client waits in ``check`` for good whatever its timeout; the bounded
+    store gives up after its bound, then fails at once."""
+    server = subprocess.Popen(
+        [sys.executable, "-c", STOPPED_SERVER], stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert server.stdout is not None
+        port = int(server.stdout.readline())
+        bounded = BoundedStore(connect(("127.0.0.1", port), 5.0), timeout_s=0.5)
+        bounded.set("k", b"v")
+        assert bounded.check(["k"]) and bounded.get("k") == b"v"
+        os.kill(server.pid, signal.SIGSTOP)
+        started = time.monotonic()
+        with pytest.raises(StoreStuck, match=r"check did not return within 0\.5 s"):
+            bounded.check(["k"])
+        assert time.monotonic() - started < 5.0
+        started = time.monotonic()
+        with pytest.raises(StoreStuck):
+            bounded.multi_get(["k"])
+        assert time.monotonic() - started < 0.1  # stuck: no second wait
+    finally:
+        server.kill()
+        server.wait(timeout=10)
+
+
+STOPPED_SERVER = """
+import datetime, time
+import torch.distributed as dist
+store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                      timeout=datetime.timedelta(seconds=30))
+print(store.port, flush=True)
+time.sleep(600)
+"""
+
+
+class HangingStore(Store):
+    """Rank 0's DP store across a cut: every call waits (until the test ends)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.release = threading.Event()
+
+    def check(self, keys: list[str]) -> bool:
+        self.release.wait(60)
+        return False
+
+    def set(self, key: str, value: str) -> None:
+        self.release.wait(60)
+
+
+def test_a_board_call_across_a_cut_does_not_keep_the_board_from_moving() -> None:
+    """Rank 0's store stops answering mid-call: the agent thread's call gives up at the
+    bound instead of waiting for good, and once the probes take rank 0 for gone the board
+    is on rank 1's standby store."""
+    _, agents = pair()
+    hanging = HangingStore()
+    try:
+        for agent in agents.values():
+            agent.engine.dp_store = hanging
+        started = time.monotonic()
+        agents[2]._watch_peers()  # its publish waits in vain, for the bound only
+        assert time.monotonic() - started < BOARD_TIMEOUT_S + 1.0
+        assert agents[2]._store_failures == 1
+        for agent in agents.values():
+            agent.gone = frozenset({0})
+            agent._watch_peers()
+            agent._watch_peers()
+        assert agents[1].standby.server.check([KEY.format(rank=1), KEY.format(rank=2)])
+        assert agents[2].peers[1] == "healthy"
+    finally:
+        hanging.release.set()

@@ -1,7 +1,7 @@
 """``ftengine bench hosts``: real vLLM over three namespace hosts (DP=4 as 1 + 2 + 1, rank 0's
 host holding vLLM's coordinator), ``"policy": "auto"``, no orchestrator; one JSON object.
 
-Each trial is one deployment and two faults, in order:
+Each trial is one deployment and its faults, in order:
 
 - **Partition** {host 0, host 1} | {host 2} while two greedy streams run on every rank and
   new requests keep going to the minority's server: ``partition_detect_s`` (cut -> the
@@ -23,6 +23,11 @@ Each trial is one deployment and two faults, in order:
   still removed; the new worker's load included), ``heal_admission_s`` (rank 3 ``ready``
   -> admitted), ``heal_restarts`` (servers restarted: 0), ``heal_requests_exact`` (of
   ``heal_requests``: streams on rank 3 and rank 0 afterwards with the fault-free tokens).
+- **Coordinator's host lost**: host 0 SIGKILLed whole (the DP store in rank 0's engine
+  core, vLLM's DP coordinator in its API server) while two streams run on rank 3, the one
+  member left: ``coordinator_host_loss_detect_s`` (kill -> rank 3 ``unhealthy``),
+  ``coordinator_host_loss_interruption_s`` (kill -> rank 3 ``healthy`` with ranks 0-2
+  removed, through its own standby store), ``requests_lost_coordinator_host_loss``.
 
 Detection is timed by polling each server's ``/fault_tolerance/status`` every 20 ms.
 """
@@ -167,6 +172,7 @@ def _trial(config: HostsBenchConfig, trial: int) -> dict[str, Any]:
         out.update(_partition(spread, model, n, reference))
         out.update(_host_loss(spread, model, n, reference))
         out.update(_heal(spread, model, n, reference))
+        out.update(_coordinator_host_loss(spread, model, n, reference))
     finally:
         spread.stop()
     out["leftovers"] = len(leftovers(tag))
@@ -283,13 +289,34 @@ def _heal(
     }
 
 
+def _coordinator_host_loss(
+    spread: MultiHostDeployment, model: str, n: int, reference: list[list[int]]
+) -> dict[str, Any]:
+    """Last: host 0 SIGKILLed whole (the DP store in rank 0's engine core, the coordinator in
+    its API server): rank 3, the one member left, takes over on its own standby store."""
+    urls = spread.urls
+    running = started([Stream(urls[MINORITY], model, p, n) for p in PROMPTS])
+    killed = spread.kill_host(0)
+    detect = when(lambda: status(urls[MINORITY], MINORITY)["status"] != "healthy")
+    recovered = when(healthy_without(urls[MINORITY], MINORITY, sorted({0, *LOST_RANKS})))
+    _done(running)
+    return {
+        "coordinator_host_loss_detect_s": round(detect - killed, 3),
+        "coordinator_host_loss_interruption_s": round(recovered - killed, 3),
+        "requests_lost_coordinator_host_loss": sum(
+            s.finish_reason != "length" or s.tokens != reference[i] for i, s in enumerate(running)
+        ),
+    }
+
+
 SUMMED = ("split_brain_answers", "requests_lost_majority", "requests_lost_host_loss",
           "minority_requests", "minority_requests_ended_with_reason", "minority_requests_hung",
           "majority_requests", "leftovers", "heal_requests", "heal_requests_exact",
-          "heal_restarts")  # fmt: skip
+          "heal_restarts", "requests_lost_coordinator_host_loss")  # fmt: skip
 TIMED = ("startup_s", "rss_gb", "host_loss_detect_s", "host_loss_interruption_s",
          "partition_detect_s", "minority_stop_s", "partition_recovery_s",
-         "heal_to_all_serving_s", "heal_admission_s")  # fmt: skip
+         "heal_to_all_serving_s", "heal_admission_s", "coordinator_host_loss_detect_s",
+         "coordinator_host_loss_interruption_s")  # fmt: skip
 
 
 def run(config: HostsBenchConfig) -> dict[str, Any]:

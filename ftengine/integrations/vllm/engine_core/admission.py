@@ -406,13 +406,13 @@ def at_dp_sync(engine: Any, engines_running: bool) -> bool:
     return engines_running or int(vote[world].item()) < 0
 
 
-def offer(sentinel: Any, policy: Any, rank: int, world: int) -> frozenset[int]:
+def offer(sentinel: Any, policy: Any, rank: int, world: int, store: Any) -> frozenset[int]:
     """The agent thread, at each peer read: the removed ranks this survivor's ``policy``
     admits now (``decide_admission``), among those whose join key is on its DP store (a
     returning rank writes it once ready: ``engine_core/announce.py``). The busy loop is
-    woken when the set is new, so idle members step to the sync where they vote."""
+    woken when the set is new, so idle members step to the sync where they vote. ``store``:
+    the engine's DP store as the agent calls it (bounded)."""
     removed = frozenset(getattr(sentinel, REMOVED_ATTR, frozenset()))
-    store = getattr(sentinel.engine, "dp_store", None)
     if not removed or store is None or sentinel.status_type.name != "HEALTHY":
         return frozenset()
     try:
@@ -429,15 +429,15 @@ def offer(sentinel: Any, policy: Any, rank: int, world: int) -> frozenset[int]:
     return frozenset() if decision is None else frozenset(decision.ranks) & joined
 
 
-def command_ready(sentinel: Any) -> Admission | None:
-    """A survivor's pending ``scale_up`` whose ranks have all joined (the agent thread wakes
-    the busy loop for it once), or None."""
+def command_ready(sentinel: Any, store: Any) -> Admission | None:
+    """A survivor's pending ``scale_up`` whose ranks have all joined on ``store`` (its DP
+    store; the agent thread wakes the busy loop for it once), or None."""
     admission = getattr(sentinel, ADMISSION_ATTR, None)
     if admission is None or admission.done.done():
         return None
     if rejoining(sentinel.engine.vllm_config.parallel_config):
         return None
-    return admission if _joined(sentinel, admission) else None
+    return admission if _joined(sentinel, admission, store) else None
 
 
 def wake(sentinel: Any) -> None:
@@ -445,9 +445,10 @@ def wake(sentinel: Any) -> None:
     sentinel.engine.input_queue.put_nowait((ADMIT_MARK, AdmitMarker(sentinel)))
 
 
-def _joined(sentinel: Any, admission: Admission) -> bool:
-    """Whether every returning rank has written its join key on this survivor's store."""
-    store = sentinel.engine.dp_store
+def _joined(sentinel: Any, admission: Admission, store: Any = None) -> bool:
+    """Whether every returning rank has written its join key on this survivor's store
+    (``store``: the agent's bounded view of it; None: the engine's own)."""
+    store = sentinel.engine.dp_store if store is None else store
     try:
         return bool(store.check([join_key(r) for r in sorted(admission.added)]))
     except Exception:

@@ -84,6 +84,7 @@ from ftengine.integrations.vllm.engine_core.quorum import (
 from ftengine.integrations.vllm.engine_core.rejoin import rejoin_status
 from ftengine.integrations.vllm.engine_core.scale_down import REMOVED_ATTR, STORE_ATTR, problems
 from ftengine.integrations.vllm.engine_core.standby_store import (
+    BoundedStore,
     StandbyStore,
     StandbyUnknown,
     stand_in,
@@ -158,6 +159,7 @@ class EngineCoreAgent:
         self.standby: StandbyStore | None = None  # the DP store in reserve (standby_store)
         self.wave_bell: WaveBell | None = None  # waves without the coordinator (wave_bell)
         self._board_on: int | None = None  # the rank whose standby store the board is on
+        self._bounded: BoundedStore | None = None  # the board's bound on vLLM's DP store
         self.gone: frozenset[int] = frozenset()  # peers the probes say are dead or cut off
         self.fenced: str | None = None  # why this engine is on a minority side (quorum)
         self._refusing: threading.Event | None = None  # set: stop refusing late arrivals
@@ -439,13 +441,16 @@ class EngineCoreAgent:
         """The removed ranks this engine's policy admits now (``admission.offer``), or a
         ``scale_up`` whose ranks all joined: the busy loop votes for them at the next DP
         sync; news wakes it (idle members step to that sync)."""
-        offered = offer(self.sentinel, self.policy, self.rank, self.world)
+        store = self._dp_store()
+        if store is None:
+            return
+        offered = offer(self.sentinel, self.policy, self.rank, self.world, store)
         news = bool(offered) and offered != self.admissible
         if news:
             logger.info("[FT] engine %d: policy admits DP ranks %s (ready on the DP store)",
                         self.rank, sorted(offered))  # fmt: skip
         self.admissible = offered
-        command = command_ready(self.sentinel)
+        command = command_ready(self.sentinel, store)
         if command is not None and command is not self._woken_for:
             self._woken_for, news = command, True
         if news:
@@ -592,11 +597,22 @@ class EngineCoreAgent:
         members = [r for r in range(self.world) if r not in removed and r != self.rank]
         self.wave_bell.ring([bells[r] for r in members if r in bells], wave, exclude)
 
+    def _dp_store(self) -> Any:
+        """vLLM's DP store as the agent thread calls it: each call bounded
+        (``standby_store.BoundedStore``: a call on a store across a cut would wait for
+        good); None while the engine has none (a rank waiting to rejoin)."""
+        store = getattr(self.engine, "dp_store", None)
+        if store is None:
+            return None
+        if self._bounded is None or self._bounded.store is not store:
+            self._bounded = BoundedStore(store)
+        return self._bounded
+
     def _board_store(self) -> Any:
         """Where the board is: vLLM's DP store, unless the probes took the rank that hosts
         it for gone; then the standby store of the lowest member left (``standby_store``),
         which every survivor picks alike."""
-        store = getattr(self.engine, "dp_store", None)
+        store = self._dp_store()
         host = store_rank(self.sentinel)
         if store is None or self.standby is None or host not in self.gone:
             self._board_on = None

@@ -14,12 +14,19 @@ what it knows (:func:`stand_in`):
   (``agent.gone``: its port closed, or silent on the side that keeps the majority);
 - a **rebuild** that leaves the store's host rank out publishes its keys on the lowest
   member's standby store (the group it forms then hosts its own store, as always).
+
+Every store call of the agent thread goes through :class:`BoundedStore`: a TCPStore client
+whose server stops answering (its host cut off) waits in the call for good, whatever its
+timeout says (torch 2.13, measured with a SIGSTOPped server: a ``check`` still waiting
+after 60 s with a 2 s timeout), and the agent thread must go on to move the board.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable, Mapping
+import queue
+import threading
+from collections.abc import Callable, Iterable, Mapping
 from datetime import timedelta
 from typing import Any
 
@@ -54,15 +61,76 @@ class StandbyStore:
             host, 0, is_master=True, wait_for_workers=False, timeout=_seconds(SERVER_TIMEOUT_S)
         )
         self.address = (host, int(self.server.port))
-        self._clients: dict[tuple[str, int], Any] = {}
+        self._client: tuple[tuple[str, int], BoundedStore] | None = None
 
-    def client(self, address: tuple[str, int]) -> Any:
-        """A client of the standby store at ``address`` for the board (bounded calls)."""
-        found = self._clients.get(address)
-        if found is None:
-            found = connect(address, BOARD_TIMEOUT_S)
-            self._clients[address] = found
-        return found
+    def client(self, address: tuple[str, int]) -> BoundedStore:
+        """A client of the standby store at ``address`` for the board (bounded calls; the
+        last one reused)."""
+        if self._client is None or self._client[0] != address:
+            self._client = (address, BoundedStore(connect(address, BOARD_TIMEOUT_S)))
+        return self._client[1]
+
+
+class StoreStuck(TimeoutError):
+    """A store call did not return within its bound (its server's host cut off, or hung)."""
+
+
+class BoundedStore:
+    """``store``'s ``set``, ``check``, ``get`` and ``multi_get``, each run on this wrapper's
+    own daemon thread and waited for at most ``timeout_s``. A call that overruns leaves that
+    thread waiting in it and marks the store stuck: every later call raises
+    :class:`StoreStuck` at once (a daemon thread: a stuck one never holds up the process's
+    exit)."""
+
+    def __init__(self, store: Any, timeout_s: float = BOARD_TIMEOUT_S) -> None:
+        self.store = store
+        self.timeout_s = timeout_s
+        self.stuck: str | None = None
+        self._calls: queue.SimpleQueue[tuple[Callable[[], Any], _Answer]] = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._serve, name="ftengine-store", daemon=True)
+        self._thread.start()
+
+    def _serve(self) -> None:
+        while True:
+            call, answer = self._calls.get()
+            try:
+                answer.value = call()
+            except BaseException as exc:  # handed to the caller, who raises it
+                answer.error = exc
+            answer.done.set()
+
+    def _call(self, name: str, call: Callable[[], Any]) -> Any:
+        if self.stuck is not None:
+            raise StoreStuck(self.stuck)
+        answer = _Answer()
+        self._calls.put((call, answer))
+        if not answer.done.wait(self.timeout_s):
+            self.stuck = f"the store's {name} did not return within {self.timeout_s:g} s"
+            raise StoreStuck(self.stuck)
+        if answer.error is not None:
+            raise answer.error
+        return answer.value
+
+    def set(self, key: str, value: str | bytes) -> None:
+        self._call("set", lambda: self.store.set(key, value))
+
+    def check(self, keys: list[str]) -> bool:
+        return bool(self._call("check", lambda: self.store.check(keys)))
+
+    def get(self, key: str) -> bytes:
+        value: bytes = self._call("get", lambda: self.store.get(key))
+        return value
+
+    def multi_get(self, keys: list[str]) -> list[bytes]:
+        values: list[bytes] = self._call("multi_get", lambda: self.store.multi_get(keys))
+        return values
+
+
+class _Answer:
+    def __init__(self) -> None:
+        self.done = threading.Event()
+        self.value: Any = None
+        self.error: BaseException | None = None
 
 
 def connect(address: tuple[str, int], timeout_s: float) -> Any:
