@@ -247,6 +247,18 @@ time.sleep(600)
 """
 
 
+def test_a_replaced_store_lets_its_thread_go() -> None:
+    """Each rebuild replaces the DP store: the bounded view of the old one ends its thread
+    (one idle thread per rebuild would pile up over a long run)."""
+    _, agents = pair()
+    agent = agents[1]
+    old = agent._dp_store()
+    agent.engine.dp_store = Store()  # a rebuild's new store
+    assert agent._dp_store() is not old
+    old._thread.join(timeout=5)
+    assert not old._thread.is_alive()
+
+
 class HangingStore(Store):
     """Rank 0's DP store across a cut: every call waits (until the test ends)."""
 

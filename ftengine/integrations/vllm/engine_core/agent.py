@@ -605,6 +605,8 @@ class EngineCoreAgent:
         if store is None:
             return None
         if self._bounded is None or self._bounded.store is not store:
+            if self._bounded is not None:
+                self._bounded.close()  # a rebuild replaced it
             self._bounded = BoundedStore(store)
         return self._bounded
 

@@ -67,6 +67,8 @@ class StandbyStore:
         """A client of the standby store at ``address`` for the board (bounded calls; the
         last one reused)."""
         if self._client is None or self._client[0] != address:
+            if self._client is not None:
+                self._client[1].close()
             self._client = (address, BoundedStore(connect(address, BOARD_TIMEOUT_S)))
         return self._client[1]
 
@@ -86,13 +88,22 @@ class BoundedStore:
         self.store = store
         self.timeout_s = timeout_s
         self.stuck: str | None = None
-        self._calls: queue.SimpleQueue[tuple[Callable[[], Any], _Answer]] = queue.SimpleQueue()
+        self._calls: queue.SimpleQueue[tuple[Callable[[], Any], _Answer] | None] = (
+            queue.SimpleQueue()
+        )
         self._thread = threading.Thread(target=self._serve, name="ftengine-store", daemon=True)
         self._thread.start()
 
+    def close(self) -> None:
+        """No more calls: the thread ends once it is done with any it is in."""
+        self._calls.put(None)
+
     def _serve(self) -> None:
         while True:
-            call, answer = self._calls.get()
+            item = self._calls.get()
+            if item is None:
+                return
+            call, answer = item
             try:
                 answer.value = call()
             except BaseException as exc:  # handed to the caller, who raises it
